@@ -1,0 +1,1 @@
+"""Data: synthetic presets, file readers, and (later) the training data pipeline."""

@@ -1,0 +1,78 @@
+"""Reading samples from files. JSONL: one sample per line, ``{"tokens": [...], "loss_mask": [...], ...}``.
+
+Recognised keys are `Sample`'s fields (tokens, loss_mask, advantage, old_logprobs, ref_logprobs,
+weight, group); other keys go to ``meta``. A bad line raises ValueError naming ``file:line`` and the
+rule it breaks (``bad_sample="error"``), or is skipped and recorded (``bad_sample="skip"``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..tree.sample import Sample, validate_sample
+
+_FIELDS = ("tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight", "group")
+
+
+@dataclass
+class ReadReport:
+    """Where each kept sample came from and which lines were skipped (with the reason)."""
+
+    sources: list[str] = field(default_factory=list)  # "file:line" of each kept sample
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # ("file:line", reason)
+
+
+def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None) -> Sample:
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "tokens" not in rec:
+        raise ValueError(f"{where}: missing required key 'tokens'")
+    kw = {k: rec[k] for k in _FIELDS if k in rec and rec[k] is not None}
+    meta = {k: v for k, v in rec.items() if k not in _FIELDS}
+    try:
+        s = Sample(**kw, meta=meta)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    validate_sample(0, s, vocab_size=vocab_size, where=where)
+    return s
+
+
+def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error",
+               report: ReadReport | None = None) -> list[Sample]:
+    """Samples of a JSONL file, in file order."""
+    if bad_sample not in ("error", "skip"):
+        raise ValueError(f"bad_sample must be 'error' or 'skip', got {bad_sample!r}")
+    report = report if report is not None else ReadReport()
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{Path(path).name}:{lineno}"
+            try:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+                s = sample_from_record(rec, where, vocab_size=vocab_size)
+            except ValueError as e:
+                if bad_sample == "error":
+                    raise
+                report.skipped.append((where, str(e)))
+                continue
+            out.append(s)
+            report.sources.append(where)
+    return out
+
+
+def write_jsonl(samples, path) -> None:
+    """Write samples in the format `read_jsonl` reads."""
+    with open(path, "w") as f:
+        for s in samples:
+            rec = {"tokens": s.tokens.tolist()}
+            for k in _FIELDS[1:]:
+                v = getattr(s, k)
+                if v is not None:
+                    rec[k] = v.tolist() if hasattr(v, "tolist") else v
+            f.write(json.dumps(rec) + "\n")

@@ -1,0 +1,10 @@
+"""Prefix-tree data model: samples, packing, layout, loss map and loss helpers (no distributed code)."""
+from .layout import TreeLayout
+from .loss import gather_logprobs, policy_loss, sft_loss
+from .loss_map import LossMap
+from .microbatch import MicrobatchStats, TreeMicrobatch, summarize
+from .packing import pack
+from .sample import Sample, as_sample, validate_sample
+
+__all__ = ["Sample", "as_sample", "validate_sample", "pack", "TreeLayout", "TreeMicrobatch", "MicrobatchStats",
+           "LossMap", "summarize", "gather_logprobs", "sft_loss", "policy_loss"]

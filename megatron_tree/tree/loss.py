@@ -1,0 +1,96 @@
+"""Model-agnostic loss helpers over a `LossMap` (pure torch).
+
+Log-probs are gathered only at ``loss_map.source_rows``: the normaliser is computed once per
+distinct source row (never M full vocabulary rows), the target logit is a scalar gather. Every
+reduction uses the denominator per-sample training would use, so tree and flat losses agree.
+
+Reductions:
+  "token"  sum_e w_e * l_e / denominator, denominator defaults to M (the number of target tokens)
+  "sample" mean over samples with at least one target of (sum of the sample's w_e * l_e / its count)
+  "sum"    sum_e w_e * l_e
+Pass ``denominator`` to normalise across microbatches / DP ranks (e.g. the global token count).
+"""
+from __future__ import annotations
+
+import torch
+
+from .loss_map import LossMap
+
+_REDUCTIONS = ("token", "sample", "sum")
+
+
+def gather_logprobs(logits: torch.Tensor, source_rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits[source_rows])[targets] -> [M], computed in float32 or wider.
+
+    logits [N, V] (row-major per physical row); source_rows, targets [M] int64.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    rows, inverse = torch.unique(source_rows, return_inverse=True)
+    work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    lse = torch.logsumexp(work[rows], dim=-1)  # [U], U <= N distinct source rows
+    return work[source_rows, targets] - lse[inverse]
+
+
+def _reduce(per_occ: torch.Tensor, loss_map: LossMap, reduction: str, denominator) -> torch.Tensor:
+    w = loss_map.weights.to(per_occ)
+    val = per_occ * w
+    if reduction == "sum":
+        return val.sum()
+    if reduction == "token":
+        den = len(loss_map) if denominator is None else denominator
+        return val.sum() / max(den, 1) if not torch.is_tensor(den) else val.sum() / den.clamp(min=1)
+    if reduction == "sample":
+        uniq, slot = loss_map.sample_slots()
+        per_sample = torch.zeros(len(uniq), dtype=val.dtype, device=val.device).index_add(0, slot, val)
+        counts = torch.bincount(slot, minlength=len(uniq)).to(val)
+        den = len(uniq) if denominator is None else denominator
+        return (per_sample / counts).sum() / (max(den, 1) if not torch.is_tensor(den) else den.clamp(min=1))
+    raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def sft_loss(logprobs: torch.Tensor, loss_map: LossMap, *, reduction: str = "token", denominator=None) -> torch.Tensor:
+    """Negative log-likelihood of the targets. ``logprobs`` [M] from `gather_logprobs`."""
+    return _reduce(-logprobs, loss_map, reduction, denominator)
+
+
+def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | torch.Tensor = 0.2,
+                clip_eps_high: float | torch.Tensor | None = None, kl_coef: float = 0.0, reduction: str = "token",
+                denominator=None) -> tuple[torch.Tensor, dict]:
+    """PPO/GRPO clipped surrogate, applied per occurrence with its own advantage and old log-prob.
+
+    per occurrence e: r = exp(logp_e - old_e);  l_e = -min(r A_e, clip(r, 1-eps_lo, 1+eps_hi) A_e)
+                      (+ kl_coef * (exp(ref_e - logp_e) - (ref_e - logp_e) - 1), the k3 estimator)
+    ``clip_eps`` / ``clip_eps_high`` may be scalars or [M] tensors (per-occurrence clip ranges);
+    ``clip_eps_high`` defaults to ``clip_eps``. Without old log-probs the update is on-policy
+    (old = logp detached). Returns (loss, metrics) with float metrics.
+    """
+    if loss_map.advantages is None:
+        raise ValueError("policy_loss needs advantages in the loss map (give samples an advantage)")
+    adv = loss_map.advantages.to(logprobs)
+    old = logprobs.detach() if loss_map.old_logprobs is None else loss_map.old_logprobs.to(logprobs)
+    lo = torch.as_tensor(clip_eps, dtype=logprobs.dtype, device=logprobs.device)
+    hi = lo if clip_eps_high is None else torch.as_tensor(clip_eps_high, dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = logprobs - old
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.minimum(torch.maximum(ratio, 1 - lo), 1 + hi) * adv
+    per = -torch.minimum(unclipped, clipped)
+    metrics = {}
+    if kl_coef:
+        if loss_map.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs in the loss map")
+        d = loss_map.ref_logprobs.to(logprobs) - logprobs
+        kl = torch.exp(d) - d - 1
+        per = per + kl_coef * kl
+        metrics["kl_ref"] = float(kl.detach().mean()) if len(kl) else 0.0
+    loss = _reduce(per, loss_map, reduction, denominator)
+    with torch.no_grad():
+        n = max(len(per), 1)
+        metrics.update(
+            clip_fraction=float((clipped < unclipped).sum()) / n,
+            approx_kl=float((0.5 * log_ratio.pow(2)).sum()) / n,
+            ratio_mean=float(ratio.sum()) / n,
+            num_tokens=len(per),
+        )
+    return loss, metrics

@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-tree",
+    version="0.1.0",
+    description="Prefix-tree training for Megatron-Core: shared prefixes stored once, exact per-sample loss and gradients.",
+    packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",  # CPU machines: pip install torch==2.13.0 (local CPU build)
+        "megatron-core==0.16.1",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        # apex is a from-source build (see README); it is not installable from the index.
+        "gpu": ["transformer-engine", "triton", "mamba-ssm", "causal-conv1d", "fla-core", "flash-linear-attention"],
+        "test": ["pytest", "hypothesis", "pytest-xdist"],
+        "plot": ["matplotlib"],
+        "data": ["pyarrow"],
+    },
+    entry_points={"console_scripts": ["megatron-tree=megatron_tree.cli:main"]},
+)

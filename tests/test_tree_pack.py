@@ -1,0 +1,186 @@
+"""Packing and layout properties over random forests that really branch (hypothesis)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from megatron_tree.tree import Sample, pack, summarize
+
+# Small alphabet + built-in extensions/duplicates: forks at several depths, single-token segments,
+# samples that are prefixes of others, duplicates, several trees per microbatch.
+EOS = 9
+
+
+@st.composite
+def forests(draw):
+    base = draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1, max_size=14))
+    out = [list(b) for b in base]
+    for _ in range(draw(st.integers(0, 6))):
+        src = out[draw(st.integers(0, len(out) - 1))]
+        op = draw(st.sampled_from(["prefix", "extend", "dup", "eos"]))
+        if op == "prefix":
+            out.append(src[: draw(st.integers(1, len(src)))])
+        elif op == "extend":
+            out.append(src + draw(st.lists(st.integers(0, 3), min_size=1, max_size=5)))
+        elif op == "dup":
+            out.append(list(src))
+        else:
+            out.append(src + [EOS])
+    masks = [[False] + draw(st.lists(st.booleans(), min_size=len(s) - 1, max_size=len(s) - 1)) for s in out]
+    return out, masks
+
+
+def _ancestors_or_self(path_prev: list[int], q: int) -> set[int]:
+    out = set()
+    while q >= 0:
+        out.add(q)
+        q = path_prev[q]
+    return out
+
+
+def check_microbatches(samples, masks, mbs, budget, pad):
+    seen = []
+    for mb in mbs:
+        L = mb.layout
+        L.validate()
+        assert L.num_rows <= budget and L.num_rows % pad == 0
+        ids = L.input_ids.tolist()
+        pp = L.path_prev.tolist()
+        prefixes = set()
+        truth = []
+        for sid in mb.sample_ids:
+            rows = mb.sample_rows(sid)
+            toks = samples[sid]
+            assert ids_at(ids, rows) == toks
+            assert L.position_ids[rows].tolist() == list(range(len(toks)))
+            assert [pp[r] for r in rows.tolist()] == [-1] + rows[:-1].tolist()
+            prefixes.update(tuple(toks[: t + 1]) for t in range(len(toks)))
+            for t in range(1, len(toks)):
+                if masks[sid][t]:
+                    truth.append((sid, t, int(rows[t - 1]), toks[t]))
+        # maximal sharing: one real row per distinct prefix
+        assert L.num_real_rows == len(prefixes)
+        # visibility predicate == ancestor-or-self along path_prev, for every row
+        dense = L.dense_mask()
+        for q in range(L.num_rows):
+            vis = set(torch.nonzero(dense[q]).flatten().tolist())
+            assert vis == _ancestors_or_self(pp, q)
+        # padding rows see only themselves and are not seen
+        assert (L.path_prev[L.num_real_rows:] == -1).all()
+        # segments are maximal: every non-root segment's parent has at least two children
+        par = L.segment_parent.numpy()
+        child_count = np.bincount(par[par >= 0], minlength=len(par))
+        assert (child_count[par[par >= 0]] >= 2).all()
+        # loss map == per-occurrence truth
+        lm = mb.loss_map
+        got = sorted(zip(lm.sample_index.tolist(), lm.positions.tolist(), lm.source_rows.tolist(), lm.targets.tolist()))
+        assert got == sorted(truth)
+        assert mb.stats.tree_tokens == L.num_real_rows
+        assert mb.stats.flat_tokens == sum(len(samples[s]) for s in mb.sample_ids)
+        seen.extend(mb.sample_ids)
+    assert sorted(seen) == list(range(len(samples)))  # exactly once
+
+
+def ids_at(ids, rows):
+    return [ids[r] for r in rows.tolist()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(), st.sampled_from([16, 24, 64]), st.sampled_from([1, 4, 8]))
+def test_pack_properties(forest, budget, pad):
+    samples, masks = forest
+    sm = [Sample(tokens=s, loss_mask=m) for s, m in zip(samples, masks)]
+    mbs = pack(sm, budget, pad_to_multiple_of=pad)
+    check_microbatches(samples, masks, mbs, budget, pad)
+    # determinism
+    again = pack(sm, budget, pad_to_multiple_of=pad)
+    assert [m.sample_ids for m in again] == [m.sample_ids for m in mbs]
+    assert all(torch.equal(a.layout.input_ids, b.layout.input_ids) for a, b in zip(again, mbs))
+
+
+@settings(max_examples=30, deadline=None)
+@given(forests(), st.randoms(use_true_random=False))
+def test_pack_is_order_independent(forest, rnd):
+    samples, masks = forest
+    perm = list(range(len(samples)))
+    rnd.shuffle(perm)
+    a = pack([Sample(s, m) for s, m in zip(samples, masks)], 64)
+    b = pack([Sample(samples[i], masks[i]) for i in perm], 64)
+    assert summarize(a)["tree_tokens"] == summarize(b)["tree_tokens"]
+    assert len(a) == len(b)
+    assert sorted(m.num_rows for m in a) == sorted(m.num_rows for m in b)
+
+
+def test_family_shares_prompt_and_stays_together_in_any_order():
+    rng = np.random.default_rng(0)
+    fams = []
+    for f in range(6):
+        p = rng.integers(1, 1000, 40)
+        fams += [np.concatenate([p, rng.integers(1, 1000, 10)]) for _ in range(4)]
+    perm = rng.permutation(len(fams))
+    mbs = pack([fams[i] for i in perm], 200)
+    for mb in mbs:
+        groups = {int(perm[s]) // 4 for s in mb.sample_ids}
+        for g in groups:  # every member of a family that is present is present with all its siblings
+            assert sum(int(perm[s]) // 4 == g for s in mb.sample_ids) == 4
+    tot = summarize(mbs)
+    assert tot["tree_tokens"] == 6 * (40 + 4 * 10)  # optimum: distinct prefixes
+    assert len(mbs) == 3  # 6 trees of 80 rows, two per 200-row microbatch
+
+
+def test_large_tree_split_at_branch_points_repeats_only_ancestor_path():
+    prompt = list(range(1, 31))
+    samples = [prompt + [100 + i] * 10 for i in range(8)]  # tree = 30 + 80 = 110 rows
+    mbs = pack(samples, 60)
+    check_microbatches(samples, [[False] + [True] * 39] * 8, mbs, 60, 1)
+    # 3 completions per part (30 + 3*10 = 60): parts of 3, 3, 2 completions, prompt repeated 3 times
+    assert sorted(m.layout.num_real_rows for m in mbs) == [50, 60, 60]
+    assert len(mbs) == 3
+
+
+def test_pack_errors_name_the_sample():
+    with pytest.raises(ValueError, match="sample 1: empty"):
+        pack([[1, 2], []], 8)
+    with pytest.raises(ValueError, match="sample 0: 9 tokens exceed max_tokens_per_mb=8"):
+        pack([list(range(9))], 8)
+    with pytest.raises(ValueError, match="sample 0: loss_mask has shape"):
+        pack([Sample([1, 2, 3], loss_mask=[0, 1])], 8)
+    with pytest.raises(ValueError, match=r"sample 0: loss_mask\[0\] is set"):
+        pack([Sample([1, 2], loss_mask=[1, 1])], 8)
+    with pytest.raises(ValueError, match="sample 2: token ids must lie"):
+        pack([[1], [2], [-1, 3]], 8)
+    with pytest.raises(ValueError, match="sample 0: token id 70 >= vocab size 64"):
+        pack([[70]], 8, vocab_size=64)
+    with pytest.raises(ValueError, match="sample 1: advantage has a non-finite"):
+        pack([Sample([1, 2], advantage=1.0), Sample([1, 3], advantage=float("nan"))], 8)
+    with pytest.raises(ValueError, match="multiple of pad_to_multiple_of"):
+        pack([[1]], 10, pad_to_multiple_of=4)
+    with pytest.raises(ValueError, match="sample 1: has no advantage"):
+        pack([Sample([1, 2], advantage=1.0), Sample([1, 3])], 8)
+
+
+def test_rl_fields_reach_loss_map_per_occurrence():
+    # Shared prompt row 2 precedes different first completion tokens with different advantages.
+    a = Sample([5, 6, 7, 1, 2], loss_mask=[0, 0, 0, 1, 1], advantage=0.5, old_logprobs=[0, 0, 0, -1.0, -2.0])
+    b = Sample([5, 6, 7, 3], loss_mask=[0, 0, 0, 1], advantage=[0, 0, 0, -1.5], old_logprobs=[0, 0, 0, -0.25],
+               weight=2.0)
+    (mb,) = pack([a, b], 16)
+    lm = mb.loss_map
+    assert lm.sample_index.tolist() == [0, 0, 1]
+    assert lm.source_rows.tolist() == [2, 3, 2]  # row 2 (token 7) predicts twice
+    assert lm.targets.tolist() == [1, 2, 3]
+    assert lm.advantages.tolist() == [0.5, 0.5, -1.5]
+    assert lm.old_logprobs.tolist() == [-1.0, -2.0, -0.25]
+    assert lm.weights.tolist() == [1.0, 1.0, 2.0]
+
+
+def test_stats_definitions():
+    (mb,) = pack([[1, 2, 3], [1, 2, 4], [7]], 16, pad_to_multiple_of=8)
+    s = mb.stats
+    assert (s.flat_tokens, s.tree_tokens, s.padding_tokens, s.num_trees) == (7, 5, 3, 2)
+    assert s.tree_token_ratio == pytest.approx(7 / 5)
+    assert s.flat_attention_pairs == 6 + 6 + 1
+    assert s.tree_attention_pairs == 1 + 2 + 3 + 3 + 1  # rows: 1,2 | 3 | 4 | 7
+    assert s.fill == pytest.approx(5 / 16)

@@ -116,3 +116,8 @@ def test_policy_loss_needs_advantages():
     (mb,) = pack([[1, 2, 3]], 8)
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(torch.zeros(len(mb.loss_map)), mb.loss_map)
+    # mixed data: SFT works, the policy loss names the sample without an advantage
+    (mb,) = pack([Sample([1, 2], advantage=1.0), Sample([1, 3])], 8)
+    assert torch.isfinite(sft_loss(torch.zeros(len(mb.loss_map)), mb.loss_map))
+    with pytest.raises(ValueError, match="sample 1: has no advantages"):
+        policy_loss(torch.zeros(len(mb.loss_map)), mb.loss_map)

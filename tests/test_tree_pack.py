@@ -157,8 +157,6 @@ def test_pack_errors_name_the_sample():
         pack([Sample([1, 2], advantage=1.0), Sample([1, 3], advantage=float("nan"))], 8)
     with pytest.raises(ValueError, match="multiple of pad_to_multiple_of"):
         pack([[1]], 10, pad_to_multiple_of=4)
-    with pytest.raises(ValueError, match="sample 1: has no advantage"):
-        pack([Sample([1, 2], advantage=1.0), Sample([1, 3])], 8)
 
 
 def test_rl_fields_reach_loss_map_per_occurrence():

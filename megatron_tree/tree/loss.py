@@ -49,6 +49,14 @@ def _reduce(per_occ: torch.Tensor, loss_map: LossMap, reduction: str, denominato
     raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
+def _require_finite(loss_map: LossMap, name: str) -> None:
+    v = getattr(loss_map, name)
+    bad = ~torch.isfinite(v)
+    if bad.any():
+        sid = int(loss_map.sample_index[bad.nonzero()[0, 0]])
+        raise ValueError(f"sample {sid}: has no {name} (or a non-finite one), which policy_loss needs")
+
+
 def sft_loss(logprobs: torch.Tensor, loss_map: LossMap, *, reduction: str = "token", denominator=None) -> torch.Tensor:
     """Negative log-likelihood of the targets. ``logprobs`` [M] from `gather_logprobs`."""
     return _reduce(-logprobs, loss_map, reduction, denominator)
@@ -67,7 +75,10 @@ def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | 
     """
     if loss_map.advantages is None:
         raise ValueError("policy_loss needs advantages in the loss map (give samples an advantage)")
+    _require_finite(loss_map, "advantages")
     adv = loss_map.advantages.to(logprobs)
+    if loss_map.old_logprobs is not None:
+        _require_finite(loss_map, "old_logprobs")
     old = logprobs.detach() if loss_map.old_logprobs is None else loss_map.old_logprobs.to(logprobs)
     lo = torch.as_tensor(clip_eps, dtype=logprobs.dtype, device=logprobs.device)
     hi = lo if clip_eps_high is None else torch.as_tensor(clip_eps_high, dtype=logprobs.dtype, device=logprobs.device)
@@ -80,6 +91,7 @@ def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | 
     if kl_coef:
         if loss_map.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs in the loss map")
+        _require_finite(loss_map, "ref_logprobs")
         d = loss_map.ref_logprobs.to(logprobs) - logprobs
         kl = torch.exp(d) - d - 1
         per = per + kl_coef * kl

@@ -173,10 +173,8 @@ def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.nda
         posn.append(t)
         w.append(s.per_token("weight", 1.0)[t])
         for f, acc in (("advantage", adv), ("old_logprobs", old), ("ref_logprobs", ref)):
-            if has[f]:
-                if getattr(s, f) is None:
-                    raise ValueError(f"sample {sid}: has no {f}, but other samples packed with it do")
-                acc.append(s.per_token(f, 0.0)[t])
+            if has[f]:  # NaN where a sample lacks the field: policy_loss names it if it is needed
+                acc.append(s.per_token(f, float("nan"))[t])
     cat_l = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))
     cat_f = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float64)) if xs else None
     loss_map = LossMap(source_rows=cat_l(src), targets=cat_l(tgt), sample_index=cat_l(sidx), positions=cat_l(posn),

@@ -1,0 +1,215 @@
+"""`TreeGatedDeltaNet`: Megatron-Core's Gated DeltaNet mixer over a packed prefix tree.
+
+Same parameters, initialisation, TP sharding and ``sharded_state_dict`` as the stock
+``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` (it is a subclass); only the sequence mixing
+changes: the short causal conv follows the tree's root paths (`tree_causal_conv1d`) and the
+recurrence starts every segment from its parent's final state (`tree_gated_delta_rule`). The
+layout arrives in ``packed_seq_params`` (`TreePackedSeqParams`), so the module keeps no state.
+
+Per row (token-major, ``N`` tree rows, batch 1; ``Hk``/``Hv`` key/value heads of this TP rank)::
+
+    q, k, v, z, b, a = split(in_proj(x))                         # in_proj gathers the sequence under SP
+    q, k, v = act(conv_tree(q, k, v))                            # depthwise, W taps back along the root path
+    q, k = l2norm(q), l2norm(k)                                  # if use_qk_l2norm
+    g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)  # fp32, as Megatron computes them
+    o = gated_delta_rule_tree(q, k, v, g, beta)                  # value head h reads key head h // (Hv/Hk)
+    y = out_proj(out_norm(o) * act(z))                           # out_proj reduce-scatters under SP
+
+Usable as the ``self_attention`` of a Megatron ``TransformerLayer`` (the stock GDN forward
+signature, extra attention kwargs such as ``rotary_pos_emb`` are accepted and ignored) and returns
+``(output, bias)``.
+
+On a CPU-only host the stock constructor places parameters with ``torch.cuda.current_device()``:
+call ``megatron_tree.compat.cpu.enable()`` first. FLA is never required.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.ssm import gated_delta_net as _stock
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import deprecate_inference_params
+
+from ..ops.causal_conv1d import tree_causal_conv1d
+from ..ops.gated_delta_rule import tree_gated_delta_rule
+from .packed_seq import get_tree_layout
+
+__all__ = ["TreeGatedDeltaNet", "tree_gdn_module_spec", "l2norm"]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """FLA's ``l2norm`` over the last dim: ``x * rsqrt(sum(x^2) + eps)``, computed in fp32 (fp64 for
+    fp64 inputs) and returned in ``x``'s dtype."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@contextlib.contextmanager
+def _fla_check_bypassed():
+    """``GatedDeltaNet.__init__`` raises ImportError without FLA although building the module needs
+    nothing from FLA; the tree module never reaches the stock FLA call (its recurrence is
+    `tree_gated_delta_rule`, which picks FLA itself where it imports). Flip the flag only for the
+    duration of the stock constructor."""
+    saved = _stock.HAVE_FLA
+    _stock.HAVE_FLA = True
+    try:
+        yield
+    finally:
+        _stock.HAVE_FLA = saved
+
+
+def _require_cpu_shims(module, what: str, *, kernels: bool = False) -> None:
+    """On a CPU-only host, Megatron's SSM constructors call ``torch.cuda.current_device()``: make sure
+    the CPU shims are active and cover ``module`` (it may have been imported after ``enable()``)."""
+    if torch.cuda.is_available():
+        return
+    from megatron_tree.compat import cpu  # noqa: PLC0415  (CPU hosts only)
+
+    if not cpu.is_enabled():
+        hint = "enable(kernels=True)" if kernels else "enable()"
+        raise RuntimeError(f"{what} on a CPU-only host needs Megatron's CPU shims: call "
+                           f"megatron_tree.compat.cpu.{hint} before building it")
+    cpu.patch_module(module)
+
+
+def _check_tree_input(hidden_states: torch.Tensor, who: str) -> None:
+    """Tree mixers take Megatron's ``[s, b, h]`` with ``b == 1``: the tree is the batch."""
+    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+        raise ValueError(f"{who}: hidden_states must be [s, 1, hidden] (the packed tree is the batch, so the "
+                         f"micro-batch size must be 1); got shape {tuple(hidden_states.shape)}")
+
+
+def _check_rows(n: int, layout, who: str, sp: int) -> None:
+    if n != layout.num_rows:
+        raise ValueError(f"{who}: the input covers {n} rows (sequence x {sp} under sequence parallelism) but the "
+                         f"tree layout has {layout.num_rows}")
+
+
+class TreeGatedDeltaNet(GatedDeltaNet):
+    """Megatron's ``GatedDeltaNet`` over a prefix tree.
+
+    Constructor: the stock one (``config, submodules, layer_number, bias, conv_bias, conv_init,
+    use_qk_l2norm, A_init_range, pg_collection``) plus ``backend`` for the tree ops ("auto": FLA on
+    CUDA where it imports, else the torch reference; ``config.deterministic_mode`` selects the torch
+    backend, as the stock layer selects its torch chunk kernel) and ``cp_comm_type`` (accepted for
+    the ``TransformerLayer`` protocol). ``pg_collection`` defaults to Megatron's global groups.
+
+    Forward: ``hidden_states [s, 1, hidden]`` (``s = N / tp`` under sequence parallelism, else
+    ``N``, where ``N = layout.num_rows``), ``packed_seq_params`` a `TreePackedSeqParams`; returns
+    ``(out [s, 1, hidden], bias or None)``. ``attention_mask`` is ignored (visibility is the tree).
+    Row ``r`` of the output equals the stock layer run on ``r``'s root path alone.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: GatedDeltaNetSubmodules, layer_number: int = None,
+                 bias: bool = False, conv_bias: bool = False, conv_init: Optional[float] = None,
+                 use_qk_l2norm: bool = True, A_init_range: Tuple[float, float] = (1, 16),
+                 pg_collection: Optional[ProcessGroupCollection] = None, cp_comm_type: Optional[str] = None,
+                 backend: str = "auto"):
+        _require_cpu_shims(_stock, type(self).__name__)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        cp = getattr(pg_collection, "cp", None)
+        if cp is not None and cp.size() > 1:
+            raise NotImplementedError("TreeGatedDeltaNet runs with context_parallel_size=1; tree-aware context "
+                                      "parallelism for GDN belongs to megatron_tree.cp")
+        with _fla_check_bypassed():
+            super().__init__(config, submodules, layer_number=layer_number, bias=bias, conv_bias=conv_bias,
+                             conv_init=conv_init, use_qk_l2norm=use_qk_l2norm, A_init_range=A_init_range,
+                             pg_collection=pg_collection)
+        self.cp_comm_type = cp_comm_type
+        self.backend = "torch" if (config.deterministic_mode and backend == "auto") else backend
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                key_value_states: Optional[torch.Tensor] = None, inference_context=None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None,
+                sequence_len_offset: Optional[int] = None, *, inference_params=None, **kwargs):
+        who = type(self).__name__
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        if inference_context is not None:
+            raise NotImplementedError(f"{who} is a training module: inference over a tree is not supported")
+        if key_value_states is not None:
+            raise ValueError(f"{who} is self-attention only (got key_value_states)")
+        layout = get_tree_layout(packed_seq_params)
+        _check_tree_input(hidden_states, who)
+        tp = self.tp_size
+
+        qkvzba, _ = self.in_proj(hidden_states)
+        qkvzba = qkvzba.squeeze(1)
+        N = qkvzba.shape[0]
+        _check_rows(N, layout, who, self.sp_size)
+        qkv, gate, beta, alpha = torch.split(
+            qkvzba, [(2 * self.qk_dim + self.v_dim) // tp, self.v_dim // tp, self.num_value_heads // tp,
+                     self.num_value_heads // tp], dim=-1)
+
+        # Halos follow the root path, so a child segment continues its parent's tail, never a sibling's.
+        fused_silu = self.act_fn is F.silu
+        qkv = tree_causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, layout,
+                                 activation="silu" if fused_silu else None)
+        if not fused_silu:
+            qkv = self.act_fn(qkv)
+        query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
+        query = query.reshape(N, -1, self.key_head_dim)
+        key = key.reshape(N, -1, self.key_head_dim)
+        value = value.reshape(N, -1, self.value_head_dim)
+        if self.use_qk_l2norm:
+            query, key = l2norm(query), l2norm(key)
+
+        # `.float()` exactly where the stock layer has it, so a float64 test model rounds identically.
+        g = -self.A_log.exp() * F.softplus(alpha.float() + self.dt_bias)
+        beta = beta.sigmoid()
+        # GVA: the op maps value head h to key head h // (Hv/Hk), which is the stock repeat_interleave,
+        # without materialising the repeated q/k.
+        core = tree_gated_delta_rule(query, key, value, g, beta, layout, backend=self.backend)
+
+        out = self._tree_gated_norm(core, gate.reshape(N, -1, self.value_head_dim))
+        return self.out_proj(out.reshape(N, 1, -1))
+
+    def _tree_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``out_norm(x) * act(gate)`` per value head, as the stock ``_apply_gated_norm``.
+
+        ``out_norm``'s weight ([value_head_dim]) is shared by all heads while each TP rank holds a
+        different subset of heads, so its gradient on a rank is a partial sum over heads. Megatron
+        sums it over TP only for parameters marked ``sequence_parallel`` under sequence parallelism
+        (TE norms are, and so is the CPU torch norm under the compat shims); in every other TP>1 case
+        the stock layer leaves the replicas diverging. There the weight enters through
+        ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward) instead.
+        """
+        V = x.shape[-1]
+        x2 = x.reshape(-1, V)
+        if self.tp_size > 1 and not self._norm_grads_reduced_by_megatron():
+            params = {name: copy_to_tensor_model_parallel_region(p, group=self.pg_collection.tp)
+                      for name, p in self.out_norm.named_parameters()}
+            y = torch.func.functional_call(self.out_norm, params, (x2,))
+        else:
+            y = self.out_norm(x2)
+        y = y * self.act_fn(gate.reshape(-1, V).float())
+        return y.to(x.dtype)
+
+    def _norm_grads_reduced_by_megatron(self) -> bool:
+        """True when ``finalize_model_grads`` already sums out_norm's gradients over TP."""
+        params = list(self.out_norm.parameters())
+        return bool(self.config.sequence_parallel) and all(getattr(p, "sequence_parallel", False) for p in params)
+
+
+def tree_gdn_module_spec(*, in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear,
+                         **params) -> ModuleSpec:
+    """``ModuleSpec`` of `TreeGatedDeltaNet` with Megatron's local (non-TE) submodules.
+
+    ``in_proj``/``out_proj``: column-/row-parallel linears; ``out_norm``: the per-head norm (the torch
+    norm, RMSNorm or LayerNorm after ``config.normalization``, as Megatron's local spec). ``params``
+    go to the constructor (``conv_bias``, ``use_qk_l2norm``, ``backend``, ...). The input layernorm is
+    not fused into ``in_proj`` (``metainfo["fuse_input_layernorm"] = False``): the layer spec must
+    give ``TransformerLayer`` an ``input_layernorm``.
+    """
+    return ModuleSpec(module=TreeGatedDeltaNet,
+                      submodules=GatedDeltaNetSubmodules(in_proj=in_proj, out_norm=out_norm, out_proj=out_proj),
+                      params=dict(params), metainfo={"fuse_input_layernorm": False})

@@ -1,0 +1,84 @@
+"""Per-occurrence log-probs under tensor parallelism, and Megatron ``loss_func``s for trees.
+
+The output layer runs only on the distinct source rows U of the loss map (never on M occurrence
+rows, never on rows that predict nothing). `vocab_parallel_logprobs` turns the vocab-sharded logits
+of those rows into one log-prob per occurrence with two small all-reduces; its backward is the
+closed form  d logp_e / d z_u = [e's row is u] (onehot(target_e) - softmax(z_u)), computed locally
+on every rank (the per-occurrence gradient is identical on all TP ranks).
+
+Loss normalisation follows Megatron's per-token convention: ``loss_func`` returns
+``(loss_sum, num_tokens, report)``; with ``calculate_per_token_loss=True`` Megatron all-reduces
+``num_tokens`` over DP x CP and divides gradients by it, which is exactly per-sample token-mean
+training over the global batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..tree.loss import policy_loss, sft_loss
+from ..tree.loss_map import LossMap
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, inverse, targets, vocab_start, group):
+        z = logits if logits.dtype == torch.float64 else logits.float()
+        Vl = z.shape[-1]
+        m = z.max(dim=-1).values
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        sumexp = torch.exp(z - m.unsqueeze(-1)).sum(-1)
+        local_t = targets - vocab_start
+        in_range = (local_t >= 0) & (local_t < Vl)
+        tz = torch.where(in_range, z[inverse, local_t.clamp(0, Vl - 1)], torch.zeros((), dtype=z.dtype, device=z.device))
+        if group is not None and dist.get_world_size(group) > 1:
+            buf = torch.cat([sumexp, tz])
+            dist.all_reduce(buf, group=group)
+            sumexp, tz = buf[: sumexp.numel()], buf[sumexp.numel():]
+        lse = m + torch.log(sumexp)
+        ctx.save_for_backward(z, lse, inverse, local_t, in_range)
+        ctx.in_dtype = logits.dtype
+        return tz - lse[inverse]
+
+    @staticmethod
+    def backward(ctx, g):
+        z, lse, inverse, local_t, in_range = ctx.saved_tensors
+        g = g.to(z.dtype)
+        gsum = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device).index_add_(0, inverse, g)
+        grad = -gsum.unsqueeze(-1) * torch.exp(z - lse.unsqueeze(-1))
+        grad.index_put_((inverse[in_range], local_t[in_range]), g[in_range], accumulate=True)
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, inverse: torch.Tensor, targets: torch.Tensor, *,
+                            vocab_start: int = 0, group=None) -> torch.Tensor:
+    """logp[e] = log softmax(full-vocab logits[inverse[e]])[targets[e]] -> [M] float32.
+
+    logits [U, V_local] (this rank's vocab shard starting at ``vocab_start``), inverse [M] row of
+    each occurrence in ``logits``, targets [M] global token ids, group the TP group (or None).
+    """
+    return _VocabParallelLogprobs.apply(logits, inverse, targets, vocab_start, group)
+
+
+def tree_loss_func(loss_map: LossMap, logprobs: torch.Tensor, *, loss_type: str = "sft", clip_eps: float = 0.2,
+                   clip_eps_high=None, kl_coef: float = 0.0):
+    """Megatron ``loss_func`` body: returns ``(loss_sum, num_tokens, report)``.
+
+    ``loss_sum`` is the sum over this microbatch's occurrences (weighted); Megatron divides by the
+    global token count when ``calculate_per_token_loss=True``.
+    """
+    if loss_type == "sft":
+        loss_sum = sft_loss(logprobs, loss_map, reduction="sum")
+        metrics = {}
+    elif loss_type in ("grpo", "ppo"):
+        loss_sum, metrics = policy_loss(logprobs, loss_map, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                                        kl_coef=kl_coef, reduction="sum")
+    else:
+        raise ValueError(f"loss_type must be sft, grpo or ppo, got {loss_type!r}")
+    num_tokens = torch.tensor(len(loss_map), dtype=torch.int, device=logprobs.device)
+    report = {"lm loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()])}
+    for k, v in metrics.items():
+        if k != "num_tokens":
+            report[k] = torch.tensor([v * len(loss_map), float(len(loss_map))], device=logprobs.device)
+    return loss_sum, num_tokens, report

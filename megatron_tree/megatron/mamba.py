@@ -1,0 +1,179 @@
+"""`TreeMambaMixer`: Megatron-Core's Mamba-2 mixer over a packed prefix tree.
+
+A subclass of ``megatron.core.ssm.mamba_mixer.MambaMixer`` (same parameters, initialisation, TP
+sharding, ``sharded_state_dict``); only the sequence mixing changes: the causal conv follows the
+tree's root paths (`tree_causal_conv1d`) and the SSD starts every segment from its parent's final
+state (`tree_ssd`). The layout arrives in ``packed_seq_params`` (`TreePackedSeqParams`).
+
+Per row (token-major, ``N`` tree rows, batch 1; ``H`` heads of head dim ``P`` and ``G`` groups of
+state size ``S`` on this TP rank)::
+
+    z, xBC, dt = split(in_proj(x))                    # in_proj gathers the sequence under SP
+    x, B, C = split(silu(conv_tree(xBC)))             # depthwise, W taps back along the root path
+    dt = softplus(dt + dt_bias);  A = -exp(A_log)     # fp32, as Megatron computes them
+    y = ssd_tree(x, dt, A, B, C) + D * x              # head h reads group h // (H/G)
+    y = norm(y * silu(z))   (rmsnorm)   or   y * silu(z)
+    out = out_proj(y)                                 # out_proj reduce-scatters under SP
+
+Both stock training paths compute this (the memory-efficient kernel gates inside the scan and
+then normalises; the other path gates inside the gated norm with ``norm_before_gate=False``).
+
+The class works as the ``mixer`` of a ``MambaLayer`` and as the ``self_attention`` of a
+``TransformerLayer`` (attention forward kwargs accepted, ``(output, bias)`` returned; ``d_model``
+defaults to ``config.hidden_size``).
+
+Importing Megatron's ``mamba_mixer`` needs Triton (inference kernels imported at module import)
+and building it needs mamba-ssm's gated RMSNorm: on a CPU-only host call
+``megatron_tree.compat.cpu.enable(kernels=True)`` first. This module therefore builds
+``TreeMambaMixer`` on first access (``from megatron_tree.megatron.mamba import TreeMambaMixer``),
+so importing the module itself never fails.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import deprecate_inference_params
+
+from ..ops.causal_conv1d import tree_causal_conv1d
+from ..ops.ssd import tree_ssd
+from .gdn import _check_rows, _check_tree_input, _require_cpu_shims
+from .packed_seq import get_tree_layout
+
+__all__ = ["TreeMambaMixer", "tree_mamba_module_spec", "mamba_mixer_module"]
+
+_STOCK = "megatron.core.ssm.mamba_mixer"
+
+
+def mamba_mixer_module():
+    """Megatron's ``megatron.core.ssm.mamba_mixer`` module, or ImportError saying what it needs."""
+    try:
+        return importlib.import_module(_STOCK)
+    except ImportError as exc:
+        raise ImportError(
+            f"{_STOCK} does not import here ({exc}): it imports Triton inference kernels at import time. "
+            "On a CPU-only host call megatron_tree.compat.cpu.enable(kernels=True) before using TreeMambaMixer; "
+            "on a GPU host install triton and mamba-ssm.") from exc
+
+
+class _TreeMambaMixerImpl:
+    """Body of `TreeMambaMixer` (combined with ``MambaMixer`` on first access; see the module doc).
+
+    Constructor: the stock one (``config, submodules, d_model, d_conv, conv_init, expand,
+    A_init_range, D_has_hdim, rmsnorm, norm_before_gate, dt_*, bias, conv_bias, chunk_size,
+    layer_number, pg_collection, pp_layer_offset``) with ``d_model`` defaulting to
+    ``config.hidden_size``, plus ``backend`` for `tree_ssd` ("auto": mamba-ssm on CUDA where it
+    imports, else torch) and ``cp_comm_type`` (accepted for the ``TransformerLayer`` protocol).
+    ``pg_collection`` defaults to Megatron's global groups.
+
+    Forward: ``hidden_states [s, 1, hidden]`` (``s = N / tp`` under sequence parallelism, else
+    ``N = layout.num_rows``), ``packed_seq_params`` a `TreePackedSeqParams`; returns
+    ``(out [s, 1, hidden], bias or None)``. Row ``r`` of the output equals the stock mixer run on
+    ``r``'s root path alone.
+    """
+
+    def __init__(self, config, submodules, d_model: Optional[int] = None, *,
+                 pg_collection: Optional[ProcessGroupCollection] = None, cp_comm_type: Optional[str] = None,
+                 backend: str = "auto", **kwargs):
+        stock = mamba_mixer_module()
+        who = type(self).__name__
+        _require_cpu_shims(stock, who, kernels=True)
+        if not stock.HAVE_MAMBA_SSM:
+            raise ImportError(f"{who} is built on Megatron's MambaMixer, whose gated RMSNorm comes from mamba-ssm: "
+                              "install mamba-ssm (GPU) or call megatron_tree.compat.cpu.enable(kernels=True) (CPU)")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        if pg_collection.cp.size() > 1:
+            raise NotImplementedError(f"{who} runs with context_parallel_size=1; tree-aware context parallelism "
+                                      "for Mamba belongs to megatron_tree.cp")
+        super().__init__(config, submodules, config.hidden_size if d_model is None else d_model,
+                         pg_collection=pg_collection, **kwargs)
+        self.cp_comm_type = cp_comm_type
+        self.backend = backend
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                inference_context=None, rotary_pos_emb=None, attention_bias=None, packed_seq_params=None,
+                sequence_len_offset: Optional[int] = None, *, inference_params=None, **kwargs):
+        who = type(self).__name__
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        if inference_context is not None:
+            raise NotImplementedError(f"{who} is a training module: inference over a tree is not supported")
+        layout = get_tree_layout(packed_seq_params)
+        _check_tree_input(hidden_states, who)
+        cp = self.cp  # CP size 1 (checked at construction): its getters return this rank's parameters
+        H, P, G, S = cp.nheads_local_tpcp, self.headdim, cp.ngroups_local_tpcp, self.d_state
+        d_inner = H * P
+
+        zxBCdt, _ = self.in_proj(hidden_states)
+        zxBCdt = zxBCdt.squeeze(1)
+        N = zxBCdt.shape[0]
+        _check_rows(N, layout, who, self.pg_collection.tp.size() if self.config.sequence_parallel else 1)
+        z, xBC, dt = torch.split(zxBCdt, [d_inner, d_inner + 2 * G * S, H], dim=-1)
+
+        # Halos follow the root path, so a child segment continues its parent's tail, never a sibling's.
+        xBC = tree_causal_conv1d(xBC, cp.get_conv1d_weight().squeeze(1), cp.get_conv1d_bias(), layout,
+                                 activation="silu")
+        x, B, C = torch.split(xBC, [d_inner, G * S, G * S], dim=-1)
+        x = x.reshape(N, H, P)
+        B = B.reshape(N, G, S)
+        C = C.reshape(N, G, S)
+
+        # fp32 like the mamba-ssm kernels (fp64 for a float64 test model), with `.float()` on the
+        # parameters exactly where the stock layer has it so both round identically.
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        A = -torch.exp(cp.get_A_log().float())
+        dt = F.softplus(dt.to(cdt) + cp.get_dt_bias().float().to(cdt))
+        D = cp.get_D()
+        if self.D_has_hdim:
+            y = tree_ssd(x, dt, A, B, C, layout, backend=self.backend, chunk_size=self.chunk_size)
+            y = (y.to(cdt) + x.to(cdt) * D.float().to(cdt).reshape(H, P)).to(x.dtype)
+        else:
+            y = tree_ssd(x, dt, A, B, C, layout, D=D, backend=self.backend, chunk_size=self.chunk_size)
+        y = y.reshape(N, d_inner)
+
+        if self.rmsnorm:
+            y = self.norm(y, z)  # norm_before_gate=False: rmsnorm(y * silu(z)) over groups
+        else:
+            y = (y.to(cdt) * F.silu(z.to(cdt))).to(y.dtype)
+        return self.out_proj(y.unsqueeze(1))
+
+
+_CLASS = None
+
+
+def _tree_mamba_mixer_class():
+    global _CLASS
+    if _CLASS is None:
+        stock = mamba_mixer_module()
+        _CLASS = type("TreeMambaMixer", (_TreeMambaMixerImpl, stock.MambaMixer),
+                      {"__module__": __name__, "__qualname__": "TreeMambaMixer",
+                       "__doc__": "Megatron's ``MambaMixer`` over a prefix tree.\n\n" + _TreeMambaMixerImpl.__doc__})
+    return _CLASS
+
+
+def __getattr__(name: str):
+    # PEP 562: `TreeMambaMixer` is created on first access (Megatron's mixer module may need the CPU
+    # shims before it imports); pickling finds it by name through here too.
+    if name == "TreeMambaMixer":
+        return _tree_mamba_mixer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def tree_mamba_module_spec(*, in_proj=ColumnParallelLinear, out_proj=RowParallelLinear, **params) -> ModuleSpec:
+    """``ModuleSpec`` of `TreeMambaMixer` with Megatron's local (non-TE) linears.
+
+    ``params`` go to the constructor (``d_conv``, ``expand``, ``D_has_hdim``, ``rmsnorm``,
+    ``chunk_size``, ``backend``, ...). The mixer's gated RMSNorm is built by the stock constructor.
+    The input layernorm is not fused into ``in_proj`` (``metainfo["fuse_input_layernorm"] = False``):
+    as the ``self_attention`` of a ``TransformerLayer``, give the layer an ``input_layernorm``; as
+    the ``mixer`` of a ``MambaLayer``, the layer's ``norm`` plays that role.
+    """
+    stock = mamba_mixer_module()
+    return ModuleSpec(module=_tree_mamba_mixer_class(),
+                      submodules=stock.MambaMixerSubmodules(in_proj=in_proj, out_proj=out_proj),
+                      params=dict(params), metainfo={"fuse_input_layernorm": False})

@@ -1,0 +1,74 @@
+"""`TreeGPTModel`: Megatron's ``GPTModel`` with depth RoPE and per-occurrence log-prob output.
+
+Two things a model must do differently on a tree, both confined here:
+
+* **Depth RoPE.** ``GPTModel`` builds rotary embeddings for physical rows 0..s-1. On a tree a row's
+  position is its depth on its root path (``layout.position_ids``): the rotary table is built with
+  Megatron's own ``RotaryEmbedding`` and indexed by depth. This happens in ``_preprocess``, which
+  runs on every pipeline stage (and the table is an input, so recomputation reuses it). Learned
+  absolute position embeddings get depth ``position_ids`` from the caller.
+* **Loss rows.** With a `TreePackedSeqParams` carrying a loss map (and no ``labels``), the last
+  stage returns per-occurrence target log-probs ``[M]`` (float32) instead of logits: the output
+  layer runs on the distinct source rows only, and `vocab_parallel_logprobs` handles the TP vocab
+  shards. Without a loss map it returns ordinary logits for every row.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from .loss import vocab_parallel_logprobs
+from .packed_seq import TreePackedSeqParams
+
+
+def _is_tree(psp) -> bool:
+    return isinstance(psp, TreePackedSeqParams) and psp.layout is not None
+
+
+class TreeGPTModel(GPTModel):
+    """``GPTModel`` for tree microbatches (identical to ``GPTModel`` for any other input)."""
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, padding_mask=None):
+        out = super()._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
+                                  inference_context=inference_context, packed_seq_params=packed_seq_params,
+                                  padding_mask=padding_mask)
+        if _is_tree(packed_seq_params) and self.position_embedding_type == "rope":
+            layout = packed_seq_params.layout
+            # depth < number of rows, so a table of num_rows positions covers every depth
+            table = self.rotary_pos_emb(layout.num_rows, packed_seq=True)  # [N, 1, 1, dim], no CP slicing
+            out = (out[0], table[layout.position_ids]) + tuple(out[2:])
+        elif _is_tree(packed_seq_params) and self.position_embedding_type not in ("learned_absolute", "none"):
+            raise ValueError(f"tree training supports rope, learned_absolute or none position embeddings, "
+                             f"not {self.position_embedding_type!r}")
+        return out
+
+    def _postprocess(self, hidden_states, **kwargs):
+        psp = kwargs.get("packed_seq_params")
+        if (self.post_process and _is_tree(psp) and psp.loss_map is not None and kwargs.get("labels") is None
+                and not kwargs.get("mtp_in_postprocess")):
+            return self.tree_logprobs(hidden_states, psp.loss_map)
+        return super()._postprocess(hidden_states=hidden_states, **kwargs)
+
+    def tree_logprobs(self, hidden_states: torch.Tensor, loss_map) -> torch.Tensor:
+        """[M] float32 log-probs of every loss occurrence from final hidden states [s(/tp), 1, h]."""
+        tp_group = self.pg_collection.tp
+        if self.config.sequence_parallel:
+            # backward: reduce-scatter = sum of every rank's partial (vocab-shard) input gradient
+            h = gather_from_sequence_parallel_region(hidden_states, group=tp_group)
+        else:
+            # backward: all-reduce of the partial input gradients, as ColumnParallelLinear does
+            h = copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
+        rows, inverse = torch.unique(loss_map.source_rows, return_inverse=True)
+        h_u = h[rows, 0]
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight)
+        logits = F.linear(h_u, weight, getattr(self.output_layer, "bias", None))
+        v_local = weight.shape[0]
+        return vocab_parallel_logprobs(logits, inverse, loss_map.targets, vocab_start=tp_group.rank() * v_local,
+                                       group=tp_group if tp_group.size() > 1 else None)

@@ -1,0 +1,268 @@
+"""``megatron-tree verify``: tree-packed training vs per-sample training of the same weights.
+
+On every rank of a (TP, PP, DP, EP, SP, recompute) layout it builds a small model, packs a random
+batch that really branches (forks at several depths, prompts without loss, a sample that is a
+prefix of another, duplicates, EOS, several trees per microbatch, padding) and runs
+
+* tree:  the packed microbatches, through Megatron's schedule, DDP and optimizer;
+* flat:  every sample alone as its own microbatch (an unbranched chain: ordinary causal
+         attention and recurrences), same initial weights, same schedule, DDP and optimizer;
+
+then compares the logits at every sample row, the loss, every parameter gradient (after DDP
+reduction) and every parameter after one optimizer step (SGD in float32, Adam in float64). Prints max relative errors; the exit status
+is non-zero past tolerance. ``fault=`` injects a known bug into the tree side (used by the tests
+to prove verify can fail).
+
+Per-token loss over the global batch (``calculate_per_token_loss``) is used for both sides. MoE
+load-balancing losses are off: they are functions of the tokens the model runs, which a tree
+deduplicates by design.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional
+
+import numpy as np
+import torch
+
+FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state")
+METRICS = ("logits", "loss", "grads", "params_after_step")
+
+
+@dataclass
+class VerifyConfig:
+    model: str = "gpt"
+    pattern: Optional[str] = None
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    dtype: str = "float32"
+    loss: str = "sft"
+    window: Optional[int] = None
+    sinks: bool = False
+    seed: int = 1234
+    families: int = 6
+    budget: int = 64
+    fault: Optional[str] = None
+    tolerance: Optional[float] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def tol(self) -> float:
+        return self.tolerance if self.tolerance is not None else (1e-9 if self.dtype == "float64" else 2e-4)
+
+
+def verify_samples(seed: int, vocab: int, families: int):
+    """Random GRPO-like families that really branch (deterministic in ``seed``)."""
+    from ..tree import Sample
+
+    rng = np.random.default_rng(seed)
+    eos = vocab - 1
+    out = []
+    for _ in range(families):
+        prompt = rng.integers(1, eos, int(rng.integers(4, 12))).tolist()
+        comps = []
+        for _ in range(int(rng.integers(2, 4))):
+            c = rng.integers(1, eos, int(rng.integers(1, 9))).tolist()
+            comps.append(c + ([eos] if rng.random() < 0.5 else []))
+        # a second-level fork inside the first completion, a prefix sample and a duplicate
+        base = comps[0]
+        comps.append(base[: max(1, len(base) // 2)] + rng.integers(1, eos, 3).tolist())
+        comps.append(base[: max(1, len(base) - 1)])
+        comps.append(list(comps[1]))
+        for c in comps:
+            toks = prompt + c
+            mask = [0] * len(prompt) + [1] * len(c)
+            out.append(Sample(tokens=toks, loss_mask=mask, advantage=float(rng.normal()),
+                              old_logprobs=np.where(np.array(mask) > 0, -rng.exponential(4.0, len(toks)), 0.0)))
+    out.append(Sample(tokens=rng.integers(1, eos, 5).tolist()))  # a lone sample with loss on every token
+    return out
+
+
+# ----------------------------------------------------------------------------------------- faults
+def inject_fault(mb, fault: Optional[str]):
+    """A copy of ``mb`` with a known bug in its tree metadata (None: unchanged)."""
+    if fault is None:
+        return mb
+    L, lm = mb.layout, mb.loss_map
+    par = L.segment_parent
+    if fault == "sibling_mask":
+        # let a segment's rows stay visible to its next sibling's subtree
+        for s in range(L.num_segments - 1):
+            sib = torch.nonzero((par == par[s]) & (torch.arange(L.num_segments) > s)).flatten()
+            if par[s] >= 0 and len(sib):
+                end = L.subtree_end.clone()
+                end[s] = L.subtree_end[sib[0]]
+                L = dataclasses.replace(L, subtree_end=end, visible_until=end[L.segment_ids])
+                return dataclasses.replace(mb, layout=L)
+        return mb
+    if fault == "rope_physical":
+        return dataclasses.replace(mb, layout=dataclasses.replace(L, position_ids=torch.arange(L.num_rows)))
+    if fault in ("drop_occurrence", "duplicate_occurrence"):
+        idx = torch.arange(len(lm))
+        idx = idx[1:] if fault == "drop_occurrence" else torch.cat([idx[:1], idx])
+        fields = {f.name: (None if getattr(lm, f.name) is None else getattr(lm, f.name)[idx])
+                  for f in dataclasses.fields(lm)}
+        return dataclasses.replace(mb, loss_map=type(lm)(**fields))
+    if fault == "zero_state":
+        child = torch.nonzero(par >= 0).flatten()
+        if len(child):
+            p = par.clone()
+            p[child[0]] = -1  # recurrent ops start this segment from the zero state
+            return dataclasses.replace(mb, layout=dataclasses.replace(L, segment_parent=p))
+        return mb
+    raise ValueError(f"unknown fault {fault!r}; choose one of {FAULTS}")
+
+
+# ----------------------------------------------------------------------------------------- ranks
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-8)) if b.numel() else 0.0
+
+
+def _logits_step(store, data_iterator, model):
+    from .packed_seq import tree_packed_seq_params
+
+    mb = next(data_iterator)
+    psp = tree_packed_seq_params(mb, next(model.parameters()).device)
+    psp.loss_map = None
+    out = model(psp.layout.input_ids.unsqueeze(0), psp.layout.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+
+    def loss_func(output):
+        store.append(output.detach()[0].float().cpu())  # GPTModel returns [b, s, V/tp]
+        return output.sum() * 0, {}
+
+    return out, loss_func
+
+
+def _rank_body(cfg: VerifyConfig) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from ..compat import cpu as compat_cpu
+    from ..tree import pack
+    from .training import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
+
+    on_cpu = not torch.cuda.is_available()
+    compat_cpu.enable(kernels=True)
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+                                 expert_model_parallel_size=cfg.ep)
+    dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[cfg.dtype]
+    if dtype == torch.float64:
+        torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype, not params_dtype
+    margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model == "gpt" else 0, window_size=cfg.window,
+                      sinks=cfg.sinks, num_experts=4 if cfg.ep > 1 and cfg.model == "gpt" else None)
+    if cfg.pattern:
+        margs.pattern = cfg.pattern
+    config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, sp=cfg.sp, recompute=cfg.recompute, dtype=dtype,
+                         cpu=on_cpu)
+    samples = verify_samples(cfg.seed, margs.vocab_size, cfg.families)
+    mbs = pack(samples, cfg.budget, pad_to_multiple_of=8)
+    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = mbs[dpr::dp]
+    if not mine:
+        raise ValueError(f"only {len(mbs)} microbatches for {dp} DP ranks: raise --families")
+    tree_mbs = [inject_fault(mb, cfg.fault) for mb in mine]
+    flat_mbs = [pack([samples[i]], cfg.budget, pad_to_multiple_of=1)[0] for mb in mine for i in mb.sample_ids]
+    flat_rows = [(i, mb) for mb in mine for i in mb.sample_ids]
+
+    def fresh():
+        torch.manual_seed(cfg.seed)
+        model_parallel_cuda_manual_seed(cfg.seed)
+        m = build_model(config, margs)
+        if not on_cpu:
+            m = m.cuda()
+        ddp = wrap_ddp(m, config)
+        # Adam's first step is lr*sign(g): float noise on near-zero gradients flips whole updates, so
+        # float32 runs step with SGD (linear in the gradient); float64 runs use Adam.
+        opt_name = "adam" if dtype == torch.float64 else "sgd"
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer=opt_name, lr=1e-2, weight_decay=0.01, clip_grad=0.0,
+                                                     params_dtype=dtype, bf16=dtype == torch.bfloat16), [ddp])
+        return ddp, opt
+
+    result = {m: 0.0 for m in METRICS}
+    runs = {}
+    for side, batch in (("tree", tree_mbs), ("flat", flat_mbs)):
+        ddp, opt = fresh()
+        store: list = []
+        get_forward_backward_func()(forward_step_func=partial(_logits_step, store), data_iterator=iter(batch),
+                                    model=[ddp], num_microbatches=len(batch),
+                                    seq_length=max(b.num_rows for b in batch), micro_batch_size=1, forward_only=True)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        reports = forward_backward(ddp, batch, loss_type=cfg.loss)
+        tot = report_totals(reports)
+        if tot is not None:
+            torch.distributed.all_reduce(tot, group=ps.get_data_parallel_group())
+        grads = {n: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
+        opt.step()
+        params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
+        runs[side] = dict(logits=store, loss=tot, grads=grads, params=params)
+    t, f = runs["tree"], runs["flat"]
+    if t["logits"]:  # last pipeline stage
+        flat_logits = {id(mb): None for mb in mine}
+        k = 0
+        for j, mb in enumerate(mine):
+            for i in mb.sample_ids:
+                rows = mb.sample_rows(i)
+                result["logits"] = max(result["logits"], _rel(t["logits"][j][rows], f["logits"][k][: len(rows)]))
+                k += 1
+        del flat_logits
+        lt, lf = t["loss"][0] / t["loss"][1], f["loss"][0] / f["loss"][1]
+        result["loss"] = _rel(lt.reshape(1), lf.reshape(1))
+        result["loss_value"] = float(lf)
+        result["num_tokens_tree"], result["num_tokens_flat"] = int(t["loss"][1]), int(f["loss"][1])
+    result["grads"] = max(_rel(t["grads"][n], f["grads"][n]) for n in f["grads"])
+
+    result["params_after_step"] = max(_rel(t["params"][n], f["params"][n]) for n in f["params"])
+    stats = [mb.stats for mb in mine]
+    result["tree_rows"] = sum(s.tree_tokens for s in stats)
+    result["flat_rows"] = sum(s.flat_tokens for s in stats)
+    result["num_samples"] = len(flat_rows)
+    return result
+
+
+def run_verify(cfg: VerifyConfig, *, timeout: float = 600.0) -> dict:
+    """Run the comparison on ``cfg.world_size`` local ranks; returns the worst errors over ranks."""
+    from .launch import run_distributed
+
+    if cfg.fault is not None and cfg.fault not in FAULTS:
+        raise ValueError(f"unknown fault {cfg.fault!r}; choose one of {FAULTS}")
+    if cfg.ep > 1 and cfg.ep > cfg.dp * cfg.tp:
+        raise ValueError(f"expert parallel size {cfg.ep} must divide the data x tensor parallel ranks")
+    per_rank = run_distributed(_rank_body, cfg.world_size, cfg, timeout=timeout)
+    out = {m: max(r[m] for r in per_rank) for m in METRICS}
+    out["tolerance"] = cfg.tol()
+    out["passed"] = all(out[m] <= cfg.tol() for m in METRICS)
+    last = [r for r in per_rank if "loss_value" in r]
+    out["loss_value"] = last[0]["loss_value"] if last else float("nan")
+    # ranks of one DP group hold the same samples: count each DP rank once (TP/PP replicas share them)
+    out["num_samples"] = sum(r["num_samples"] for r in per_rank) // (cfg.tp * cfg.pp)
+    out["tree_rows"] = sum(r["tree_rows"] for r in per_rank) // (cfg.tp * cfg.pp)
+    out["flat_rows"] = sum(r["flat_rows"] for r in per_rank) // (cfg.tp * cfg.pp)
+    return out
+
+
+def format_report(cfg: VerifyConfig, out: dict) -> str:
+    layout = (f"model={cfg.model}{'(' + (cfg.pattern or '') + ')' if cfg.model == 'hybrid' else ''} tp={cfg.tp} "
+              f"pp={cfg.pp} dp={cfg.dp} ep={cfg.ep} sp={cfg.sp} recompute={cfg.recompute} dtype={cfg.dtype} "
+              f"loss={cfg.loss}" + (f" fault={cfg.fault}" if cfg.fault else ""))
+    lines = [f"megatron-tree verify: {layout}",
+             f"batch: {out['num_samples']} samples, {out['flat_rows']} flat rows -> {out['tree_rows']} tree rows; "
+             f"loss {out['loss_value']:.6f}",
+             f"{'quantity':<20} {'max rel. error':>14}  status (tolerance {out['tolerance']:.0e})"]
+    for m in METRICS:
+        ok = out[m] <= out["tolerance"]
+        lines.append(f"{m:<20} {out[m]:>14.3e}  {'ok' if ok else 'FAIL'}")
+    lines.append("PASSED: tree training equals per-sample training" if out["passed"]
+                 else "FAILED: tree training differs from per-sample training")
+    return "\n".join(lines)

@@ -69,6 +69,18 @@ def cmd_demo(args) -> int:
     return cmd_stats(ns)
 
 
+def cmd_verify(args) -> int:
+    from .megatron.verify import VerifyConfig, format_report, run_verify
+
+    cfg = VerifyConfig(model=args.model, pattern=args.pattern, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
+                       sp=args.sp, recompute=args.recompute, dtype=args.dtype, loss=args.loss, window=args.window,
+                       sinks=args.sinks, seed=args.seed, families=args.families, budget=args.max_tokens_per_mb,
+                       fault=args.inject_fault, tolerance=args.tolerance)
+    out = run_verify(cfg)
+    print(format_report(cfg, out))
+    return 0 if out["passed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .data.synthetic import PRESETS
 
@@ -85,6 +97,27 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--scale", type=float, default=1.0, help="shrink preset lengths by this factor")
     st.add_argument("--plot", default=None, help="write a PNG of the largest microbatch's tree")
     st.set_defaults(func=cmd_stats)
+    vf = sub.add_parser("verify", help="tree-packed vs per-sample training of a tiny model: logits, loss, grads, step")
+    vf.add_argument("--model", choices=["gpt", "hybrid"], default="gpt")
+    vf.add_argument("--pattern", default=None, help="hybrid layer pattern (M Mamba-2, G GDN, * attention, - MLP, E MoE)")
+    vf.add_argument("--tp", type=int, default=1)
+    vf.add_argument("--pp", type=int, default=1)
+    vf.add_argument("--dp", type=int, default=1)
+    vf.add_argument("--ep", type=int, default=1)
+    vf.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    vf.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    vf.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
+    vf.add_argument("--loss", choices=["sft", "grpo", "ppo"], default="sft")
+    vf.add_argument("--window", type=int, default=None, help="sliding-window attention (left context)")
+    vf.add_argument("--sinks", action="store_true", help="learned attention sinks")
+    vf.add_argument("--families", type=int, default=6, help="number of sample families in the random batch")
+    vf.add_argument("--max-tokens-per-mb", type=int, default=64)
+    vf.add_argument("--seed", type=int, default=1234)
+    vf.add_argument("--tolerance", type=float, default=None, help="max relative error (default by dtype)")
+    vf.add_argument("--inject-fault", default=None,
+                    choices=["sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state"],
+                    help="inject a known bug into the tree side (verify must then fail)")
+    vf.set_defaults(func=cmd_verify)
     dm = sub.add_parser("demo", help="the CPU demo (README's first command)")
     dm.set_defaults(func=cmd_demo)
     return p

@@ -191,6 +191,53 @@ def test_backend_and_shape_errors():
         tree_gated_delta_rule(q, k[:, :1], v, g, beta, layout)
 
 
+def test_fla_glue_with_stand_in_kernel(monkeypatch):
+    """The per-level varlen packing of the "fla" backend, run with a CPU stand-in for FLA's kernel.
+
+    The stand-in checks FLA's calling contract (batch 1, equal q/k/v heads, long cu_seqlens, one
+    initial state per packed sequence) and runs the oracle per packed sequence.
+    """
+    import sys
+    import types
+
+    from megatron_tree.ops import gated_delta_rule as gdn
+
+    calls = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        assert q.shape[0] == 1 and q.shape[2] == v.shape[2] and cu_seqlens.dtype == torch.long
+        assert output_final_state and g.dtype == torch.float32
+        assert initial_state.shape == (len(cu_seqlens) - 1, v.shape[2], q.shape[3], v.shape[3])
+        calls.append(len(cu_seqlens) - 1)
+        cu = cu_seqlens.tolist()
+        o, S = [], []
+        for i in range(len(cu) - 1):
+            sl = slice(cu[i], cu[i + 1])
+            o_i, S_i = oracle(q[0, sl], k[0, sl], v[0, sl], g[0, sl].to(q.dtype), beta[0, sl], scale,
+                              initial_state[i].to(q.dtype))
+            o.append(o_i)
+            S.append(S_i)
+        return torch.cat(o).unsqueeze(0), torch.stack(S)
+
+    mod = types.ModuleType("fla.ops.gated_delta_rule")
+    mod.chunk_gated_delta_rule = chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", mod)
+    layout, samples = CASES[0]
+    inputs = make_inputs(layout.num_rows, 1, 4, 2, 3, seed=21)
+    o = gdn._tree_fla(*inputs, layout, 0.8)
+    o_ref = gdn._tree_torch(*inputs, layout, 0.8)
+    assert calls == [int((layout.segment_level[:layout.num_segments - layout.num_padding] == lv).sum())
+                     for lv in range(layout.num_levels)]
+    # float32 only where FLA's contract forces it (g, padding rows in closed form)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-6)
+    G = torch.randn_like(o)
+    grads = torch.autograd.grad((o * G).sum(), inputs)
+    grads_ref = torch.autograd.grad((o_ref * G).sum(), inputs)
+    for name, a, b in zip("q k v g beta".split(), grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and module_available("fla.ops.gated_delta_rule")),
                     reason="needs CUDA and fla")
 def test_fla_backend_matches_torch_backend():

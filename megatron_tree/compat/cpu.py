@@ -15,8 +15,8 @@ Rules the shims follow:
   module is never modified; Megatron modules that call CUDA helpers get a private view of
   ``torch`` (:class:`_CpuTorch`) in their own namespace. Every change is recorded in
   :func:`applied` with the reason.
-* Each shim only turns a call that would have raised on a CPU-only host into its CPU meaning, so
-  behaviour on paths that already worked is unchanged.
+* Each shim gives a CUDA-only call its CPU meaning (most of them raise on a CPU-only host);
+  code paths that never touch CUDA behave as before.
 
 Seeding on CPU: the CPU default generator plays the role of the "CUDA" default generator, so
 ``model_parallel_cuda_manual_seed(seed)`` re-seeds the CPU generator with ``seed`` (as Megatron-LM's
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import importlib.abc
 import re
 import sys
 import threading
@@ -38,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 # Megatron modules enable() imports so that their CUDA call sites can be patched up front. A
-# module imported later is patched by calling enable() again (it rescans), or by patch_module().
+# module imported later is patched on import by _PatchOnImport.
 _CORE_MODULES = (
     "megatron.core.parallel_state",
     "megatron.core.utils",
@@ -94,6 +95,8 @@ class Patch:
     why: str
 
     def describe(self) -> str:
+        if self.target is sys.modules:
+            return f"sys.modules[{self.name!r}]: {self.why}"
         owner = getattr(self.target, "__name__", None) or type(self.target).__name__
         return f"{owner}.{self.name}: {self.why}"
 
@@ -110,16 +113,24 @@ def _set(target: Any, name: str, value: Any, why: str) -> None:
     key = (id(target), name)
     if key in _PATCHED_KEYS:
         return
-    had = name in vars(target) if isinstance(target, type) else hasattr(target, name)
-    original = vars(target).get(name) if isinstance(target, type) else getattr(target, name, None)
-    setattr(target, name, value)
+    if isinstance(target, dict):  # sys.modules entries
+        had, original = name in target, target.get(name)
+        target[name] = value
+    else:
+        # Classes: read the raw class attribute (e.g. a staticmethod) so disable() restores it as is.
+        namespace = vars(target) if isinstance(target, type) else None
+        had = name in namespace if namespace is not None else hasattr(target, name)
+        original = namespace.get(name) if namespace is not None else getattr(target, name, None)
+        setattr(target, name, value)
     _PATCHES.append(Patch(target, name, original, had, why))
     _PATCHED_KEYS.add(key)
 
 
 def applied() -> list[str]:
     """Human-readable list of the active patches, in the order they were applied."""
-    return [p.describe() for p in _PATCHES]
+    hook = ["sys.meta_path: megatron.core modules imported later get the CPU view of torch"] \
+        if _IMPORT_HOOK in sys.meta_path else []
+    return [p.describe() for p in _PATCHES] + hook
 
 
 def is_enabled() -> bool:
@@ -248,6 +259,48 @@ def _patch_module(module: Any) -> bool:
          "module-level torch -> CPU view: torch.cuda.current_device()/synchronize()/RNG calls and "
          "device='cuda'/pin_memory allocations run on the CPU")
     return True
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Loader wrapper: runs the real loader, then gives the new module the CPU view of torch."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        if _ENABLED:
+            _patch_module(module)
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...
+        return getattr(self._inner, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Meta-path hook active while the shims are on: a ``megatron.core`` module imported after
+    :func:`enable` gets the CPU view of torch as soon as it has executed, so callers need not
+    re-run :func:`enable` after importing more of Megatron."""
+
+    def find_spec(self, name, path, target=None):
+        if not _ENABLED or not name.startswith("megatron.core."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+_IMPORT_HOOK = _PatchOnImport()
 
 
 def _patch_loaded_megatron_modules() -> None:
@@ -394,7 +447,9 @@ def enable(*, kernels: bool = False) -> bool:
     :mod:`megatron_tree.compat.standins`.
 
     Returns False without touching anything when CUDA is available; True when the shims are
-    active. A second call rescans ``sys.modules`` and patches Megatron modules imported since.
+    active. ``megatron.core`` modules imported later are patched on import (a meta-path hook);
+    a second call rescans ``sys.modules`` as well. With ``kernels=True``, call it before importing
+    ``megatron.core.ssm.mamba_mixer`` (that module imports Triton ops at import time).
     Requirements left to the caller: ``use_cpu_initialization=True`` is the tested way to build
     models; pipeline configs should set ``pipeline_dtype``; the gloo process group is the
     caller's (see ``tests/dist.py``).
@@ -415,6 +470,8 @@ def enable(*, kernels: bool = False) -> bool:
             standins.install(_set)
             _KERNELS = True
         _patch_loaded_megatron_modules()
+        if _IMPORT_HOOK not in sys.meta_path:
+            sys.meta_path.insert(0, _IMPORT_HOOK)
     return True
 
 
@@ -459,9 +516,16 @@ def disable() -> None:
     ``sys.modules`` are removed too; Megatron modules imported meanwhile stay imported."""
     global _ENABLED, _KERNELS
     with _LOCK:
+        if _IMPORT_HOOK in sys.meta_path:
+            sys.meta_path.remove(_IMPORT_HOOK)
         while _PATCHES:
             p = _PATCHES.pop()
-            if p.had_attr:
+            if isinstance(p.target, dict):
+                if p.had_attr:
+                    p.target[p.name] = p.original
+                else:
+                    p.target.pop(p.name, None)
+            elif p.had_attr:
                 setattr(p.target, p.name, p.original)
             else:
                 try:

@@ -11,7 +11,7 @@ Per row (token-major, ``N`` tree rows, batch 1; ``Hk``/``Hv`` key/value heads of
     q, k, v, z, b, a = split(in_proj(x))                         # in_proj gathers the sequence under SP
     q, k, v = act(conv_tree(q, k, v))                            # depthwise, W taps back along the root path
     q, k = l2norm(q), l2norm(k)                                  # if use_qk_l2norm
-    g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)  # fp32, as Megatron computes them
+    g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)  # fp32 as in Megatron (fp64 models: fp64)
     o = gated_delta_rule_tree(q, k, v, g, beta)                  # value head h reads key head h // (Hv/Hk)
     y = out_proj(out_norm(o) * act(z))                           # out_proj reduce-scatters under SP
 
@@ -32,10 +32,8 @@ import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm import gated_delta_net as _stock
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import deprecate_inference_params
 
@@ -43,13 +41,20 @@ from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.gated_delta_rule import tree_gated_delta_rule
 from .packed_seq import get_tree_layout
 
-__all__ = ["TreeGatedDeltaNet", "tree_gdn_module_spec", "l2norm"]
+__all__ = ["TreeGatedDeltaNet", "tree_gdn_module_spec", "spec_provider", "l2norm"]
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or kept in fp64. Where the stock layers write ``.float()`` (fp32 maths for
+    bf16/fp32 models) we use this: identical in bf16/fp32, and a float64 test model stays float64
+    end to end, so tree and per-sample gradients agree to ~1e-12 instead of fp32 rounding."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """FLA's ``l2norm`` over the last dim: ``x * rsqrt(sum(x^2) + eps)``, computed in fp32 (fp64 for
     fp64 inputs) and returned in ``x``'s dtype."""
-    xf = x if x.dtype == torch.float64 else x.float()
+    xf = _wide(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -163,8 +168,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         if self.use_qk_l2norm:
             query, key = l2norm(query), l2norm(key)
 
-        # `.float()` exactly where the stock layer has it, so a float64 test model rounds identically.
-        g = -self.A_log.exp() * F.softplus(alpha.float() + self.dt_bias)
+        g = -self.A_log.exp() * F.softplus(_wide(alpha) + self.dt_bias)  # fp32 (stock: alpha.float())
         beta = beta.sigmoid()
         # GVA: the op maps value head h to key head h // (Hv/Hk), which is the stock repeat_interleave,
         # without materialising the repeated q/k.
@@ -191,7 +195,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             y = torch.func.functional_call(self.out_norm, params, (x2,))
         else:
             y = self.out_norm(x2)
-        y = y * self.act_fn(gate.reshape(-1, V).float())
+        y = y * self.act_fn(_wide(gate.reshape(-1, V)))
         return y.to(x.dtype)
 
     def _norm_grads_reduced_by_megatron(self) -> bool:
@@ -200,16 +204,36 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         return bool(self.config.sequence_parallel) and all(getattr(p, "sequence_parallel", False) for p in params)
 
 
-def tree_gdn_module_spec(*, in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear,
-                         **params) -> ModuleSpec:
-    """``ModuleSpec`` of `TreeGatedDeltaNet` with Megatron's local (non-TE) submodules.
+def spec_provider(use_transformer_engine: bool = False):
+    """Megatron's backend spec provider: ``LocalSpecProvider`` (torch/local layers, runs on CPU) or
+    ``TESpecProvider`` (transformer-engine, imported only when asked for)."""
+    if use_transformer_engine:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: PLC0415
 
-    ``in_proj``/``out_proj``: column-/row-parallel linears; ``out_norm``: the per-head norm (the torch
-    norm, RMSNorm or LayerNorm after ``config.normalization``, as Megatron's local spec). ``params``
-    go to the constructor (``conv_bias``, ``use_qk_l2norm``, ``backend``, ...). The input layernorm is
-    not fused into ``in_proj`` (``metainfo["fuse_input_layernorm"] = False``): the layer spec must
-    give ``TransformerLayer`` an ``input_layernorm``.
+        return TESpecProvider()
+    from megatron.core.models.backends import LocalSpecProvider  # noqa: PLC0415
+
+    return LocalSpecProvider()
+
+
+def tree_gdn_module_spec(*, use_transformer_engine: bool = False, normalization: Optional[str] = "RMSNorm",
+                         in_proj=None, out_norm=None, out_proj=None, **params) -> ModuleSpec:
+    """``ModuleSpec`` of `TreeGatedDeltaNet` with Megatron's submodules for the chosen backend.
+
+    Local backend (default): ``ColumnParallelLinear`` in_proj, ``RowParallelLinear`` out_proj and
+    the per-head ``out_norm`` Megatron's local provider gives for ``normalization`` (the torch norm
+    for RMSNorm; it follows ``config.normalization``). ``use_transformer_engine``: TE column/row
+    linears and ``TENorm``. ``in_proj``/``out_norm``/``out_proj`` override single submodules;
+    ``params`` go to the constructor (``conv_bias``, ``use_qk_l2norm``, ``backend``, ...).
+
+    Unlike Megatron's TE GDN spec, the input layernorm is never fused into ``in_proj``
+    (``metainfo["fuse_input_layernorm"] = False``): the layer spec gives ``TransformerLayer`` an
+    ``input_layernorm``.
     """
-    return ModuleSpec(module=TreeGatedDeltaNet,
-                      submodules=GatedDeltaNetSubmodules(in_proj=in_proj, out_norm=out_norm, out_proj=out_proj),
-                      params=dict(params), metainfo={"fuse_input_layernorm": False})
+    provider = spec_provider(use_transformer_engine)
+    submodules = GatedDeltaNetSubmodules(
+        in_proj=in_proj or provider.column_parallel_linear(),
+        out_norm=out_norm or provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False),
+        out_proj=out_proj or provider.row_parallel_linear())
+    return ModuleSpec(module=TreeGatedDeltaNet, submodules=submodules, params=dict(params),
+                      metainfo={"fuse_input_layernorm": False})

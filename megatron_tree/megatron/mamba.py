@@ -10,7 +10,7 @@ state size ``S`` on this TP rank)::
 
     z, xBC, dt = split(in_proj(x))                    # in_proj gathers the sequence under SP
     x, B, C = split(silu(conv_tree(xBC)))             # depthwise, W taps back along the root path
-    dt = softplus(dt + dt_bias);  A = -exp(A_log)     # fp32, as Megatron computes them
+    dt = softplus(dt + dt_bias);  A = -exp(A_log)     # fp32 as in Megatron (fp64 models: fp64)
     y = ssd_tree(x, dt, A, B, C) + D * x              # head h reads group h // (H/G)
     y = norm(y * silu(z))   (rmsnorm)   or   y * silu(z)
     out = out_proj(y)                                 # out_proj reduce-scatters under SP
@@ -36,13 +36,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import deprecate_inference_params
 
 from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.ssd import tree_ssd
-from .gdn import _check_rows, _check_tree_input, _require_cpu_shims
+from .gdn import _check_rows, _check_tree_input, _require_cpu_shims, _wide, spec_provider
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeMambaMixer", "tree_mamba_module_spec", "mamba_mixer_module"]
@@ -123,15 +122,14 @@ class _TreeMambaMixerImpl:
         B = B.reshape(N, G, S)
         C = C.reshape(N, G, S)
 
-        # fp32 like the mamba-ssm kernels (fp64 for a float64 test model), with `.float()` on the
-        # parameters exactly where the stock layer has it so both round identically.
+        # fp32 like the mamba-ssm kernels (the stock layer's `.float()`), fp64 for a float64 model.
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        A = -torch.exp(cp.get_A_log().float())
-        dt = F.softplus(dt.to(cdt) + cp.get_dt_bias().float().to(cdt))
+        A = -torch.exp(_wide(cp.get_A_log()))
+        dt = F.softplus(dt.to(cdt) + _wide(cp.get_dt_bias()).to(cdt))
         D = cp.get_D()
         if self.D_has_hdim:
             y = tree_ssd(x, dt, A, B, C, layout, backend=self.backend, chunk_size=self.chunk_size)
-            y = (y.to(cdt) + x.to(cdt) * D.float().to(cdt).reshape(H, P)).to(x.dtype)
+            y = (y.to(cdt) + x.to(cdt) * D.to(cdt).reshape(H, P)).to(x.dtype)
         else:
             y = tree_ssd(x, dt, A, B, C, layout, D=D, backend=self.backend, chunk_size=self.chunk_size)
         y = y.reshape(N, d_inner)
@@ -164,16 +162,23 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def tree_mamba_module_spec(*, in_proj=ColumnParallelLinear, out_proj=RowParallelLinear, **params) -> ModuleSpec:
-    """``ModuleSpec`` of `TreeMambaMixer` with Megatron's local (non-TE) linears.
+def tree_mamba_module_spec(*, use_transformer_engine: bool = False, normalization: Optional[str] = None,
+                           in_proj=None, out_proj=None, **params) -> ModuleSpec:
+    """``ModuleSpec`` of `TreeMambaMixer` with Megatron's linears for the chosen backend.
 
-    ``params`` go to the constructor (``d_conv``, ``expand``, ``D_has_hdim``, ``rmsnorm``,
-    ``chunk_size``, ``backend``, ...). The mixer's gated RMSNorm is built by the stock constructor.
+    Local backend (default): ``ColumnParallelLinear`` in_proj and ``RowParallelLinear`` out_proj;
+    ``use_transformer_engine``: TE's. ``in_proj``/``out_proj`` override them; ``params`` go to the
+    constructor (``d_conv``, ``expand``, ``D_has_hdim``, ``rmsnorm``, ``chunk_size``, ``backend``,
+    ...). The mixer's gated RMSNorm is built by the stock constructor, so ``normalization`` (accepted
+    for symmetry with `tree_gdn_module_spec`) changes nothing here.
+
     The input layernorm is not fused into ``in_proj`` (``metainfo["fuse_input_layernorm"] = False``):
     as the ``self_attention`` of a ``TransformerLayer``, give the layer an ``input_layernorm``; as
     the ``mixer`` of a ``MambaLayer``, the layer's ``norm`` plays that role.
     """
     stock = mamba_mixer_module()
-    return ModuleSpec(module=_tree_mamba_mixer_class(),
-                      submodules=stock.MambaMixerSubmodules(in_proj=in_proj, out_proj=out_proj),
-                      params=dict(params), metainfo={"fuse_input_layernorm": False})
+    provider = spec_provider(use_transformer_engine)
+    submodules = stock.MambaMixerSubmodules(in_proj=in_proj or provider.column_parallel_linear(),
+                                            out_proj=out_proj or provider.row_parallel_linear())
+    return ModuleSpec(module=_tree_mamba_mixer_class(), submodules=submodules, params=dict(params),
+                      metainfo={"fuse_input_layernorm": False})

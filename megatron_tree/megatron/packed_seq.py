@@ -50,7 +50,7 @@ def get_tree_layout(packed_seq_params) -> TreeLayout:
     if not isinstance(packed_seq_params, TreePackedSeqParams) or packed_seq_params.layout is None:
         raise ValueError(
             "tree modules need packed_seq_params=TreePackedSeqParams(layout=...) "
-            f"(got {type(packed_seq_params).__name__}); build it with megatron_tree.megatron.tree_packed_seq_params(mb)")
+            f"(got {type(packed_seq_params).__name__}); build it with megatron_tree.megatron.packed_seq.tree_packed_seq_params(mb)")
     return packed_seq_params.layout
 
 

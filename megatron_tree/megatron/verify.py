@@ -81,8 +81,9 @@ def verify_samples(seed: int, vocab: int, families: int):
             toks = prompt + c
             mask = [0] * len(prompt) + [1] * len(c)
             out.append(Sample(tokens=toks, loss_mask=mask, advantage=float(rng.normal()),
-                              old_logprobs=np.where(np.array(mask) > 0, -rng.exponential(4.0, len(toks)), 0.0)))
-    out.append(Sample(tokens=rng.integers(1, eos, 5).tolist()))  # a lone sample with loss on every token
+                              old_logprobs=-np.log(vocab) + rng.normal(0, 0.2, len(toks))))
+    # a lone sample with the default loss mask (every token after the first)
+    out.append(Sample(tokens=rng.integers(1, eos, 5).tolist(), advantage=1.0, old_logprobs=-np.log(vocab) + rng.normal(0, 0.2, 5)))
     return out
 
 
@@ -142,6 +143,18 @@ def _logits_step(store, data_iterator, model):
     return out, loss_func
 
 
+def _rank_body_many(cfgs: list) -> list:
+    """Several configs in one set of processes (saves a Megatron import per config)."""
+    from megatron.core import parallel_state as ps
+
+    out = []
+    for cfg in cfgs:
+        out.append(_rank_body(cfg))
+        ps.destroy_model_parallel()
+        torch.set_default_dtype(torch.float32)
+    return out
+
+
 def _rank_body(cfg: VerifyConfig) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -172,7 +185,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     if not mine:
         raise ValueError(f"only {len(mbs)} microbatches for {dp} DP ranks: raise --families")
     tree_mbs = [inject_fault(mb, cfg.fault) for mb in mine]
-    flat_mbs = [pack([samples[i]], cfg.budget, pad_to_multiple_of=1)[0] for mb in mine for i in mb.sample_ids]
+    pad = cfg.tp if cfg.sp else 1  # sequence parallelism splits rows evenly over TP ranks
+    flat_mbs = [pack([samples[i]], cfg.budget, pad_to_multiple_of=pad)[0] for mb in mine for i in mb.sample_ids]
     flat_rows = [(i, mb) for mb in mine for i in mb.sample_ids]
 
     def fresh():
@@ -233,22 +247,35 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
 def run_verify(cfg: VerifyConfig, *, timeout: float = 600.0) -> dict:
     """Run the comparison on ``cfg.world_size`` local ranks; returns the worst errors over ranks."""
+    return run_verify_many([cfg], timeout=timeout)[0]
+
+
+def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
+    """`run_verify` for several configs of one world size, in one set of rank processes."""
     from .launch import run_distributed
 
-    if cfg.fault is not None and cfg.fault not in FAULTS:
-        raise ValueError(f"unknown fault {cfg.fault!r}; choose one of {FAULTS}")
-    if cfg.ep > 1 and cfg.ep > cfg.dp * cfg.tp:
-        raise ValueError(f"expert parallel size {cfg.ep} must divide the data x tensor parallel ranks")
-    per_rank = run_distributed(_rank_body, cfg.world_size, cfg, timeout=timeout)
+    sizes = {c.world_size for c in cfgs}
+    if len(sizes) != 1:
+        raise ValueError(f"run_verify_many needs one world size, got {sorted(sizes)}")
+    for cfg in cfgs:
+        if cfg.fault is not None and cfg.fault not in FAULTS:
+            raise ValueError(f"unknown fault {cfg.fault!r}; choose one of {FAULTS}")
+        if cfg.ep > 1 and (cfg.dp * cfg.tp) % cfg.ep:
+            raise ValueError(f"expert parallel size {cfg.ep} must divide data x tensor parallel ranks {cfg.dp * cfg.tp}")
+    per_rank = run_distributed(_rank_body_many, sizes.pop(), list(cfgs), timeout=timeout)
+    return [_combine(cfg, [r[i] for r in per_rank]) for i, cfg in enumerate(cfgs)]
+
+
+def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
     out = {m: max(r[m] for r in per_rank) for m in METRICS}
     out["tolerance"] = cfg.tol()
     out["passed"] = all(out[m] <= cfg.tol() for m in METRICS)
     last = [r for r in per_rank if "loss_value" in r]
     out["loss_value"] = last[0]["loss_value"] if last else float("nan")
     # ranks of one DP group hold the same samples: count each DP rank once (TP/PP replicas share them)
-    out["num_samples"] = sum(r["num_samples"] for r in per_rank) // (cfg.tp * cfg.pp)
-    out["tree_rows"] = sum(r["tree_rows"] for r in per_rank) // (cfg.tp * cfg.pp)
-    out["flat_rows"] = sum(r["flat_rows"] for r in per_rank) // (cfg.tp * cfg.pp)
+    rep = cfg.tp * cfg.pp
+    for k in ("num_samples", "tree_rows", "flat_rows"):
+        out[k] = sum(r[k] for r in per_rank) // rep
     return out
 
 

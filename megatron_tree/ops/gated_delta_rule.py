@@ -114,8 +114,10 @@ def _chunk_scan(q, k, v, g, beta, S0, steps: list[int], scale: float):
     KdT = ((g_last.unsqueeze(-1) - Gc).exp().unsqueeze(-1) * kh.unsqueeze(2)).transpose(-1, -2)
     L = g_last.exp()[..., None, None]                            # [Cn,H,G,1,1]
 
+    # W and Qg both multiply the incoming state: one matmul per step for the two.
+    WQ = torch.cat([W, Qg], dim=-2)                              # [Cn,H,G,2C,K]
     # split (not slicing) so backward concatenates each gradient once instead of per step.
-    parts = [t.split(steps) for t in (W, U0, Qg, Aqk, KdT, L)]
+    parts = [t.split(steps) for t in (WQ, U0, Aqk, KdT, L)]
     S = S0.reshape(n, H, G, K, V)
     finished = []  # final states of sequences that stopped, last-index block first
     outs = []
@@ -123,9 +125,10 @@ def _chunk_scan(q, k, v, g, beta, S0, steps: list[int], scale: float):
         if nj < S.shape[0]:
             finished.append(S[nj:])
             S = S[:nj]
-        Wj, U0j, Qj, Aj, KdTj, Lj = (p[j] for p in parts)
-        U = U0j - Wj @ S
-        outs.append(Qj @ S + Aj @ U)
+        WQj, U0j, Aj, KdTj, Lj = (p[j] for p in parts)
+        WS, QS = (WQj @ S).split([C, C], dim=-2)
+        U = U0j - WS
+        outs.append(QS + Aj @ U)
         S = Lj * S + KdTj @ U
     finished.append(S)
     final = torch.cat(finished[::-1], dim=0).reshape(n, HV, K, V)
@@ -255,6 +258,8 @@ def tree_gated_delta_rule(q, k, v, g, beta, layout: TreeLayout, *, scale=None, b
         else:
             raise ValueError(f"{_OP}: backend 'fla' needs bfloat16/float16 q, k, v; got {q.dtype}")
     scale = K ** -0.5 if scale is None else float(scale)
+    if N == 0:
+        return v.new_zeros(0, HV, V, dtype=q.dtype)
     layout = layout if layout.device == q.device else layout.to(q.device)
     if name == "fla":
         return _tree_fla(q, k, v, g, beta, layout, scale)
@@ -326,8 +331,9 @@ def _tree_torch(q, k, v, g, beta, layout, scale, chunk_size: int = 64):
         flat = rows.flatten()
         # index_select: its backward is index_add_, much cheaper on CPU than indexing's index_put.
         o, prev_final = _chunk_scan(*(x.index_select(0, flat).unflatten(0, rows.shape) for x in ext), S0, steps, scale)
-        rows_out.append(rows[valid])
-        o_out.append(o[valid])
+        keep = valid.flatten().nonzero().squeeze(1)
+        rows_out.append(flat[keep])
+        o_out.append(o.flatten(0, 1).index_select(0, keep))
     if layout.num_padding:
         rows_out.append(torch.arange(N - layout.num_padding, N, device=dev))
         o_out.append(_padding_output(q, k, v, g, beta, layout, scale, cdt))
@@ -347,6 +353,7 @@ def _tree_fla(q, k, v, g, beta, layout, scale):
     qe = q.repeat_interleave(G, dim=1) if G > 1 else q
     ke = k.repeat_interleave(G, dim=1) if G > 1 else k
     g32 = g.float()  # FLA accumulates the decay (and its gradient) in float32
+    beta_q = beta.to(q.dtype)  # the dtype combination FLA tests and Megatron's GatedDeltaNet passes
     offsets = layout.segment_offsets
     pos = torch.full((layout.num_segments,), -1, dtype=torch.long, device=dev)
     prev_final = None
@@ -365,7 +372,7 @@ def _tree_fla(q, k, v, g, beta, layout, scale):
         pos[segs] = torch.arange(n, device=dev)
         o, prev_final = chunk_gated_delta_rule(
             qe[rows].unsqueeze(0), ke[rows].unsqueeze(0), v[rows].unsqueeze(0), g32[rows].unsqueeze(0),
-            beta[rows].unsqueeze(0), scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+            beta_q[rows].unsqueeze(0), scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         rows_out.append(rows)
         o_out.append(o[0].to(q.dtype))
     if layout.num_padding:

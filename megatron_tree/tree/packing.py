@@ -30,7 +30,8 @@ from .sample import Sample, as_sample, validate_sample
 
 
 def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int = 1, pad_id: int = 0,
-         pad_to_budget: bool = False, vocab_size: int | None = None) -> list[TreeMicrobatch]:
+         pad_to_budget: bool = False, vocab_size: int | None = None,
+         share_prefixes: bool = True) -> list[TreeMicrobatch]:
     """Pack ``samples`` into prefix-shared microbatches of at most ``max_tokens_per_mb`` rows.
 
     samples            `Sample`s, dicts with Sample's fields, or bare token sequences
@@ -38,6 +39,8 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
     pad_to_multiple_of each microbatch's row count is padded up to a multiple of this
     pad_to_budget      pad every microbatch to exactly ``max_tokens_per_mb`` rows (fixed shapes)
     vocab_size         if given, token ids must be below it
+    share_prefixes     False gives flat packing (every sample its own unbranched chain, same bins):
+                       the baseline tree packing is measured against
 
     Every sample lands in exactly one microbatch. Raises ValueError naming the sample for an empty
     sample, a sample longer than the budget, or malformed fields.
@@ -54,6 +57,8 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
         return []
     toks = [s.tokens.astype(np.int64, copy=False) for s in samples]
     order, lcp = sort_and_lcp(toks)
+    if not share_prefixes:
+        lcp[:] = 0
     lens = np.array([len(t) for t in toks], dtype=np.int64)[order]
     units = _split_into_units(lens, lcp, max_tokens_per_mb)
     bins = _first_fit_decreasing([u[2] for u in units], max_tokens_per_mb)

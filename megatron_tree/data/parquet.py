@@ -1,0 +1,154 @@
+"""Reading and writing samples as Parquet (pyarrow, imported on use).
+
+Columns (one row per sample; any other column is carried into ``Sample.meta``):
+  tokens        list<int>            required
+  loss_mask     list<bool|int>       optional, one entry per token
+  advantage     float or list<float> per-sample scalar or per-token values
+  weight        float or list<float> per-sample scalar or per-token values
+  old_logprobs  list<float>          optional, one entry per token
+  ref_logprobs  list<float>          optional, one entry per token
+  group         any scalar           group id (e.g. GRPO prompt group)
+
+A bad row (empty or null tokens, a null inside a list, a length mismatch, a non-finite advantage at a
+target, a token id >= vocab size, ...) raises ValueError naming ``file:row R`` (R = 0-based row index
+in the file) and the broken rule (``bad_sample="error"``), or is skipped and recorded in the
+`ReadReport` with its reason (``bad_sample="skip"``). A missing ``tokens`` column is a file-level
+error whatever the policy.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..tree.sample import Sample, validate_sample
+from .io import ReadReport
+
+_LIST_FIELDS = ("tokens", "loss_mask", "old_logprobs", "ref_logprobs")
+_SCALAR_OR_LIST_FIELDS = ("advantage", "weight")
+_FIELDS = _LIST_FIELDS + _SCALAR_OR_LIST_FIELDS + ("group",)
+
+
+def _pa():
+    try:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+    except ImportError as e:  # pragma: no cover - exercised only without pyarrow
+        raise ImportError("reading Parquet needs pyarrow (pip install pyarrow)") from e
+    return pa, pc, pq
+
+
+class _ListColumn:
+    """A list column of one record batch as flat numpy values + offsets (no per-row Python objects)."""
+
+    def __init__(self, arr, name: str):
+        pa, pc, _ = _pa()
+        self.name = name
+        self.row_null = arr.is_null().to_numpy(zero_copy_only=False)
+        lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        self.offsets = np.zeros(len(arr) + 1, np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+        flat = pc.list_flatten(arr)
+        elem_null = flat.is_null().to_numpy(zero_copy_only=False)
+        # Rows holding a null element, found with one reduceat over the flat validity mask.
+        self.has_null_elem = np.zeros(len(arr), bool)
+        if elem_null.any():
+            nz = lengths > 0
+            self.has_null_elem[nz] = np.add.reduceat(elem_null, self.offsets[:-1][nz]) > 0
+        if pa.types.is_boolean(flat.type):
+            self.values = flat.fill_null(False).to_numpy(zero_copy_only=False)
+        elif pa.types.is_integer(flat.type):
+            self.values = flat.fill_null(0).to_numpy(zero_copy_only=False)
+        else:
+            self.values = flat.to_numpy(zero_copy_only=False)
+
+    def row(self, i: int, where: str):
+        if self.row_null[i]:
+            return None
+        if self.has_null_elem[i]:
+            raise ValueError(f"{where}: {self.name} contains a null value")
+        return self.values[self.offsets[i]: self.offsets[i + 1]]
+
+
+def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "error",
+                 report: ReadReport | None = None, batch_size: int = 4096) -> list[Sample]:
+    """Samples of a Parquet file, in row order (see the module docstring for columns and policy)."""
+    if bad_sample not in ("error", "skip"):
+        raise ValueError(f"bad_sample must be 'error' or 'skip', got {bad_sample!r}")
+    pa, _, pq = _pa()
+    report = report if report is not None else ReadReport()
+    name = Path(path).name
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    if "tokens" not in names:
+        raise ValueError(f"{name}: missing required column 'tokens' (columns: {', '.join(names)})")
+    out: list[Sample] = []
+    row0 = 0
+    for batch in pf.iter_batches(batch_size=batch_size):
+        cols = {}
+        for f in _FIELDS:
+            if f not in batch.schema.names:
+                continue
+            arr = batch.column(f)
+            if f == "group":
+                cols[f] = arr.to_pylist()
+            elif pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or \
+                    pa.types.is_fixed_size_list(arr.type):
+                cols[f] = _ListColumn(arr, f)
+            elif f in _SCALAR_OR_LIST_FIELDS:
+                cols[f] = arr.to_pylist()
+            else:
+                raise ValueError(f"{name}: column '{f}' must be a list column, got type {arr.type}")
+        extra = {c: batch.column(c).to_pylist() for c in batch.schema.names if c not in _FIELDS}
+        for i in range(batch.num_rows):
+            where = f"{name}:row {row0 + i}"
+            try:
+                kw = {}
+                for f, col in cols.items():
+                    v = col.row(i, where) if isinstance(col, _ListColumn) else col[i]
+                    if v is not None:
+                        kw[f] = v
+                if "tokens" not in kw:
+                    raise ValueError(f"{where}: tokens is null")
+                try:
+                    s = Sample(**kw, meta={c: v[i] for c, v in extra.items()})
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{where}: {e}") from None
+                validate_sample(0, s, vocab_size=vocab_size, where=where)
+            except ValueError as e:
+                if bad_sample == "error":
+                    raise
+                report.skipped.append((where, str(e)))
+                continue
+            out.append(s)
+            report.sources.append(where)
+        row0 += batch.num_rows
+    return out
+
+
+def write_parquet(samples, path, *, row_group_size: int | None = None) -> None:
+    """Write samples in the format `read_parquet` reads. ``advantage`` / ``weight`` become a scalar
+    column when every sample has a scalar (or none), else a list column (scalars broadcast)."""
+    pa, _, pq = _pa()
+    samples = list(samples)
+    data = {"tokens": pa.array([s.tokens.astype(np.int64).tolist() for s in samples], type=pa.list_(pa.int64()))}
+    if any(s.loss_mask is not None for s in samples):
+        data["loss_mask"] = pa.array([None if s.loss_mask is None else s.loss_mask.astype(bool).tolist()
+                                      for s in samples], type=pa.list_(pa.bool_()))
+    for f in ("old_logprobs", "ref_logprobs"):
+        if any(getattr(s, f) is not None for s in samples):
+            data[f] = pa.array([None if getattr(s, f) is None else getattr(s, f).tolist() for s in samples],
+                               type=pa.list_(pa.float64()))
+    for f in _SCALAR_OR_LIST_FIELDS:
+        vals = [getattr(s, f) for s in samples]
+        if all(v is None for v in vals):
+            continue
+        if all(v is None or v.ndim == 0 for v in vals):
+            data[f] = pa.array([None if v is None else float(v) for v in vals], type=pa.float64())
+        else:
+            data[f] = pa.array([None if v is None else s.per_token(f, 0.0).tolist() for v, s in zip(vals, samples)],
+                               type=pa.list_(pa.float64()))
+    if any(s.group is not None for s in samples):
+        data["group"] = pa.array([s.group for s in samples])
+    pq.write_table(pa.table(data), path, row_group_size=row_group_size)

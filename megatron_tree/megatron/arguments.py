@@ -1,0 +1,206 @@
+"""``--tree-*`` command-line arguments for Megatron-LM's ``pretrain()`` (and any argparse parser).
+
+    pretrain(..., extra_args_provider=add_tree_args, args_defaults={"dataloader_type": "external"})
+
+`add_tree_args` adds a "tree" argument group; `validate_tree_args` checks a parsed namespace
+against the rules tree training depends on and fills the derived defaults. Megatron-LM has no hook
+for validating extra arguments, so the hooks in `megatron_tree.megatron.megatron_lm` call
+`validate_tree_args` themselves the first time they see the arguments.
+
+Nothing here imports Megatron: a bare ``argparse.ArgumentParser`` works, and checks about
+Megatron-LM arguments (``micro_batch_size``, ``attention_dropout``, ...) are skipped when the
+namespace has no such attribute.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["add_tree_args", "validate_tree_args", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
+           "DEFAULT_PAD_MULTIPLE"]
+
+TREE_LOSSES = ("sft", "grpo", "ppo")
+CP_PLANNERS = ("contiguous", "zigzag", "balanced")
+BAD_SAMPLE_POLICIES = ("error", "skip")
+# Rows are padded to a multiple of this unless --tree-pad-to-multiple-of says otherwise: GEMM tiles
+# like multiples of 8, and the padding costs at most 7 rows a microbatch.
+DEFAULT_PAD_MULTIPLE = 8
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "tree" argument group to ``parser`` and return it (Megatron-LM's
+    ``extra_args_provider`` contract). Attribute names are the flags with ``_`` for ``-``."""
+    g = parser.add_argument_group(title="tree", description="prefix-tree packing (megatron-tree)")
+    g.add_argument("--tree-packing", action="store_true",
+                   help="Train on packed prefix trees: shared prefixes run once, loss and gradients "
+                        "stay exactly per-sample. Required by the megatron_tree Megatron-LM hooks.")
+    g.add_argument("--tree-max-tokens-per-mb", type=_positive_int, default=None, metavar="N",
+                   help="Row budget of one microbatch (padding included). Default: --seq-length.")
+    g.add_argument("--tree-global-batch-samples", type=_positive_int, default=None, metavar="N",
+                   help="Samples per optimizer step over all data-parallel ranks. They are packed into "
+                        "exactly --global-batch-size / DP microbatches per rank (spare slots are tiny "
+                        "padding microbatches). Required with --tree-data-path.")
+    g.add_argument("--tree-cp-planner", choices=CP_PLANNERS, default="balanced",
+                   help="Row ownership planner for tree context parallelism (default: balanced).")
+    g.add_argument("--tree-loss", choices=TREE_LOSSES, default="sft",
+                   help="sft: token-mean negative log-likelihood; grpo / ppo: clipped policy-gradient "
+                        "surrogate per occurrence (needs advantages in the data). Default: sft.")
+    g.add_argument("--tree-clip-eps", type=float, default=0.2,
+                   help="PPO/GRPO lower clip range: ratio >= 1 - eps (default 0.2).")
+    g.add_argument("--tree-clip-eps-high", type=float, default=None,
+                   help="PPO/GRPO upper clip range: ratio <= 1 + eps_high (default: --tree-clip-eps).")
+    g.add_argument("--tree-kl-coef", type=float, default=0.0,
+                   help="Coefficient of the k3 KL estimator to ref_logprobs (default 0: off).")
+    g.add_argument("--tree-bad-sample", choices=BAD_SAMPLE_POLICIES, default="error",
+                   help="A malformed sample in the data: stop with file:line (error) or skip it and "
+                        "count it (skip). Default: error.")
+    g.add_argument("--tree-data-path", nargs="+", default=None, metavar="PATH",
+                   help="Training data: JSONL (.jsonl/.json) or Parquet (.parquet/.pq) files or "
+                        "directories of them, one sample per line/row.")
+    g.add_argument("--tree-valid-data-path", nargs="+", default=None, metavar="PATH",
+                   help="Validation data in the same formats (optional; no validation without it).")
+    g.add_argument("--tree-pad-to-multiple-of", type=_positive_int, default=None, metavar="K",
+                   help=f"Pad every microbatch's rows to a multiple of K. Default: lcm({DEFAULT_PAD_MULTIPLE}, "
+                        "TP size) with sequence parallelism, else " f"{DEFAULT_PAD_MULTIPLE}.")
+    g.add_argument("--tree-lookahead", type=_non_negative_int, default=1, metavar="N",
+                   help="Optimizer steps packed ahead by a background thread (0: pack on demand). Default 1.")
+    g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
+                   help="Hybrid layer pattern, one letter per layer: M Mamba-2, G Gated DeltaNet, "
+                        "* attention, - MLP, E MoE ('|' marks pipeline stages and is ignored). "
+                        "Default: a GPT stack of --num-layers attention+MLP layers.")
+    return parser
+
+
+def _get(args, name, default=None):
+    return getattr(args, name, default)
+
+
+def validate_tree_args(args) -> argparse.Namespace:
+    """Check a parsed namespace for tree training and fill derived defaults in place; returns ``args``.
+
+    Does nothing unless ``args.tree_packing``. Fills ``tree_max_tokens_per_mb`` (from
+    ``seq_length``) and ``tree_pad_to_multiple_of`` (see the flag's help). Raises ``ValueError``
+    listing every broken rule with the flag that fixes it. Rules on Megatron-LM arguments are
+    checked only when the namespace has them.
+    """
+    if not _get(args, "tree_packing", False):
+        return args
+    errors: list[str] = []
+    tp = int(_get(args, "tensor_model_parallel_size", 1) or 1)
+    sp = bool(_get(args, "sequence_parallel", False)) and tp > 1
+
+    # -- microbatch shape: the tree is the batch
+    if _get(args, "micro_batch_size") not in (None, 1):
+        errors.append(f"--micro-batch-size must be 1 with --tree-packing (the tree is the batch); "
+                      f"got {args.micro_batch_size}")
+    budget = _get(args, "tree_max_tokens_per_mb") or _get(args, "seq_length")
+    if budget is None:
+        errors.append("set --tree-max-tokens-per-mb (or --seq-length): the row budget of a microbatch")
+    pad = _get(args, "tree_pad_to_multiple_of")
+    if pad is None:
+        pad = math.lcm(DEFAULT_PAD_MULTIPLE, tp) if sp else DEFAULT_PAD_MULTIPLE
+    elif pad <= 0:
+        errors.append(f"--tree-pad-to-multiple-of must be positive, got {pad}")
+    elif sp and pad % tp:
+        errors.append(f"--tree-pad-to-multiple-of ({pad}) must be a multiple of the tensor-parallel size ({tp}) "
+                      "with --sequence-parallel: sequence parallelism splits the rows evenly over TP ranks")
+    if budget is not None and pad and pad > 0 and budget % pad:
+        errors.append(f"the microbatch budget ({budget}, --tree-max-tokens-per-mb or --seq-length) must be a "
+                      f"multiple of --tree-pad-to-multiple-of ({pad})")
+
+    # -- numerics tree attention does not have / loss settings
+    if _get(args, "attention_dropout") not in (None, 0, 0.0):
+        errors.append(f"--attention-dropout must be 0 with --tree-packing (tree attention has no attention "
+                      f"dropout); got {args.attention_dropout}")
+    if _get(args, "tree_loss", "sft") not in TREE_LOSSES:
+        errors.append(f"--tree-loss must be one of {TREE_LOSSES}, got {args.tree_loss!r}")
+    if _get(args, "tree_loss", "sft") in ("grpo", "ppo"):
+        if not _get(args, "tree_clip_eps", 0.2) > 0:
+            errors.append(f"--tree-clip-eps must be > 0, got {args.tree_clip_eps}")
+        high = _get(args, "tree_clip_eps_high")
+        if high is not None and not high > 0:
+            errors.append(f"--tree-clip-eps-high must be > 0, got {high}")
+    if not _get(args, "tree_kl_coef", 0.0) >= 0:
+        errors.append(f"--tree-kl-coef must be >= 0, got {args.tree_kl_coef}")
+    if _get(args, "tree_cp_planner", "balanced") not in CP_PLANNERS:
+        errors.append(f"--tree-cp-planner must be one of {CP_PLANNERS}, got {args.tree_cp_planner!r}")
+    if _get(args, "tree_bad_sample", "error") not in BAD_SAMPLE_POLICIES:
+        errors.append(f"--tree-bad-sample must be one of {BAD_SAMPLE_POLICIES}, got {args.tree_bad_sample!r}")
+    if _get(args, "tree_lookahead", 0) < 0:
+        errors.append(f"--tree-lookahead must be >= 0, got {args.tree_lookahead}")
+
+    # -- loss normalisation: padding microbatches carry no targets, so only the global per-token
+    #    convention (Megatron divides by the token count summed over microbatches and DP) is exact
+    if _get(args, "calculate_per_token_loss") is False:
+        errors.append("--calculate-per-token-loss is required with --tree-packing: the loss is normalised by "
+                      "the global number of target tokens, exactly as per-sample training does")
+    if _get(args, "sft", False):
+        errors.append("--sft selects Megatron-LM's SFT dataset and per-microbatch loss averaging; with "
+                      "--tree-packing use --tree-loss sft and --tree-data-path instead")
+    if _get(args, "dataloader_type") not in (None, "external"):
+        errors.append(f"--dataloader-type must be external with --tree-packing (the tree pipeline is its own "
+                      f"loader); got {args.dataloader_type!r}")
+    if _get(args, "rampup_batch_size"):
+        errors.append("--rampup-batch-size is not supported with --tree-packing (the microbatch count per step "
+                      "must stay fixed)")
+    if _get(args, "train_samples"):
+        errors.append("use --train-iters with --tree-packing, not --train-samples (a microbatch holds many samples)")
+    if _get(args, "mtp_num_layers"):
+        errors.append("multi-token prediction (--mtp-num-layers) is not supported with --tree-packing")
+
+    # -- parallelism
+    if int(_get(args, "context_parallel_size", 1) or 1) > 1:
+        errors.append("--context-parallel-size > 1 is not available with --tree-packing yet (tree-aware "
+                      "context parallelism is not wired into these hooks); use TP/PP/DP/EP")
+    if _get(args, "num_experts") and _get(args, "moe_token_dispatcher_type") == "allgather":
+        errors.append("MoE with --tree-packing needs --moe-token-dispatcher-type alltoall (or flex): microbatch "
+                      "lengths vary, which the allgather dispatcher does not support")
+
+    # -- data
+    if _get(args, "tree_data_path") and _get(args, "tree_global_batch_samples") is None:
+        errors.append("--tree-global-batch-samples is required with --tree-data-path (samples per optimizer step "
+                      "over all data-parallel ranks)")
+
+    # -- model
+    pattern = _get(args, "tree_hybrid_pattern")
+    if pattern is not None:
+        from .specs import parse_hybrid_pattern  # imports Megatron-Core's spec modules; only for hybrids
+
+        try:
+            letters = parse_hybrid_pattern(pattern)
+        except ValueError as e:
+            errors.append(f"--tree-hybrid-pattern: {e}")
+        else:
+            if _get(args, "num_layers") is not None and args.num_layers != len(letters):
+                errors.append(f"--num-layers ({args.num_layers}) must equal the number of letters of "
+                              f"--tree-hybrid-pattern {pattern!r} ({len(letters)})")
+            if "E" in letters and not _get(args, "num_experts"):
+                errors.append("--tree-hybrid-pattern has MoE layers (E): set --num-experts")
+    pos = _get(args, "position_embedding_type")
+    if pos is not None and pos not in ("rope", "learned_absolute", "none"):
+        errors.append(f"--position-embedding-type must be rope, learned_absolute or none with --tree-packing "
+                      f"(positions are depths on the tree); got {pos!r}")
+    max_pos = _get(args, "max_position_embeddings")
+    if pos == "learned_absolute" and max_pos is not None and budget is not None and max_pos < budget:
+        errors.append(f"--max-position-embeddings ({max_pos}) must be >= the microbatch budget ({budget}): a "
+                      "sample may be as deep as the budget")
+
+    if errors:
+        raise ValueError("invalid arguments for --tree-packing:\n  - " + "\n  - ".join(errors))
+    args.tree_max_tokens_per_mb = int(budget)
+    args.tree_pad_to_multiple_of = int(pad)
+    return args

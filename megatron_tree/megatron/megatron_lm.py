@@ -1,0 +1,410 @@
+"""Hooks for Megatron-LM's ``pretrain()`` (Megatron-LM tag ``core_v0.16.1``): tree training from its CLI.
+
+    from megatron.training import pretrain
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             extra_args_provider=add_tree_args, args_defaults={"dataloader_type": "external"})
+
+How a microbatch travels:
+
+* `train_valid_test_datasets_provider` builds a `TreeDataPipeline` over ``--tree-data-path`` on
+  every rank that Megatron-LM asks (TP rank 0 of every pipeline stage and DP rank). The pipeline
+  is deterministic, so every pipeline stage of a DP replica reads an identical copy. Each optimizer
+  step is exactly ``--global-batch-size / DP`` microbatches per rank (`TreeMicrobatch`es, padding
+  microbatches in spare slots), which is what Megatron-LM's schedule pulls per iteration. On
+  resume, the stream starts at the step after ``args.iteration`` (Megatron-LM restores it from the
+  checkpoint before building data iterators), so no sample is repeated or skipped.
+* `get_batch` takes the next microbatch on TP rank 0 and broadcasts its tree metadata (layout and
+  loss map, as two int64 tensors: a header of sizes, then one payload) to the other TP ranks.
+  Every pipeline stage needs it: attention masks, recurrences and RoPE depths are per layer.
+* `forward_step` runs the model with a `TreePackedSeqParams`; the last stage returns one log-prob
+  per loss occurrence and `loss_func` turns them into ``(loss_sum, num_tokens, report)``. With
+  ``--calculate-per-token-loss`` Megatron-Core divides gradients by the token count summed over
+  microbatches and DP ranks: per-sample token-mean training, exactly.
+
+Every function takes ``args`` (an argparse namespace); when it is not given, Megatron-LM's
+``get_args()`` supplies it, so the hooks are testable without Megatron-LM.
+"""
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..tree.layout import TreeLayout
+from ..tree.loss_map import LossMap
+from .arguments import validate_tree_args
+
+__all__ = ["model_provider", "get_batch", "forward_step", "loss_func", "train_valid_test_datasets_provider",
+           "encode_tree_batch", "decode_tree_batch", "MicrobatchStream", "broadcast_tree_batch"]
+
+# -------------------------------------------------------------------------------------------- args
+def _args(args):
+    """``args`` or Megatron-LM's global arguments, validated once per namespace."""
+    if args is None:
+        from megatron.training import get_args  # Megatron-LM only, never at import time
+
+        args = get_args()
+    if not getattr(args, "tree_packing", False):
+        raise ValueError("the megatron_tree Megatron-LM hooks train on prefix trees: pass --tree-packing "
+                         "(and the other --tree-* arguments, see examples/README.md)")
+    if not getattr(args, "_tree_args_validated", False):  # Megatron-LM offers no hook to validate extra args
+        validate_tree_args(args)
+        args._tree_args_validated = True
+    return args
+
+
+def _timers():
+    try:
+        from megatron.training import get_timers
+
+        return get_timers()
+    except Exception:  # no Megatron-LM, or its globals are not initialised (tests)
+        return None
+
+
+def _print_rank_0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# -------------------------------------------------------------------------------------------- model
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                   config=None, pg_collection=None, *, args=None):
+    """This pipeline stage's `TreeGPTModel` from Megatron-LM arguments (``get_model``'s contract).
+
+    GPT stack by default (Megatron's decoder block spec with tree attention: dense or MoE layers as
+    ``--num-experts`` / ``--moe-layer-freq`` say); with ``--tree-hybrid-pattern`` a hybrid stack
+    (Mamba-2 / Gated DeltaNet / attention / MLP / MoE letters). ``config`` defaults to Megatron-LM's
+    ``core_transformer_config_from_args(args)``. Either way the config gets
+    ``variable_seq_lengths=True`` (microbatch rows vary; Megatron-LM's ``validate_args`` forces it
+    to False), which the pipeline schedule reads from the model's config.
+    """
+    args = _args(args)
+    if config is None:
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        # set before building the config so TransformerConfig.__post_init__ checks the combination
+        args.variable_seq_lengths = True
+        if not getattr(args, "num_experts", None) and getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+            # TransformerConfig refuses variable lengths with the allgather dispatcher even without
+            # experts; a dense model never dispatches, so the default is switched (MoE runs must
+            # choose alltoall themselves: validate_tree_args says so)
+            args.moe_token_dispatcher_type = "alltoall"
+        config = core_transformer_config_from_args(args)
+    config.variable_seq_lengths = True
+    if not getattr(config, "calculate_per_token_loss", False):
+        raise ValueError("tree training needs calculate_per_token_loss=True (--calculate-per-token-loss)")
+
+    from .model import TreeGPTModel
+    from .specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
+
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    normalization = getattr(args, "normalization", None) or config.normalization
+    pattern = getattr(args, "tree_hybrid_pattern", None)
+    if pattern:
+        spec = get_tree_hybrid_stack_spec(pattern, config, use_transformer_engine=use_te, normalization=normalization,
+                                          num_experts=getattr(args, "num_experts", None) or config.num_moe_experts,
+                                          moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+                                          qk_layernorm=bool(getattr(args, "qk_layernorm", False)), vp_stage=vp_stage)
+    else:
+        spec = get_tree_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=normalization,
+                                               qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)), vp_stage=vp_stage)
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+    max_pos = getattr(args, "max_position_embeddings", None) or args.tree_max_tokens_per_mb
+    kw = {}
+    if pg_collection is not None:
+        kw["pg_collection"] = pg_collection
+    return TreeGPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=max_pos,
+        pre_process=pre_process, post_process=post_process,
+        fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)), parallel_output=True,
+        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+        position_embedding_type=getattr(args, "position_embedding_type", "rope"),
+        rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=getattr(args, "rotary_base", 10000),
+        rope_scaling=bool(getattr(args, "use_rope_scaling", False)), vp_stage=vp_stage, **kw)
+
+
+# -------------------------------------------------------------------------------------------- batch wire format
+# Header (int64, _HEADER_LEN): status, N rows, S segments, M occurrences, num_padding, bitmask of the
+# optional float fields present, then one dtype code per float field (weights + optional ones).
+# Payload (int64): the 7 layout fields, 4 integer loss-map fields, then the float fields as float64
+# bit patterns (a view, so values survive exactly).
+_STATUS_END, _STATUS_OK, _STATUS_ERROR = 0, 1, -1
+_OPTIONAL = ("advantages", "old_logprobs", "ref_logprobs")
+_FLOATS = ("weights",) + _OPTIONAL
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_HEADER_LEN = 6 + len(_FLOATS)
+_LAYOUT_FIELDS = ("input_ids", "position_ids", "segment_offsets", "segment_parent", "subtree_end", "visible_until",
+                  "path_prev")
+_LOSS_INT_FIELDS = ("source_rows", "targets", "sample_index", "positions")
+
+
+def encode_tree_batch(layout: TreeLayout, loss_map: LossMap) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header [_HEADER_LEN] int64, payload [4N + 3S + 1 + (4 + F) M] int64) on the CPU, F float fields."""
+    N, S, M = layout.num_rows, layout.num_segments, len(loss_map)
+    present = [f for f in _OPTIONAL if getattr(loss_map, f) is not None]
+    mask = sum(1 << i for i, f in enumerate(_OPTIONAL) if f in present)
+    codes = [(_DTYPES.index(getattr(loss_map, f).dtype) if getattr(loss_map, f) is not None else -1) for f in _FLOATS]
+    header = torch.tensor([_STATUS_OK, N, S, M, layout.num_padding, mask] + codes, dtype=torch.int64)
+    parts = [getattr(layout, f).detach().cpu().to(torch.int64) for f in _LAYOUT_FIELDS]
+    parts += [getattr(loss_map, f).detach().cpu().to(torch.int64) for f in _LOSS_INT_FIELDS]
+    parts += [getattr(loss_map, f).detach().cpu().to(torch.float64).contiguous().view(torch.int64)
+              for f in ("weights",) + tuple(present)]
+    return header, torch.cat(parts)
+
+
+def _payload_len(header: torch.Tensor) -> int:
+    _, N, S, M, _, mask = (int(v) for v in header[:6])
+    nfloat = 1 + bin(mask).count("1")
+    return 4 * N + 3 * S + 1 + (len(_LOSS_INT_FIELDS) + nfloat) * M
+
+
+def decode_tree_batch(header: torch.Tensor, payload: torch.Tensor, device=None) -> tuple[TreeLayout, LossMap]:
+    """Inverse of `encode_tree_batch`; tensors land on ``device`` (default: the payload's)."""
+    h = [int(v) for v in header.cpu()]
+    _, N, S, M, num_padding, mask = h[:6]
+    codes = h[6:]
+    payload = payload.to(device) if device is not None else payload
+    sizes = [N, N, S + 1, S, S, N, N] + [M] * len(_LOSS_INT_FIELDS)
+    present = ("weights",) + tuple(f for i, f in enumerate(_OPTIONAL) if mask >> i & 1)
+    sizes += [M] * len(present)
+    if sum(sizes) != payload.numel():
+        raise ValueError(f"tree batch payload has {payload.numel()} values, header says {sum(sizes)}")
+    chunks = torch.split(payload, sizes)
+    layout = TreeLayout(**dict(zip(_LAYOUT_FIELDS, chunks[:7])), num_padding=num_padding)
+    ints = dict(zip(_LOSS_INT_FIELDS, chunks[7:11]))
+    floats = {f: c.view(torch.float64).to(_DTYPES[codes[_FLOATS.index(f)]]) for f, c in zip(present, chunks[11:])}
+    return layout, LossMap(**ints, **floats)
+
+
+def _comm_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_tree_batch(mb, *, src: int, group, device=None) -> tuple[TreeLayout, LossMap]:
+    """Broadcast one microbatch's layout and loss map from global rank ``src`` over ``group``.
+
+    On ``src`` pass the microbatch (anything with ``.layout`` and ``.loss_map``), or ``None`` when
+    its iterator is exhausted (every rank then raises ``StopIteration``), or an exception instance
+    (every rank raises: the peers get a ``RuntimeError`` naming ``src``, so nobody waits in the
+    broadcast forever). Other ranks pass ``mb=None``. Two collectives: the header (sizes), then the
+    payload. Every rank decodes the same payload, so all of them hold identical tensors.
+    """
+    cdev = _comm_device(group)
+    is_src = dist.get_rank() == src
+    if is_src:
+        if mb is None:
+            header, payload = torch.zeros(_HEADER_LEN, dtype=torch.int64), None
+            header[0] = _STATUS_END
+        elif isinstance(mb, BaseException):
+            header, payload = torch.zeros(_HEADER_LEN, dtype=torch.int64), None
+            header[0] = _STATUS_ERROR
+        else:
+            header, payload = encode_tree_batch(mb.layout, mb.loss_map)
+        header = header.to(cdev)
+    else:
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=cdev)
+    dist.broadcast(header, src, group=group)
+    status = int(header[0])
+    if status == _STATUS_END:
+        raise StopIteration
+    if status == _STATUS_ERROR:
+        if is_src:
+            raise mb
+        raise RuntimeError(f"rank {src} (tensor-parallel source) failed to produce the next tree microbatch; "
+                           "see its log for the error")
+    payload = payload.to(cdev) if is_src else torch.empty(_payload_len(header), dtype=torch.int64, device=cdev)
+    dist.broadcast(payload, src, group=group)
+    return decode_tree_batch(header, payload, device=device)
+
+
+def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = None):
+    """The next microbatch as a `TreePackedSeqParams` (layout and loss map on ``device``).
+
+    TP rank 0 reads ``data_iterator`` (`TreeMicrobatch`es); with tensor parallelism the metadata is
+    broadcast to the other TP ranks, whose ``data_iterator`` may be ``None``. ``group``/``src``
+    default to Megatron's tensor-parallel group and its source rank. Every pipeline stage calls
+    this with its own iterator copy. ``device`` defaults to the current CUDA device, else the CPU.
+    Raises ``StopIteration`` on every TP rank when TP rank 0's iterator is exhausted.
+    """
+    from .packed_seq import TreePackedSeqParams
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if group is None and dist.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+            group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
+    if group is None or dist.get_world_size(group) == 1:
+        mb = next(data_iterator)
+        layout, loss_map = mb.layout.to(device), mb.loss_map.to(device)
+    else:
+        if src is None:
+            raise ValueError("get_batch: give src (the global rank that reads the data) together with group")
+        mb = None
+        if dist.get_rank() == src:
+            if data_iterator is None:
+                mb = RuntimeError("tensor-parallel rank 0 has no data iterator")
+            else:
+                try:
+                    mb = next(data_iterator)
+                except StopIteration:
+                    mb = None
+                except Exception as e:  # told to the peers before re-raising, so they do not hang
+                    mb = e
+        layout, loss_map = broadcast_tree_batch(mb, src=src, group=group, device=device)
+    return TreePackedSeqParams(layout=layout, loss_map=loss_map)
+
+
+# -------------------------------------------------------------------------------------------- step
+def loss_func(loss_map: LossMap, output_tensor: torch.Tensor, *, loss_type: str = "sft", clip_eps: float = 0.2,
+              clip_eps_high: Optional[float] = None, kl_coef: float = 0.0, check_for_nan: bool = False):
+    """Megatron ``loss_func``: ``(loss_sum, num_tokens, report)`` from the [M] per-occurrence log-probs
+    the last stage returns. ``report["lm loss"]`` is ``[loss_sum, num_tokens]`` (Megatron-LM sums it
+    over microbatches and DP ranks and logs the ratio); policy losses add their metrics likewise."""
+    from .loss import tree_loss_func
+
+    out = tree_loss_func(loss_map, output_tensor, loss_type=loss_type, clip_eps=clip_eps,
+                         clip_eps_high=clip_eps_high, kl_coef=kl_coef)
+    if check_for_nan:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        rsm = get_rerun_state_machine()
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rsm.validate_result(result=out[0], rejection_func=reject, message=f"found {what} in local tree loss",
+                                tolerance=0.0, fatal=True)
+    return out
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, args=None):
+    """Megatron ``forward_step_func``: ``(output, partial(loss_func, loss_map, ...))`` with the
+    ``--tree-loss`` settings. Every pipeline stage reads the batch (see `get_batch`)."""
+    if return_schedule_plan:
+        raise ValueError("tree training does not support --overlap-moe-expert-parallel-comm schedule plans or "
+                         "partial activation checkpointing per microbatch")
+    args = _args(args)
+    timers = _timers()
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
+    psp = get_batch(data_iterator, device=next(model.parameters()).device)
+    if timers is not None:
+        timers("batch-generator").stop()
+    layout = psp.layout
+    output = model(layout.input_ids.unsqueeze(0), layout.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+    return output, partial(loss_func, psp.loss_map, loss_type=args.tree_loss, clip_eps=args.tree_clip_eps,
+                           clip_eps_high=args.tree_clip_eps_high, kl_coef=args.tree_kl_coef,
+                           check_for_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
+
+
+# -------------------------------------------------------------------------------------------- data
+class MicrobatchStream:
+    """Iterator over a `TreeDataPipeline`'s microbatches, step after step (what Megatron-LM's
+    ``--dataloader-type external`` hands to the schedule unchanged).
+
+    ``pipeline`` the pipeline (its ``state_dict()`` tells the position); ``step`` the `TreeStep`
+    being consumed (its statistics: tree_token_ratio, num_targets, ...).
+    """
+
+    def __init__(self, pipeline, name: str = "train"):
+        self.pipeline, self.name = pipeline, name
+        self.step = None
+        self._steps = None
+        self._pending: deque = deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while not self._pending:
+            if self._steps is None:
+                self._steps = iter(self.pipeline)
+            try:
+                self.step = next(self._steps)
+            except ValueError as e:
+                raise ValueError(f"{self.name} data: {e}. With Megatron-LM: microbatches per rank = "
+                                 "--global-batch-size / data-parallel size; raise it, or "
+                                 "--tree-max-tokens-per-mb, or lower --tree-global-batch-samples") from e
+            self._pending.extend(self.step.microbatches)
+        return self._pending.popleft()
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def _data_parallel() -> tuple[int, int]:
+    if dist.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return 0, 1
+
+
+def _skip_steps(pipeline, steps: int) -> None:
+    """Position ``pipeline`` after ``steps`` optimizer steps from the start of its first epoch.
+
+    Windows are a pure function of (dataset, seed, epoch, --tree-global-batch-samples): step k of an
+    epoch is the window at cursor k * G. So Megatron-LM's iteration count is all the state a resume
+    needs, provided the dataset, seed and G are unchanged (the DP size may change)."""
+    if steps <= 0:
+        return
+    state = pipeline.state_dict()
+    epoch, k = divmod(int(steps), pipeline.steps_per_epoch)
+    state.update(epoch=epoch, cursor=k * pipeline.global_batch_samples, epoch_step=k, global_step=int(steps))
+    pipeline.load_state_dict(state)
+
+
+def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = True, start_step: int = 0):
+    """A `TreeDataPipeline` for Megatron-LM: ``--global-batch-size / DP`` microbatches per rank and step."""
+    from ..data.pipeline import TreeDataPipeline  # lazily: the data layer is optional for model-only use
+
+    mbs = int(getattr(args, "micro_batch_size", 1) or 1)
+    per_rank = int(args.global_batch_size) // (mbs * dp_size)
+    if per_rank < 1:
+        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be at least the data-parallel size "
+                         f"({dp_size}): every rank runs the same number of microbatches")
+    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+    pipe = TreeDataPipeline.from_files(
+        paths, vocab_size=vocab, bad_sample=args.tree_bad_sample, max_tokens_per_mb=args.tree_max_tokens_per_mb,
+        global_batch_samples=args.tree_global_batch_samples, dp_rank=dp_rank, dp_size=dp_size,
+        seed=int(getattr(args, "seed", 0) or 0), num_epochs=None, shuffle=shuffle,
+        pad_to_multiple_of=args.tree_pad_to_multiple_of, microbatches_per_rank=per_rank,
+        lookahead=args.tree_lookahead)
+    _skip_steps(pipe, start_step)
+    return pipe
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage: Optional[int] = None, *,
+                                       args=None):
+    """``(train, valid, test)`` microbatch iterators for ``--dataloader-type external``.
+
+    train: ``--tree-data-path``, shuffled per epoch (``--seed``), cycling forever (Megatron-LM stops
+    at ``--train-iters``), starting after ``args.iteration`` steps on resume. valid:
+    ``--tree-valid-data-path`` in file order (or None). test: None. ``train_val_test_num_samples``
+    and ``vp_stage`` are accepted for Megatron-LM's signature; every virtual stage gets its own copy.
+    """
+    args = _args(args)
+    if not getattr(args, "tree_data_path", None):
+        raise ValueError("set --tree-data-path (JSONL or Parquet files of samples)")
+    if getattr(args, "tree_global_batch_samples", None) is None:
+        raise ValueError("set --tree-global-batch-samples (samples per optimizer step over all DP ranks)")
+    dp_rank, dp_size = _data_parallel()
+    start = int(getattr(args, "iteration", 0) or 0)
+    train = MicrobatchStream(build_pipeline(args.tree_data_path, args, dp_rank=dp_rank, dp_size=dp_size,
+                                            start_step=start), "train")
+    valid = None
+    if getattr(args, "tree_valid_data_path", None):
+        valid = MicrobatchStream(build_pipeline(args.tree_valid_data_path, args, dp_rank=dp_rank, dp_size=dp_size,
+                                                shuffle=False), "valid")
+    p = train.pipeline
+    _print_rank_0(f"> tree data: {len(p.samples)} training samples, {p.global_batch_samples} per step in "
+                  f"{p.microbatches_per_rank} microbatches/rank x {dp_size} DP ranks, budget {p.max_tokens_per_mb} "
+                  f"rows, starting at step {start}")
+    return train, valid, None

@@ -199,6 +199,18 @@ def test_float32_sanity_and_dtypes():
     assert (o.float() - o32).abs().max() < 5e-2
 
 
+def test_strided_inputs():
+    # q, k, v as strided views (e.g. [s, b, h, d][:, 0] or head-major storage), rows a multiple of the block
+    layout = TreeLayout.from_segments([8, 4, 4], [-1, 0, 0])
+    q, k, v = make_qkv(16, 4, 2, 8, 8, seed=1)
+    o_ref = tree_attention(q, k, v, layout, backend="torch", block_size=8)
+    qs = q.detach().transpose(0, 1).contiguous().transpose(0, 1)
+    ks = torch.cat([k.detach(), k.detach()], 1)[:, 2:]
+    vs = torch.stack([v.detach(), v.detach()], 1)[:, 0]
+    assert not qs.is_contiguous() and not ks.is_contiguous() and not vs.is_contiguous()
+    torch.testing.assert_close(tree_attention(qs, ks, vs, layout, backend="torch", block_size=8), o_ref, **TOL)
+
+
 def test_padding_rows_finite():
     layout, _ = random_forest(3, num_padding=4)
     q, k, v = make_qkv(layout.num_rows, 2, 1, 4, 4, seed=3)

@@ -69,13 +69,20 @@ _CORE_MODULES = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.moe_layer",
     "megatron.core.rerun_state_machine",
     "megatron.core.timers",
 )
 
 # A Megatron module gets the CPU view of torch when its source contains one of these call sites.
 _CUDA_CALL_SITE = re.compile(
-    r"torch\.cuda\.(current_device|synchronize|get_rng_state|set_rng_state|manual_seed|empty_cache)\s*\("
+    r"torch\.cuda\.(current_device|synchronize|get_rng_state|set_rng_state|manual_seed|empty_cache|Stream|stream"
+    r"|current_stream)\s*\("
     r"|device\s*=\s*['\"]cuda['\"]"
     r"|pin_memory\s*=\s*True"
 )
@@ -202,6 +209,47 @@ class _CpuCuda:
     @staticmethod
     def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
+
+    # CPU ops are synchronous: a "stream" is a context that does nothing (MoE's alltoall dispatcher
+    # creates a device-to-host side stream and waits on / records events on it).
+    @staticmethod
+    def Stream(*args, **kwargs) -> "_CpuStream":  # noqa: N802 (torch's name)
+        return _CpuStream()
+
+    @staticmethod
+    def current_stream(device: Any = None) -> "_CpuStream":
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream: Any = None) -> "contextlib.AbstractContextManager":
+        return contextlib.nullcontext()
+
+
+class _CpuStream:
+    """No-op stand-in for ``torch.cuda.Stream`` / ``Event`` on a CPU host."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> "_CpuStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _CpuStream)
+
+    __hash__ = object.__hash__
+
+
+_CPU_STREAM = _CpuStream()
 
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
@@ -436,6 +484,27 @@ def _make_norm_new(original_new: Callable) -> Callable:
     return __new__
 
 
+def _move_to_host_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` that also honours ``as_numpy`` for CPU tensors."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """``clip_grad_by_total_norm_fp32`` for CPU tensors: same rule (scale every grad by
+    max_norm / (total_norm + 1e-6) when that is below 1), without the CUDA-only assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.detach().mul_(clip_coeff)
+
+
 # ----------------------------------------------------------------------------------------------
 # enable / disable
 # ----------------------------------------------------------------------------------------------
@@ -505,6 +574,23 @@ def _apply_core() -> None:
     _set(tp_data, "broadcast_data", wrapped_broadcast, why_cuda)
     if getattr(tensor_parallel, "broadcast_data", None) is wrapped_broadcast.__wrapped__:
         _set(tensor_parallel, "broadcast_data", wrapped_broadcast, why_cuda)
+
+    from megatron.core.optimizer import clip_grads, optimizer as mopt
+
+    why_clip = "the CUDA grad-type assertion and CUDA overflow buffer replaced by an in-place CPU scale"
+    _set(clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu, why_clip)
+    if getattr(mopt, "clip_grad_by_total_norm_fp32", None) is not None:
+        _set(mopt, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu, why_clip)
+
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _set(token_dispatcher, "maybe_move_tensor_to_cpu", _move_to_host_cpu,
+         "split sizes must become host lists for all-to-all even when the tensors already live on the CPU")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _set(moe_utils, "te_general_gemm", None,
+             "Megatron 0.16.1 reads te_general_gemm in the router GEMM but defines it only when TE imports")
 
     norm_cls = torch_norm.WrappedTorchNorm
     _set(norm_cls, "__new__", _make_norm_new(norm_cls.__new__),

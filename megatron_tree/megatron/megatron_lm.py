@@ -38,7 +38,7 @@ from ..tree.loss_map import LossMap
 from .arguments import validate_tree_args
 
 __all__ = ["model_provider", "get_batch", "forward_step", "loss_func", "train_valid_test_datasets_provider",
-           "encode_tree_batch", "decode_tree_batch", "MicrobatchStream", "broadcast_tree_batch"]
+           "encode_tree_batch", "decode_tree_batch", "MicrobatchStream", "broadcast_tree_batch", "build_pipeline"]
 
 # -------------------------------------------------------------------------------------------- args
 def _args(args):

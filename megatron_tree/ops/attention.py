@@ -247,7 +247,7 @@ def _to_blocks(x: torch.Tensor, block: int, groups: int) -> torch.Tensor:
     nb = -(-n // block)
     if nb * block != n:
         x = torch.cat([x, x.new_zeros(nb * block - n, h, d)])
-    x = x.view(nb, block, h // groups, groups, d).permute(2, 0, 3, 1, 4)
+    x = x.reshape(nb, block, h // groups, groups, d).permute(2, 0, 3, 1, 4)  # inputs may be strided views
     return x.reshape(h // groups, nb, groups * block, d).contiguous()  # the loops take views of slices
 
 

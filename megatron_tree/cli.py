@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--ep", type=int, default=1)
     vf.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     vf.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    vf.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
+    vf.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float64",
+                    help="float64 (default) is the exact check; float32/bfloat16 use float-noise tolerances")
     vf.add_argument("--loss", choices=["sft", "grpo", "ppo"], default="sft")
     vf.add_argument("--window", type=int, default=None, help="sliding-window attention (left context)")
     vf.add_argument("--sinks", action="store_true", help="learned attention sinks")

@@ -77,7 +77,8 @@ def tree_loss_func(loss_map: LossMap, logprobs: torch.Tensor, *, loss_type: str 
     else:
         raise ValueError(f"loss_type must be sft, grpo or ppo, got {loss_type!r}")
     num_tokens = torch.tensor(len(loss_map), dtype=torch.int, device=logprobs.device)
-    report = {"lm loss": torch.stack([loss_sum.detach().clone().float(), num_tokens.float()])}
+    acc = torch.float64 if loss_sum.dtype == torch.float64 else torch.float32
+    report = {"lm loss": torch.stack([loss_sum.detach().clone().to(acc), num_tokens.to(acc)])}
     for k, v in metrics.items():
         if k != "num_tokens":
             report[k] = torch.tensor([v * len(loss_map), float(len(loss_map))], device=logprobs.device)

@@ -61,7 +61,7 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         context_parallel_size=cp, sequence_parallel=sp and tp > 1,
         params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=cpu,
-        hidden_dropout=0.0, attention_dropout=0.0, normalization=margs.normalization,
+        hidden_dropout=0.0, attention_dropout=0.0, normalization=margs.normalization, add_bias_linear=False,
         calculate_per_token_loss=True, variable_seq_lengths=True, batch_p2p_sync=not cpu,
         moe_token_dispatcher_type="alltoall",  # Megatron rejects allgather with variable sequence lengths
         bias_activation_fusion=not cpu, masked_softmax_fusion=not cpu, bias_dropout_fusion=not cpu,
@@ -76,7 +76,8 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
     if margs.num_experts:
         kw.update(num_moe_experts=margs.num_experts, moe_ffn_hidden_size=margs.moe_ffn_hidden_size,
                   moe_router_topk=margs.moe_router_topk,
-                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                  moe_router_dtype="fp64" if dtype == torch.float64 else "fp32")
     if margs.window_size is not None:
         kw.update(window_size=(margs.window_size, 0))
     if margs.sinks:
@@ -106,9 +107,12 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
         spec = get_tree_hybrid_stack_spec(margs.pattern, config, use_transformer_engine=False)
     else:
         raise ValueError(f"model kind must be gpt or hybrid, got {margs.kind!r}")
-    return TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
-                        pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
-                        share_embeddings_and_output_weights=False)
+    model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
+                         pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
+                         share_embeddings_and_output_weights=False)
+    if config.params_dtype == torch.float64:
+        model.to(torch.float64)  # Megatron keeps Mamba's A_log / D in fp32 whatever params_dtype says
+    return model
 
 
 def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False):

@@ -41,7 +41,7 @@ class VerifyConfig:
     ep: int = 1
     sp: bool = False
     recompute: str = "none"
-    dtype: str = "float32"
+    dtype: str = "float64"  # exact check; float32/bfloat16 are smoke checks with float-noise tolerances
     loss: str = "sft"
     window: Optional[int] = None
     sinks: bool = False
@@ -55,8 +55,19 @@ class VerifyConfig:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    def has_moe(self) -> bool:
+        return self.ep > 1 or (self.model == "hybrid" and "E" in (self.pattern or "MG*-*E"))
+
     def tol(self) -> float:
-        return self.tolerance if self.tolerance is not None else (1e-9 if self.dtype == "float64" else 2e-4)
+        """Default tolerance by dtype. float64 with MoE: Megatron's router softmax runs in fp32."""
+        if self.tolerance is not None:
+            return self.tolerance
+        if self.dtype == "float64":
+            return 5e-6 if self.has_moe() else 1e-9
+        # float32: per-head decay gradients (GDN A_log, dt_bias) are sums over every token with heavy
+        # cancellation, and the chunked kernels round differently on a tree than on a chain, so a
+        # few 1e-3 relative differences are float noise there (the op itself agrees to 1e-7).
+        return 1e-2 if self.dtype == "float32" else 5e-2
 
 
 def verify_samples(seed: int, vocab: int, families: int):
@@ -123,9 +134,10 @@ def inject_fault(mb, fault: Optional[str]):
 
 
 # ----------------------------------------------------------------------------------------- ranks
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-8) -> float:
+    """max |a - b| / max(max |b|, floor)."""
     a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-8)) if b.numel() else 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp_min(floor)) if b.numel() else 0.0
 
 
 def _logits_step(store, data_iterator, model):
@@ -176,8 +188,6 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                       sinks=cfg.sinks, num_experts=4 if cfg.ep > 1 and cfg.model == "gpt" else None)
     if cfg.pattern:
         margs.pattern = cfg.pattern
-    config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, sp=cfg.sp, recompute=cfg.recompute, dtype=dtype,
-                         cpu=on_cpu)
     samples = verify_samples(cfg.seed, margs.vocab_size, cfg.families)
     mbs = pack(samples, cfg.budget, pad_to_multiple_of=8)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -190,6 +200,9 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     flat_rows = [(i, mb) for mb in mine for i in mb.sample_ids]
 
     def fresh():
+        # a new config per model: DDP hangs hooks on it, and MoE experts deep-copy it
+        config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, sp=cfg.sp, recompute=cfg.recompute,
+                             dtype=dtype, cpu=on_cpu)
         torch.manual_seed(cfg.seed)
         model_parallel_cuda_manual_seed(cfg.seed)
         m = build_model(config, margs)
@@ -236,6 +249,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         result["loss_value"] = float(lf)
         result["num_tokens_tree"], result["num_tokens_flat"] = int(t["loss"][1]), int(f["loss"][1])
     result["grads"] = max(_rel(t["grads"][n], f["grads"][n]) for n in f["grads"])
+
 
     result["params_after_step"] = max(_rel(t["params"][n], f["params"][n]) for n in f["params"])
     stats = [mb.stats for mb in mine]

@@ -18,7 +18,8 @@ import torch
 from megatron_tree.data.io import ReadReport, write_jsonl
 from megatron_tree.data.lookahead import Lookahead
 from megatron_tree.data.pipeline import TreeDataPipeline, read_samples
-from megatron_tree.data.sharding import balance, microbatch_cost, padding_microbatch
+from megatron_tree.data.sharding import balance, microbatch_cost
+from megatron_tree.tree import padding_microbatch
 from megatron_tree.data.synthetic import make_preset
 from megatron_tree.tree import Sample, gather_logprobs, policy_loss, sft_loss
 

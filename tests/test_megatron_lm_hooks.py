@@ -174,7 +174,7 @@ def _assert_same(a: dict, b: dict):
 
 
 def _microbatches(seed=0):
-    from megatron_tree.data.sharding import padding_microbatch
+    from megatron_tree.tree import padding_microbatch
     from megatron_tree.tree import pack
 
     mbs = pack(_samples(seed), 48, pad_to_multiple_of=8)
@@ -318,7 +318,7 @@ def _forward_body():
         loss.backward()
         tree_loss += float(loss)
         tree_tokens += int(n)
-        assert torch.allclose(report["lm loss"], torch.stack([loss.detach().float(), n.float()]))
+        assert torch.allclose(report["lm loss"], torch.stack([loss.detach(), n.to(loss.dtype)]).to(report["lm loss"].dtype))
     tree_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     flat_loss, flat_tokens, flat_grads = 0.0, 0, None
     stock.zero_grad()

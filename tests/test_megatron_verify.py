@@ -30,6 +30,8 @@ WS2 = [
     VerifyConfig(model="hybrid", pattern="MG*-", dp=2, dtype="float64"),
     VerifyConfig(model="hybrid", pattern="MG*E", tp=2, sp=True, dtype="float64", loss="grpo"),
     VerifyConfig(model="hybrid", pattern="MG*-", pp=2, dtype="float64", recompute="selective"),
+    VerifyConfig(model="gpt", dp=2, ep=2, dtype="float64"),  # MoE in every layer, experts split over 2 ranks
+    VerifyConfig(model="hybrid", pattern="GE*M", dp=2, ep=2, dtype="float64", loss="grpo"),
 ]
 
 

@@ -51,7 +51,8 @@ from ..tree.packing import _first_fit_decreasing, _split_into_units, pack, sort_
 from ..tree.sample import Sample, as_sample, validate_sample
 from .io import ReadReport, read_jsonl
 from .lookahead import Lookahead
-from .sharding import DEFAULT_ATTENTION_COST, balance, microbatch_cost, padding_microbatch
+from ..tree.microbatch import padding_microbatch
+from .sharding import DEFAULT_ATTENTION_COST, balance, microbatch_cost
 
 _STATE_VERSION = 1
 _OPTIONAL_FIELDS = {"advantage": "advantages", "old_logprobs": "old_logprobs", "ref_logprobs": "ref_logprobs"}

@@ -14,9 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..tree.layout import TreeLayout
-from ..tree.loss_map import LossMap
-from ..tree.microbatch import MicrobatchStats, TreeMicrobatch
+from ..tree.microbatch import TreeMicrobatch, padding_microbatch  # noqa: F401 (re-exported for the pipeline)
 
 # Relative cost of one visible attention pair vs one row of token-local work. Per layer and token the
 # projections + MLP cost about 24 h^2 FLOPs (QKVO 8h^2, MLP with 4h hidden 16h^2); one (q, k) pair costs
@@ -57,30 +55,3 @@ def balance(costs: Sequence[float], num_ranks: int, per_rank: int | None = None)
     return [np.flatnonzero(owner == r).tolist() for r in range(num_ranks)]
 
 
-def padding_microbatch(max_tokens_per_mb: int, *, num_rows: int = 1, pad_id: int = 0,
-                       float_fields: Sequence[str] = ()) -> TreeMicrobatch:
-    """A microbatch of ``num_rows`` padding rows and no samples: zero loss, zero gradient.
-
-    Each padding row is its own one-row root segment (it sees only itself), so every op runs on it
-    without special cases. The `LossMap` has M = 0 occurrences; ``float_fields`` names the optional
-    per-occurrence fields ("advantages", "old_logprobs", "ref_logprobs") to create as empty float64
-    tensors, so that the padding microbatch has the same fields as the real ones of the run.
-    """
-    if not 1 <= num_rows <= max_tokens_per_mb:
-        raise ValueError(f"num_rows={num_rows} must lie in [1, max_tokens_per_mb={max_tokens_per_mb}]")
-    layout = TreeLayout.from_segments(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                                      num_padding=num_rows, pad_id=pad_id)
-    empty_l = lambda: torch.zeros(0, dtype=torch.int64)
-    empty_f = lambda: torch.zeros(0, dtype=torch.float64)
-    optional = {f: (empty_f() if f in float_fields else None) for f in ("advantages", "old_logprobs", "ref_logprobs")}
-    unknown = set(float_fields) - set(optional)
-    if unknown:
-        raise ValueError(f"unknown loss-map fields {sorted(unknown)}")
-    loss_map = LossMap(source_rows=empty_l(), targets=empty_l(), sample_index=empty_l(), positions=empty_l(),
-                       weights=empty_f(), **optional)
-    stats = MicrobatchStats(num_samples=0, num_trees=0, num_segments=0, num_targets=0, flat_tokens=0, tree_tokens=0,
-                            padding_tokens=num_rows, flat_attention_pairs=0, tree_attention_pairs=0,
-                            max_tokens_per_mb=max_tokens_per_mb)
-    # TreeMicrobatch has no public "empty" constructor; its path fields are simply empty here.
-    return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=(), stats=stats,
-                          _path_rows=np.zeros(0, np.int64), _path_offsets=np.zeros(1, np.int64))

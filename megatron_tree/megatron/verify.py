@@ -174,7 +174,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from ..compat import cpu as compat_cpu
-    from ..tree import pack
+    from ..tree import pack, padding_microbatch
     from .training import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
 
     on_cpu = not torch.cuda.is_available()
@@ -197,6 +197,14 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     tree_mbs = [inject_fault(mb, cfg.fault) for mb in mine]
     pad = cfg.tp if cfg.sp else 1  # sequence parallelism splits rows evenly over TP ranks
     flat_mbs = [pack([samples[i]], cfg.budget, pad_to_multiple_of=pad)[0] for mb in mine for i in mb.sample_ids]
+    # Every DP rank runs the same number of microbatches (MoE all-to-alls run once per microbatch
+    # on every expert-parallel rank): top up with zero-loss padding microbatches.
+    fields = [f for f in ("advantages", "old_logprobs", "ref_logprobs") if getattr(mine[0].loss_map, f) is not None]
+    filler = padding_microbatch(cfg.budget, num_rows=-(-8 // pad) * pad, float_fields=fields)
+    n_tree = -(-len(mbs) // dp)
+    n_flat = max(sum(len(m.sample_ids) for m in mbs[r::dp]) for r in range(dp))
+    tree_mbs += [filler] * (n_tree - len(tree_mbs))
+    flat_mbs += [padding_microbatch(cfg.budget, num_rows=pad, float_fields=fields)] * (n_flat - len(flat_mbs))
     flat_rows = [(i, mb) for mb in mine for i in mb.sample_ids]
 
     def fresh():

@@ -2,9 +2,9 @@
 from .layout import TreeLayout
 from .loss import gather_logprobs, policy_loss, sft_loss
 from .loss_map import LossMap
-from .microbatch import MicrobatchStats, TreeMicrobatch, summarize
+from .microbatch import MicrobatchStats, TreeMicrobatch, padding_microbatch, summarize
 from .packing import pack
 from .sample import Sample, as_sample, validate_sample
 
 __all__ = ["Sample", "as_sample", "validate_sample", "pack", "TreeLayout", "TreeMicrobatch", "MicrobatchStats",
-           "LossMap", "summarize", "gather_logprobs", "sft_loss", "policy_loss"]
+           "LossMap", "summarize", "padding_microbatch", "gather_logprobs", "sft_loss", "policy_loss"]

@@ -94,6 +94,35 @@ class TreeMicrobatch:
                 f"flat_tokens={s.flat_tokens}, ratio={s.tree_token_ratio:.2f})")
 
 
+def padding_microbatch(max_tokens_per_mb: int, *, num_rows: int = 1, pad_id: int = 0,
+                       float_fields=()) -> TreeMicrobatch:
+    """A microbatch of ``num_rows`` padding rows and no samples: zero loss, zero gradient.
+
+    Used to give every data-parallel rank the same number of microbatches (collectives such as the
+    MoE all-to-all run once per microbatch on every rank). Each padding row is its own one-row root
+    segment, so every op runs on it without special cases. The `LossMap` has M = 0 occurrences;
+    ``float_fields`` names optional per-occurrence fields ("advantages", "old_logprobs",
+    "ref_logprobs") to create as empty float64 tensors, matching the real microbatches of a run.
+    """
+    if not 1 <= num_rows <= max_tokens_per_mb:
+        raise ValueError(f"num_rows={num_rows} must lie in [1, max_tokens_per_mb={max_tokens_per_mb}]")
+    optional = ("advantages", "old_logprobs", "ref_logprobs")
+    unknown = set(float_fields) - set(optional)
+    if unknown:
+        raise ValueError(f"unknown loss-map fields {sorted(unknown)}")
+    empty = np.zeros(0, np.int64)
+    layout = TreeLayout.from_segments(empty, empty, empty, num_padding=num_rows, pad_id=pad_id)
+    empty_l = lambda: torch.zeros(0, dtype=torch.int64)
+    empty_f = lambda: torch.zeros(0, dtype=torch.float64)
+    loss_map = LossMap(source_rows=empty_l(), targets=empty_l(), sample_index=empty_l(), positions=empty_l(),
+                       weights=empty_f(), **{f: (empty_f() if f in float_fields else None) for f in optional})
+    stats = MicrobatchStats(num_samples=0, num_trees=0, num_segments=0, num_targets=0, flat_tokens=0, tree_tokens=0,
+                            padding_tokens=num_rows, flat_attention_pairs=0, tree_attention_pairs=0,
+                            max_tokens_per_mb=max_tokens_per_mb)
+    return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=(), stats=stats,
+                          _path_rows=np.zeros(0, np.int64), _path_offsets=np.zeros(1, np.int64))
+
+
 def summarize(microbatches) -> dict:
     """Totals over microbatches (ratios recomputed from totals, not averaged)."""
     keys = ("num_samples", "num_trees", "num_segments", "num_targets", "flat_tokens", "tree_tokens",

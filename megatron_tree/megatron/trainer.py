@@ -1,0 +1,589 @@
+"""``megatron-tree train``: a Megatron-Core training loop over packed prefix trees.
+
+    megatron-tree train --synthetic-preset varied_5k_16x100 --synthetic-scale 0.1 --nproc 2 \\
+        --hybrid-override-pattern "MG*-*E" --num-experts 4 --train-iters 30 --lr 3e-3 \\
+        --tree-max-tokens-per-mb 1024 --tree-global-batch-samples 32 --save runs/ckpt --load runs/ckpt
+
+What one optimizer step does (every rank, `train`):
+
+1. `TreeDataPipeline` hands this DP rank its `TreeStep`: the window of ``--tree-global-batch-samples``
+   samples packed into prefix-tree microbatches, balanced over DP ranks (every rank the same
+   microbatch count), built ahead by a background thread (``--tree-lookahead``).
+2. `training.forward_backward` runs them through Megatron's ``get_forward_backward_func`` (variable
+   sequence lengths between pipeline stages), DDP reduces the gradients, ``finalize_model_grads``
+   divides them by the global target count (per-token loss: per-sample training, exactly).
+3. ``get_megatron_optimizer`` steps (grad clipping included), ``OptimizerParamScheduler`` moves lr/wd.
+4. Metrics: loss (sum of per-occurrence losses / targets over all DP ranks), lr, grad norm,
+   tree_token_ratio, tree rows/s, samples/s, useful (flat-equivalent) tokens/s, data-wait fraction
+   of the step time and the planner's DP imbalance (max / mean predicted rank cost).
+
+Checkpoints (``--save``, every ``--save-interval`` steps and at the end) are Megatron distributed
+checkpoints in ``SAVE/iter_XXXXXXX/``: model and optimizer as sharded tensors, and as common state
+the scheduler, the data pipeline position and the step; ``SAVE/latest`` names the newest one.
+``--load DIR`` resumes from ``DIR/latest`` (a missing directory or marker starts fresh): the
+resumed run trains exactly the steps (and samples) the uninterrupted run would have.
+
+Launch: under torchrun / srun (``RANK`` and ``WORLD_SIZE`` in the environment) `main` trains in
+the current process group (NCCL on GPU, gloo on CPU); otherwise it spawns ``--nproc`` local ranks
+with `launch.run_distributed`. On CPU the ranks enable `compat.cpu` and turn TorchDynamo off
+(Megatron's ``jit_fuser`` would compile on CPU, which is slow and gains nothing here).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .arguments import add_tree_args, validate_tree_args
+
+__all__ = ["add_train_args", "build_train_parser", "check_train_args", "load_train_samples", "train", "main",
+           "latest_checkpoint", "format_progress"]
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+PACKINGS = ("tree", "flat")
+
+
+# --------------------------------------------------------------------------------------------- arguments
+def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM-named model / parallel / optimizer / checkpoint / logging flags, a data source
+    (``--tree-data-path`` or ``--synthetic-preset``) and the ``--tree-*`` group. Returns ``parser``."""
+    from ..data.synthetic import PRESETS
+
+    m = parser.add_argument_group("model")
+    m.add_argument("--num-layers", type=int, default=None,
+                   help="GPT layers (default 4); with --hybrid-override-pattern it must equal the pattern length")
+    m.add_argument("--hidden-size", type=int, default=64)
+    m.add_argument("--num-attention-heads", type=int, default=4)
+    m.add_argument("--num-query-groups", type=int, default=None, help="GQA groups (default: heads)")
+    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    m.add_argument("--vocab-size", type=int, default=1024,
+                   help="vocabulary size (token ids of the data must be below it; synthetic data draws from it)")
+    m.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default: the microbatch budget (a sample may be as deep as the budget)")
+    m.add_argument("--hybrid-override-pattern", type=str, default=None, metavar="PATTERN",
+                   help="hybrid stack, one letter per layer: M Mamba-2, G Gated DeltaNet, * attention, "
+                        "- MLP, E MoE (same as --tree-hybrid-pattern). Default: a GPT stack")
+    m.add_argument("--num-experts", type=int, default=None, help="MoE experts (E layers of a hybrid pattern)")
+    m.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size / 2")
+    m.add_argument("--moe-router-topk", type=int, default=2)
+    m.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+
+    p = parser.add_argument_group("parallelism")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="local ranks to spawn when not launched by torchrun/srun (default 1)")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before spawned ranks are stopped")
+
+    o = parser.add_argument_group("optimizer")
+    o.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    o.add_argument("--lr", type=float, default=1e-3)
+    o.add_argument("--min-lr", type=float, default=0.0)
+    o.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    o.add_argument("--lr-warmup-iters", type=int, default=0)
+    o.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    o.add_argument("--train-iters", type=int, default=None, help="optimizer steps of the whole run (required)")
+    o.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (and save, with --save) once this step is reached; the schedule still "
+                        "follows --train-iters, so a later --load run continues it")
+    o.add_argument("--weight-decay", type=float, default=0.01)
+    o.add_argument("--clip-grad", type=float, default=1.0)
+    o.add_argument("--adam-beta1", type=float, default=0.9)
+    o.add_argument("--adam-beta2", type=float, default=0.999)
+    o.add_argument("--adam-eps", type=float, default=1e-8)
+    o.add_argument("--seed", type=int, default=1234)
+    o.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 main weights")
+
+    c = parser.add_argument_group("checkpoints and logging")
+    c.add_argument("--save", type=str, default=None, help="checkpoint directory")
+    c.add_argument("--load", type=str, default=None,
+                   help="resume from DIR/latest when present (an absent checkpoint starts fresh)")
+    c.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and one at the end)")
+    c.add_argument("--log-interval", type=int, default=1)
+    c.add_argument("--tensorboard-dir", type=str, default=None)
+    c.add_argument("--wandb-project", type=str, default=None)
+    c.add_argument("--wandb-exp-name", type=str, default=None)
+    c.add_argument("--metrics-json", type=str, default=None, help="write the per-step history here (rank 0)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar / log lines")
+
+    d = parser.add_argument_group("data")
+    d.add_argument("--synthetic-preset", choices=PRESETS, default=None,
+                   help="train on a seeded synthetic workload instead of --tree-data-path")
+    d.add_argument("--synthetic-scale", type=float, default=1.0, help="shrink the preset's lengths by this factor")
+    d.add_argument("--synthetic-seed", type=int, default=0)
+    d.add_argument("--packing", choices=PACKINGS, default="tree",
+                   help="tree: share prefixes (default); flat: every sample its own chain, same budget "
+                        "(the baseline tree packing is measured against)")
+    add_tree_args(parser)
+    parser.set_defaults(tree_packing=True)
+    return parser
+
+
+def build_train_parser(prog: str = "megatron-tree train") -> argparse.ArgumentParser:
+    """The ``megatron-tree train`` parser (`add_train_args` on a fresh parser)."""
+    return add_train_args(argparse.ArgumentParser(prog=prog, description="Train a Megatron-Core model on prefix trees"))
+
+
+def _pattern(args) -> Optional[str]:
+    return args.hybrid_override_pattern or args.tree_hybrid_pattern
+
+
+def check_train_args(args, samples=None) -> argparse.Namespace:
+    """Validate ``args`` in place (ValueError listing what to fix); fill derived defaults.
+
+    Needs the samples only when ``--tree-max-tokens-per-mb`` is unset (the budget then defaults to
+    the smallest multiple of the padding that holds the longest sample and the largest tree)."""
+    errors = []
+    if not args.tree_data_path and not args.synthetic_preset:
+        errors.append("no training data: pass --tree-data-path FILE... or --synthetic-preset NAME")
+    if args.tree_data_path and args.synthetic_preset:
+        errors.append("pass either --tree-data-path or --synthetic-preset, not both")
+    if args.train_iters is None or args.train_iters < 1:
+        errors.append("--train-iters N (>= 1) is required: the number of optimizer steps")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        errors.append(f"--exit-interval must be >= 1, got {args.exit_interval}")
+    if args.nproc < 1:
+        errors.append(f"--nproc must be >= 1, got {args.nproc}")
+    if args.log_interval < 1:
+        errors.append(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        errors.append("--save-interval needs --save DIR and a value >= 1")
+    if not args.synthetic_scale > 0:
+        errors.append(f"--synthetic-scale must be > 0, got {args.synthetic_scale}")
+    if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
+            args.hybrid_override_pattern != args.tree_hybrid_pattern:
+        errors.append("--hybrid-override-pattern and --tree-hybrid-pattern disagree; pass one of them")
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    if min(tp, pp, ep) < 1:
+        errors.append("parallel sizes must be >= 1")
+    elif not _launched() and args.nproc % (tp * pp):
+        errors.append(f"--nproc ({args.nproc}) must be a multiple of tensor x pipeline parallel sizes ({tp * pp})")
+    if args.sequence_parallel and tp == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.num_attention_heads % tp:
+        errors.append(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by TP ({tp})")
+    if args.tree_data_path is None and args.synthetic_preset and args.tree_global_batch_samples is None:
+        args.tree_global_batch_samples = 16  # one GRPO group of the presets
+    if args.tree_max_tokens_per_mb is None and samples is not None and args.tree_packing:
+        args.tree_max_tokens_per_mb = _default_budget(samples, args)
+    if errors:
+        raise ValueError("invalid arguments for megatron-tree train:\n  - " + "\n  - ".join(errors))
+    args.tree_hybrid_pattern = _pattern(args)
+    if args.num_layers is None and not args.tree_hybrid_pattern:
+        args.num_layers = 4
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = max(1, (args.ffn_hidden_size or 4 * args.hidden_size) // 2)
+    validate_tree_args(args)
+    return args
+
+
+def _default_budget(samples, args) -> int:
+    from ..tree.packing import sort_and_lcp
+
+    toks = [np.asarray(s.tokens) for s in samples]
+    order, lcp = sort_and_lcp(toks)
+    tails = np.array([len(toks[i]) for i in order]) - lcp
+    largest_tree = int(np.add.reduceat(tails, np.flatnonzero(lcp == 0)).max())
+    need = max(max(len(t) for t in toks), largest_tree)
+    tp = args.tensor_model_parallel_size
+    pad = args.tree_pad_to_multiple_of or (math.lcm(8, tp) if args.sequence_parallel else 8)
+    return -(-need // pad) * pad
+
+
+def load_train_samples(args) -> list:
+    """The training samples: ``--tree-data-path`` files, or the synthetic preset (vocab = --vocab-size)."""
+    if args.synthetic_preset:
+        from ..data.synthetic import make_preset
+
+        return make_preset(args.synthetic_preset, seed=args.synthetic_seed, vocab=args.vocab_size,
+                           scale=args.synthetic_scale)
+    from ..data.pipeline import read_samples
+
+    return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample)
+
+
+# --------------------------------------------------------------------------------------------- process group
+def _launched() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _init_process_group() -> None:
+    """The default group: from torchrun/srun's environment, or a single local rank."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun without torchrun
+        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+        os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if not _launched():
+        from .launch import _free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+# --------------------------------------------------------------------------------------------- checkpoints
+def latest_checkpoint(directory: Optional[str]) -> Optional[int]:
+    """Step of the newest checkpoint under ``directory`` (its ``latest`` marker), None if there is none."""
+    if not directory:
+        return None
+    marker = os.path.join(directory, "latest")
+    if not os.path.isfile(marker):
+        return None
+    with open(marker) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{marker}: expected a step number, found {text!r}")
+    step = int(text)
+    if not os.path.isdir(_iter_dir(directory, step)):
+        raise ValueError(f"{marker} names step {step}, but {_iter_dir(directory, step)} is missing")
+    return step
+
+
+def _iter_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"iter_{step:07d}")
+
+
+def _sharded_state(ddp, opt, *, is_loading: bool) -> dict:
+    # per-layer keys: a hybrid stack's layers differ (a Mamba layer has no input_layernorm), so
+    # Megatron's stacked [num_layers, ...] tensors would have holes
+    sd = {"model": ddp.module.sharded_state_dict(metadata={"non_homogeneous_layers": True})}
+    sd["optimizer"] = opt.sharded_state_dict(sd["model"], is_loading=is_loading)
+    return sd
+
+
+def _save_checkpoint(directory: str, step: int, ddp, opt, sched, pipeline_state: dict, args) -> str:
+    from megatron.core import dist_checkpointing
+
+    path = _iter_dir(directory, step)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    sd = _sharded_state(ddp, opt, is_loading=False)
+    # common (replicated) state: written once by rank 0, read by every rank
+    sd["scheduler"] = sched.state_dict()
+    sd["data"] = dict(pipeline_state)
+    sd["iteration"] = step
+    sd["run_args"] = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
+    dist_checkpointing.save(sd, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(directory, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{step}\n")
+        os.replace(tmp, os.path.join(directory, "latest"))  # the marker never names a half-written checkpoint
+    dist.barrier()
+    return path
+
+
+def _load_checkpoint(directory: str, step: int, ddp, opt, sched) -> dict:
+    from megatron.core import dist_checkpointing
+
+    sd = _sharded_state(ddp, opt, is_loading=True)
+    sd["scheduler"] = None
+    sd["data"] = None
+    sd["iteration"] = None
+    loaded = dist_checkpointing.load(sd, _iter_dir(directory, step))
+    ddp.module.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    sched.load_state_dict(loaded["scheduler"])
+    if int(loaded["iteration"]) != step:
+        raise ValueError(f"checkpoint {_iter_dir(directory, step)} holds step {loaded['iteration']}, not {step}")
+    return loaded["data"]
+
+
+# --------------------------------------------------------------------------------------------- logging
+def format_progress(step: int, total: int, m: dict, width: int = 20) -> str:
+    """One log line: a text bar, then the step's metrics (``m`` is one `train` history entry)."""
+    done = int(width * step / max(total, 1))
+    bar = "#" * done + "-" * (width - done)
+    gn = m.get("grad_norm")
+    return (f"[{bar}] {step:>{len(str(total))}}/{total} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | "
+            f"grad norm {gn if gn is None else f'{gn:.3f}'} | tree_token_ratio {m['tree_token_ratio']:.2f} | "
+            f"rows/s {m['rows_per_s']:,.0f} | samples/s {m['samples_per_s']:,.1f} | "
+            f"useful tok/s {m['useful_tokens_per_s']:,.0f} | data wait {100 * m['data_wait_frac']:.1f}% | "
+            f"planner imbalance {m['planner_imbalance']:.3f} | {m['step_s']:.2f}s")
+
+
+class _Loggers:
+    """TensorBoard (tensorboardX) and wandb writers on the logging rank; no-ops elsewhere."""
+
+    def __init__(self, args, active: bool):
+        self.tb = self.wandb = None
+        if not active:
+            return
+        if args.tensorboard_dir:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(args.tensorboard_dir)
+        if args.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                print("megatron-tree train: --wandb-project given but wandb is not installed; skipping wandb",
+                      file=sys.stderr)
+            else:
+                self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                                        config={k: v for k, v in vars(args).items() if not k.startswith("_")})
+
+    def log(self, m: dict) -> None:
+        scalars = {k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step" and v is not None}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(f"train/{k}", v, m["step"])
+        if self.wandb is not None:
+            self.wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=m["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# --------------------------------------------------------------------------------------------- training
+class _FlatPipeline:
+    """Factory for a `TreeDataPipeline` whose packer shares nothing (``--packing flat``)."""
+
+    @staticmethod
+    def make(**kw):
+        from ..data.pipeline import TreeDataPipeline
+        from ..tree import pack
+
+        class FlatDataPipeline(TreeDataPipeline):
+            def _pack(self, window, budget):
+                return [self._to_dataset_ids(mb, window)
+                        for mb in pack([self.samples[i] for i in window.tolist()], budget,
+                                       pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
+                                       pad_to_budget=self.pad_to_budget, share_prefixes=False)]
+
+        return FlatDataPipeline(balance_budget=False, **kw)
+
+
+def _model_args(args):
+    from .training import ModelArgs
+
+    pattern = args.tree_hybrid_pattern
+    return ModelArgs(
+        kind="hybrid" if pattern else "gpt", pattern=pattern or "", num_layers=args.num_layers or 0,
+        hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups or args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, vocab_size=args.vocab_size,
+        max_position=args.max_position_embeddings or args.tree_max_tokens_per_mb, num_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
+        normalization=args.normalization, extra={"bf16": True} if args.bf16 else {})
+
+
+def train(args, samples=None) -> dict:
+    """Train on the current process group (initialised here from the environment if needed).
+
+    ``args``: a namespace from `build_train_parser` (checked with `check_train_args`); ``samples``:
+    the training samples (default `load_train_samples(args)`). Returns, on every rank,
+    ``{"history": [per-step metric dicts], "resumed_from": step or None, "saved": [paths],
+    "timing": data-pipeline timing, "tree_token_ratio": over the run}``. History entries: step
+    (1-based), loss, num_targets, lr, grad_norm, tree_token_ratio, rows_per_s, samples_per_s,
+    useful_tokens_per_s, data_wait_frac, planner_imbalance, step_s, tree_rows, flat_tokens,
+    num_samples, sample_ids (the window, all ranks).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from ..data.pipeline import TreeDataPipeline
+    from .training import build_model, forward_backward, make_config, wrap_ddp
+
+    samples = load_train_samples(args) if samples is None else samples
+    check_train_args(args, samples)
+    _init_process_group()
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        from ..compat import cpu as compat_cpu
+
+        compat_cpu.enable(kernels=True)
+        torch._dynamo.config.disable = True
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    if dist.get_world_size() % (tp * pp):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP x PP = {tp * pp}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
+    rank = dist.get_rank()
+    try:
+        return _train_loop(args, samples, on_cpu, rank, ps, OptimizerConfig, get_megatron_optimizer,
+                           OptimizerParamScheduler, model_parallel_cuda_manual_seed, TreeDataPipeline, build_model,
+                           forward_backward, make_config, wrap_ddp)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _train_loop(args, samples, on_cpu, rank, ps, OptimizerConfig, get_megatron_optimizer, OptimizerParamScheduler,
+                model_parallel_cuda_manual_seed, TreeDataPipeline, build_model, forward_backward, make_config,
+                wrap_ddp) -> dict:
+    margs = _model_args(args)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    # a fresh config per model: DDP hangs hooks on it, MoE experts deep-copy it
+    config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                         ep=args.expert_model_parallel_size, sp=args.sequence_parallel,
+                         recompute=args.recompute_granularity or "none", dtype=dtype, cpu=on_cpu)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    model = build_model(config, margs)
+    if not on_cpu:
+        model = model.cuda()
+    ddp = wrap_ddp(model, config, use_distributed_optimizer=args.use_distributed_optimizer)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        bf16=args.bf16, params_dtype=dtype, use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters or args.train_iters,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style="constant")
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    kw = dict(max_tokens_per_mb=args.tree_max_tokens_per_mb, global_batch_samples=args.tree_global_batch_samples,
+              dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, num_epochs=None,
+              pad_to_multiple_of=args.tree_pad_to_multiple_of, vocab_size=args.vocab_size,
+              lookahead=args.tree_lookahead)
+    pipeline = _FlatPipeline.make(samples=samples, **kw) if args.packing == "flat" else TreeDataPipeline(samples, **kw)
+
+    start, resumed_from = 0, None
+    ckpt = latest_checkpoint(args.load) if args.load else None
+    if ckpt is not None:
+        data_state = _load_checkpoint(args.load, ckpt, ddp, opt, sched)
+        pipeline.load_state_dict(data_state)
+        start = resumed_from = ckpt
+        if rank == 0 and not args.quiet:
+            print(f"megatron-tree train: resumed from {_iter_dir(args.load, ckpt)} (step {ckpt})", flush=True)
+    elif args.load and rank == 0 and not args.quiet:
+        print(f"megatron-tree train: no checkpoint in {args.load}; starting fresh", flush=True)
+
+    # the rank that reports: global rank 0 learns the loss through an all-reduce over the world
+    loss_owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    loggers = _Loggers(args, active=rank == 0)
+    stop = min(args.train_iters, args.exit_interval or args.train_iters)
+    loss_kwargs = dict(loss_type=args.tree_loss, clip_eps=args.tree_clip_eps, clip_eps_high=args.tree_clip_eps_high,
+                       kl_coef=args.tree_kl_coef)
+    dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    history, saved = [], []
+    show = rank == 0 and not args.quiet
+    tty = show and sys.stdout.isatty()
+    ratio_num = ratio_den = 0
+    data = iter(pipeline)
+    try:
+        for it in range(start, stop):
+            t0 = time.perf_counter()
+            step = next(data)
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            reports = forward_backward(ddp, step.microbatches, **loss_kwargs)
+            lr = float(opt.param_groups[0]["lr"])  # the rate this step uses (sched.step sets the next one)
+            ok, grad_norm, _ = opt.step()
+            sched.step(1)
+            step_s = time.perf_counter() - t0
+
+            tot = torch.zeros(2, dtype=torch.float64)
+            if loss_owner and reports:
+                tot += torch.stack([r["lm loss"].double().cpu() for r in reports if "lm loss" in r]).sum(0)
+            red = tot.to(dev)
+            timing = torch.tensor([step_s, step.wait_s], dtype=torch.float64, device=dev)
+            dist.all_reduce(red)
+            dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            loss_sum, n_tok = float(red[0]), float(red[1])
+            step_s, wait_s = float(timing[0]), float(timing[1])
+            ratio_num += step.flat_tokens
+            ratio_den += step.tree_tokens
+            m = dict(step=it + 1, loss=loss_sum / max(n_tok, 1.0), num_targets=int(n_tok),
+                     lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
+                     update_ok=bool(ok), tree_token_ratio=step.tree_token_ratio,
+                     rows_per_s=step.tree_tokens / step_s, samples_per_s=step.num_samples / step_s,
+                     useful_tokens_per_s=step.flat_tokens / step_s, data_wait_frac=min(wait_s / step_s, 1.0),
+                     planner_imbalance=step.balance_ratio, step_s=step_s, tree_rows=step.tree_tokens,
+                     flat_tokens=step.flat_tokens, num_samples=step.num_samples,
+                     microbatches_per_rank=step.microbatches_per_rank, sample_ids=list(step.sample_ids),
+                     epoch=step.epoch)
+            history.append(m)
+            loggers.log(m)
+            if show:
+                line = format_progress(it + 1, args.train_iters, m)
+                if (it + 1) % args.log_interval == 0 or it + 1 == stop:
+                    print(("\r" if tty else "") + line, flush=True)
+                elif tty:  # between log lines only the bar and the loss move, in place
+                    print("\r" + " | ".join(line.split(" | ")[:2]), end="", flush=True)
+            if args.save and ((args.save_interval and (it + 1) % args.save_interval == 0) or it + 1 == stop):
+                saved.append(_save_checkpoint(args.save, it + 1, ddp, opt, sched, step.state, args))
+                if show:
+                    print(f"megatron-tree train: saved {saved[-1]}", flush=True)
+    finally:
+        pipeline.close()
+        loggers.close()
+    out = {"history": history, "resumed_from": resumed_from, "saved": saved, "timing": pipeline.timing.as_dict(),
+           "tree_token_ratio": ratio_num / max(ratio_den, 1), "dp_size": dp_size,
+           "world_size": dist.get_world_size(), "packing": args.packing}
+    if args.metrics_json and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.metrics_json)), exist_ok=True)
+        with open(args.metrics_json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def _quiet_warnings() -> None:
+    import warnings
+
+    # Megatron announces every missing optional GPU package (Apex, TE) once per module
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
+
+
+def _rank_train(args) -> dict:
+    _quiet_warnings()
+    return train(args)
+
+
+# --------------------------------------------------------------------------------------------- entry point
+def run(args) -> dict:
+    """Check ``args`` and train: here under torchrun/srun, else on ``--nproc`` spawned local ranks.
+    Returns rank 0's `train` result."""
+    samples = load_train_samples(args) if (args.tree_data_path or args.synthetic_preset) else None
+    check_train_args(args, samples)
+    if _launched() or dist.is_initialized():
+        _quiet_warnings()
+        return train(args, samples)
+    from .launch import run_distributed
+
+    return run_distributed(_rank_train, args.nproc, args, timeout=args.timeout)[0]
+
+
+def main(argv=None) -> int:
+    """``megatron-tree train`` entry point; exit status 0, or 2 with a message for bad arguments."""
+    args = build_train_parser().parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-tree train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

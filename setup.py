@@ -10,6 +10,8 @@ setup(
         "torch>=2.4",  # CPU machines: pip install torch==2.13.0 (local CPU build)
         "megatron-core==0.16.1",
         "numpy>=1.24",
+        "psutil",  # megatron-core dist_checkpointing
+        "einops",  # megatron-core Mamba mixer
     ],
     extras_require={
         # apex is a from-source build (see README); it is not installable from the index.
@@ -17,6 +19,7 @@ setup(
         "test": ["pytest", "hypothesis", "pytest-xdist"],
         "plot": ["matplotlib"],
         "data": ["pyarrow"],
+        "log": ["tensorboardX"],
     },
     entry_points={"console_scripts": ["megatron-tree=megatron_tree.cli:main"]},
 )

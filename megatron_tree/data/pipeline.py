@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ..tree.microbatch import TreeMicrobatch
-from ..tree.packing import _first_fit_decreasing, _split_into_units, pack, sort_and_lcp
+from ..tree.packing import PrefixPlan, pack
 from ..tree.sample import Sample, as_sample, validate_sample
 from .io import ReadReport, read_jsonl
 from .lookahead import Lookahead
@@ -385,21 +385,17 @@ class TreeDataPipeline:
         if not self.balance_budget or self.pad_to_budget or self.dp_size == 1:
             return B
         m = self.pad_to_multiple_of
-        toks = [self.samples[i].tokens.astype(np.int64, copy=False) for i in window.tolist()]
-        order, lcp = sort_and_lcp(toks)
-        lens = np.array([len(t) for t in toks], dtype=np.int64)[order]
+        plan = PrefixPlan([self.samples[i].tokens.astype(np.int64, copy=False) for i in window.tolist()])
 
         def bin_rows(budget):
-            units = _split_into_units(lens, lcp, budget)
-            bins = _first_fit_decreasing([u[2] for u in units], budget)
-            return [-(-sum(units[u][2] for u in b) // m) * m for b in bins]
+            return plan.microbatch_rows(budget, m)
 
         slots = self.dp_size * (self.microbatches_per_rank or 1)
         full = bin_rows(B)
         if len(full) >= slots:
             return B
         best, best_span = B, self._slots_makespan(full)
-        budget = max(int(lens.max()), -(-int((lens - lcp).sum()) // slots))
+        budget = max(int(plan.lens.max()), -(-int((plan.lens - plan.lcp).sum()) // slots))
         for _ in range(12):
             budget = -(-budget // m) * m
             if budget >= B:

@@ -88,11 +88,9 @@ def make_preset(name: str, *, seed: int = 0, vocab: int = 32000, scale: float = 
 def default_budget(samples, cap: int = 65536) -> int:
     """A sensible --max-tokens-per-mb: the smallest power of two >= 4096 that holds the longest
     sample and the largest prefix tree (trees above ``cap`` rows are left to be split)."""
-    from ..tree.packing import sort_and_lcp
+    from ..tree.packing import PrefixPlan
 
     toks = [s.tokens for s in samples]
-    order, lcp = sort_and_lcp(toks)
-    tails = np.array([len(toks[i]) for i in order]) - lcp
-    largest_tree = int(np.add.reduceat(tails, np.flatnonzero(lcp == 0)).max())
+    largest_tree = int(PrefixPlan(toks).tree_rows().max())
     need = max(4096, max(len(t) for t in toks), min(largest_tree, cap))
     return 1 << (need - 1).bit_length()

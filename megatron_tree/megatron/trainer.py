@@ -191,12 +191,10 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
 
 
 def _default_budget(samples, args) -> int:
-    from ..tree.packing import sort_and_lcp
+    from ..tree.packing import PrefixPlan
 
     toks = [np.asarray(s.tokens) for s in samples]
-    order, lcp = sort_and_lcp(toks)
-    tails = np.array([len(toks[i]) for i in order]) - lcp
-    largest_tree = int(np.add.reduceat(tails, np.flatnonzero(lcp == 0)).max())
+    largest_tree = int(PrefixPlan(toks).tree_rows().max())
     need = max(max(len(t) for t in toks), largest_tree)
     tp = args.tensor_model_parallel_size
     pad = args.tree_pad_to_multiple_of or (math.lcm(8, tp) if args.sequence_parallel else 8)

@@ -85,6 +85,28 @@ def sort_and_lcp(toks: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return order, lcp
 
 
+class PrefixPlan:
+    """What packing decides from, without building any layout: the lexicographic order of a set of
+    token sequences, each one's LCP with its predecessor, and the rows each tree needs.
+
+    ``tree_rows()`` rows per prefix tree; ``microbatch_rows(budget)`` rows of each microbatch `pack`
+    would build at that budget (padding included). Planning a budget costs O(samples).
+    """
+
+    def __init__(self, toks: Sequence[np.ndarray]):
+        self.order, self.lcp = sort_and_lcp(toks)
+        self.lens = np.array([len(t) for t in toks], dtype=np.int64)[self.order]
+
+    def tree_rows(self) -> np.ndarray:
+        return np.add.reduceat(self.lens - self.lcp, np.flatnonzero(self.lcp == 0))
+
+    def microbatch_rows(self, budget: int, pad_to_multiple_of: int = 1) -> list[int]:
+        units = _split_into_units(self.lens, self.lcp, budget)
+        bins = _first_fit_decreasing([u[2] for u in units], budget)
+        m = pad_to_multiple_of
+        return [-(-sum(units[u][2] for u in b) // m) * m for b in bins]
+
+
 def _split_into_units(lens: np.ndarray, lcp: np.ndarray, budget: int) -> list[tuple[int, int, int]]:
     """Cut the sorted samples into (start, stop, rows) units: whole trees, or parts of big trees."""
     tails = lens - lcp

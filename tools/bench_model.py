@@ -1,0 +1,102 @@
+"""One training step (forward+backward) of a tiny hybrid Megatron model: tree vs flat packing.
+
+    .venv/bin/python tools/bench_model.py [--prompt 1024 --completions 16 --completion-len 100]
+
+Workload: a scaled-down fixed_5k_16x100 GRPO family (prompt 1024 + 16 x 100 by default). Same
+model (TreeGPTModel, hybrid pattern with Mamba-2, GDN, attention, MLP and MoE layers), same weights,
+same Megatron schedule (get_forward_backward_func), one process:
+
+  tree  the family packed as one prefix tree;
+  flat  per-sample packing (``pack(..., share_prefixes=False)``): every sample its own unbranched
+        chain, several chains per microbatch, the ordinary causal computation.
+
+The flat side runs our modules on chains rather than Megatron's stock modules: on chains they are
+the same math (tests/test_megatron_gdn_mamba.py, tests/test_megatron_lm_hooks.py), and on CPU the
+stock GDN/Mamba would run through slower torch stand-ins, which would flatter the tree. Reports
+the speedup against the ideal (flat tokens / tree tokens). Times are the best of --repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def _body(a: dict) -> dict:
+    import numpy as np
+    import torch
+
+    torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tree.compat import cpu as compat_cpu
+    from megatron_tree.megatron.training import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
+    from megatron_tree.tree import Sample, pack, summarize
+
+    compat_cpu.enable(kernels=True)
+    ps.initialize_model_parallel()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, a["vocab"], a["prompt"])
+    samples = []
+    for _ in range(a["completions"]):
+        toks = np.concatenate([prompt, rng.integers(1, a["vocab"], a["completion_len"])])
+        mask = np.zeros(len(toks), bool)
+        mask[a["prompt"]:] = True
+        samples.append(Sample(toks, loss_mask=mask))
+    budget = a["budget"]
+    tree = pack(samples, budget, pad_to_multiple_of=8)
+    flat = pack(samples, budget, pad_to_multiple_of=8, share_prefixes=False)
+    margs = ModelArgs(kind="hybrid", pattern=a["pattern"], hidden_size=a["hidden"], num_attention_heads=4,
+                      num_query_groups=2, ffn_hidden_size=2 * a["hidden"], vocab_size=a["vocab"],
+                      max_position=budget)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = make_config(margs)
+    ddp = wrap_ddp(build_model(config, margs), config)
+    times = {"tree": [], "flat": []}
+    for _ in range(a["repeats"]):
+        for name, mbs in (("tree", tree), ("flat", flat)):
+            ddp.zero_grad_buffer()
+            t0 = time.perf_counter()
+            forward_backward(ddp, mbs)
+            times[name].append(time.perf_counter() - t0)
+    st_t, st_f = summarize(tree), summarize(flat)
+    ideal = st_f["tree_tokens"] / st_t["tree_tokens"]
+    t_tree, t_flat = min(times["tree"]), min(times["flat"])
+    return {"flat_tokens": st_f["tree_tokens"], "tree_tokens": st_t["tree_tokens"],
+            "microbatches_tree": len(tree), "microbatches_flat": len(flat), "tree_s": t_tree, "flat_s": t_flat,
+            "speedup": t_flat / t_tree, "ideal": ideal, "fraction_of_ideal": t_flat / t_tree / ideal,
+            "useful_tokens_per_s_tree": st_f["tree_tokens"] / t_tree,
+            "useful_tokens_per_s_flat": st_f["tree_tokens"] / t_flat}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--completions", type=int, default=16)
+    ap.add_argument("--completion-len", type=int, default=100)
+    ap.add_argument("--pattern", default="MG*-*E")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from megatron_tree.megatron.launch import run_distributed
+
+    (r,) = run_distributed(_body, 1, vars(args), timeout=1800)
+    print(f"hybrid '{args.pattern}', hidden {args.hidden}: prompt {args.prompt} + {args.completions} x "
+          f"{args.completion_len}")
+    print(f"flat: {r['flat_tokens']} rows in {r['microbatches_flat']} microbatches, {r['flat_s']:.3f} s/step "
+          f"({r['useful_tokens_per_s_flat']:.0f} useful tok/s)")
+    print(f"tree: {r['tree_tokens']} rows in {r['microbatches_tree']} microbatches, {r['tree_s']:.3f} s/step "
+          f"({r['useful_tokens_per_s_tree']:.0f} useful tok/s)")
+    print(f"speedup {r['speedup']:.2f}x, ideal {r['ideal']:.2f}x, fraction of ideal {r['fraction_of_ideal']:.0%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -54,19 +55,33 @@ def cmd_stats(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The README's first command: the sharing report of a GRPO preset, with a tree plot."""
+    """The README's first command: the sharing report of a GRPO preset (with a tree plot), then a
+    tiny hybrid model trained on CPU with tree packing vs flat packing (`megatron.demo.run_demo`)."""
     import os
 
-    os.makedirs("runs", exist_ok=True)
-    ns = argparse.Namespace(data=None, preset="varied_5k_16x100", seed=0, scale=1.0, max_tokens_per_mb=None,
+    from .megatron.demo import run_demo
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    ns = argparse.Namespace(data=None, preset=args.preset, seed=0, scale=1.0, max_tokens_per_mb=None,
                             pad_to_multiple_of=1, plot=None)
     try:
         import matplotlib  # noqa: F401
 
-        ns.plot = os.path.join("runs", "demo_tree.png")
+        ns.plot = os.path.join(args.out_dir, "demo_tree.png")
     except ImportError:
         pass
-    return cmd_stats(ns)
+    cmd_stats(ns)
+    print()
+    run_demo(args.out_dir, steps=args.steps, flat_steps=args.flat_steps, preset=args.preset, scale=args.scale,
+             loss=args.loss)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .megatron.trainer import run
+
+    run(args)
+    return 0
 
 
 def cmd_verify(args) -> int:
@@ -119,8 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state"],
                     help="inject a known bug into the tree side (verify must then fail)")
     vf.set_defaults(func=cmd_verify)
-    dm = sub.add_parser("demo", help="the CPU demo (README's first command)")
+    dm = sub.add_parser("demo", help="the CPU demo (README's first command): sharing report, then tree vs flat "
+                                     "training of a tiny hybrid model on 2 CPU ranks")
+    dm.add_argument("--out-dir", default=os.path.join("runs", "demo"), help="where demo.png and metrics.json go")
+    dm.add_argument("--steps", type=int, default=40, help="tree-packed training steps")
+    dm.add_argument("--flat-steps", type=int, default=5, help="flat-packed steps (throughput baseline)")
+    dm.add_argument("--preset", choices=PRESETS, default="varied_5k_16x100")
+    dm.add_argument("--scale", type=float, default=0.1, help="shrink the preset's lengths for CPU")
+    dm.add_argument("--loss", choices=["sft", "grpo"], default="sft")
     dm.set_defaults(func=cmd_demo)
+    from .megatron.trainer import add_train_args
+
+    tr = sub.add_parser("train", help="train a Megatron-Core model on prefix trees (torchrun/srun, or --nproc "
+                                      "local ranks)")
+    add_train_args(tr)
+    tr.set_defaults(func=cmd_train)
     return p
 
 

@@ -38,32 +38,47 @@ def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None) 
     return s
 
 
-def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error",
-               report: ReadReport | None = None) -> list[Sample]:
-    """Samples of a JSONL file, in file order."""
+def collect_samples(records, *, vocab_size: int | None = None, bad_sample: str = "error",
+                    report: ReadReport | None = None) -> list[Sample]:
+    """Samples from ``records``: an iterable of ``(where, make_record)``; ``make_record()`` returns a
+    dict of Sample fields (other keys become ``meta``) or raises ValueError naming ``where``.
+    The one place that applies the bad-sample policy for every file format."""
     if bad_sample not in ("error", "skip"):
         raise ValueError(f"bad_sample must be 'error' or 'skip', got {bad_sample!r}")
     report = report if report is not None else ReadReport()
     out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{Path(path).name}:{lineno}"
-            try:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-                s = sample_from_record(rec, where, vocab_size=vocab_size)
-            except ValueError as e:
-                if bad_sample == "error":
-                    raise
-                report.skipped.append((where, str(e)))
-                continue
-            out.append(s)
-            report.sources.append(where)
+    for where, make_record in records:
+        try:
+            s = sample_from_record(make_record(), where, vocab_size=vocab_size)
+        except ValueError as e:
+            if bad_sample == "error":
+                raise
+            report.skipped.append((where, str(e)))
+            continue
+        out.append(s)
+        report.sources.append(where)
     return out
+
+
+def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error",
+               report: ReadReport | None = None) -> list[Sample]:
+    """Samples of a JSONL file, in file order."""
+
+    def records():
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    where = f"{Path(path).name}:{lineno}"
+                    yield where, lambda line=line, where=where: _parse_json(line, where)
+
+    return collect_samples(records(), vocab_size=vocab_size, bad_sample=bad_sample, report=report)
+
+
+def _parse_json(line: str, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
 
 
 def write_jsonl(samples, path) -> None:

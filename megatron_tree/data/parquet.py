@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tree.sample import Sample, validate_sample
-from .io import ReadReport
+from ..tree.sample import Sample
+from .io import ReadReport, collect_samples
 
 _LIST_FIELDS = ("tokens", "loss_mask", "old_logprobs", "ref_logprobs")
 _SCALAR_OR_LIST_FIELDS = ("advantage", "weight")
@@ -101,28 +101,19 @@ def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "erro
             else:
                 raise ValueError(f"{name}: column '{f}' must be a list column, got type {arr.type}")
         extra = {c: batch.column(c).to_pylist() for c in batch.schema.names if c not in _FIELDS}
-        for i in range(batch.num_rows):
-            where = f"{name}:row {row0 + i}"
-            try:
-                kw = {}
-                for f, col in cols.items():
-                    v = col.row(i, where) if isinstance(col, _ListColumn) else col[i]
-                    if v is not None:
-                        kw[f] = v
-                if "tokens" not in kw:
-                    raise ValueError(f"{where}: tokens is null")
-                try:
-                    s = Sample(**kw, meta={c: v[i] for c, v in extra.items()})
-                except (TypeError, ValueError) as e:
-                    raise ValueError(f"{where}: {e}") from None
-                validate_sample(0, s, vocab_size=vocab_size, where=where)
-            except ValueError as e:
-                if bad_sample == "error":
-                    raise
-                report.skipped.append((where, str(e)))
-                continue
-            out.append(s)
-            report.sources.append(where)
+        def record(i, where, cols=cols, extra=extra):
+            rec = {c: v[i] for c, v in extra.items()}
+            for f, col in cols.items():
+                v = col.row(i, where) if isinstance(col, _ListColumn) else col[i]
+                if v is not None:
+                    rec[f] = v
+            if "tokens" not in rec:
+                raise ValueError(f"{where}: tokens is null")
+            return rec
+
+        rows = ((f"{name}:row {row0 + i}", lambda i=i, w=f"{name}:row {row0 + i}": record(i, w))
+                for i in range(batch.num_rows))
+        out += collect_samples(rows, vocab_size=vocab_size, bad_sample=bad_sample, report=report)
         row0 += batch.num_rows
     return out
 

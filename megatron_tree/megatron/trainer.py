@@ -414,6 +414,9 @@ def train(args, samples=None) -> dict:
     check_train_args(args, samples)
     _init_process_group()
     on_cpu = not torch.cuda.is_available()
+    if on_cpu and args.bf16:
+        raise ValueError("--bf16 needs CUDA: Megatron's mixed-precision optimizer only wraps CUDA tensors "
+                         "(train in float32 on CPU)")
     if on_cpu:
         from ..compat import cpu as compat_cpu
 

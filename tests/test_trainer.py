@@ -1,0 +1,150 @@
+"""`megatron-tree train`: loss falls, tree == flat training, checkpoint + resume is exact, clear errors.
+
+Every distributed check spawns 2 gloo ranks once and calls `train` several times inside them
+(spawning and importing Megatron costs seconds each time). Sizes are tiny: the machine has 2 cores.
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+
+import numpy as np
+import pytest
+
+from megatron_tree.megatron.launch import run_distributed
+from megatron_tree.megatron.trainer import build_train_parser, check_train_args, latest_checkpoint, main
+
+HYBRID = "MG*E"  # Mamba-2, GDN, attention, MoE (2 experts)
+
+
+def _write_data(path, n_families=8, seed=0, vocab=128):
+    """GRPO-like families: prompt 24 + 3 completions of 4..7 tokens (prompt masked out of the loss)."""
+    from megatron_tree.data.io import write_jsonl
+    from megatron_tree.tree import Sample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_families):
+        prompt = rng.integers(1, vocab, 24)
+        for _ in range(3):
+            comp = rng.integers(1, vocab, int(rng.integers(4, 8)))
+            toks = np.concatenate([prompt, comp])
+            out.append(Sample(tokens=toks, loss_mask=np.r_[np.zeros(24, bool), np.ones(len(comp), bool)],
+                              advantage=float(rng.normal()), old_logprobs=-np.log(vocab) + rng.normal(0, .1, len(toks)),
+                              group=g))
+    write_jsonl(out, path)
+    return out
+
+
+def _args(data, *extra):
+    argv = ["--tree-data-path", str(data), "--vocab-size", "128", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--num-query-groups", "2", "--ffn-hidden-size", "64", "--lr", "2e-2", "--lr-decay-style", "constant",
+            "--weight-decay", "0", "--tree-global-batch-samples", "12", "--tree-max-tokens-per-mb", "64",
+            "--tree-pad-to-multiple-of", "8", "--quiet", "--seed", "7", *map(str, extra)]
+    return build_train_parser().parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------- rank bodies
+def _resume_body(data, ckpt, tb):
+    """DP2 hybrid: uninterrupted 6 steps; 3 steps + save; resume from the checkpoint for 3 more."""
+    from megatron_tree.megatron.trainer import train
+
+    common = ("--hybrid-override-pattern", HYBRID, "--num-experts", "2", "--moe-ffn-hidden-size", "16",
+              "--train-iters", "6", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1")
+    full = train(_args(data, *common, "--load", os.path.join(ckpt, "absent"), "--tensorboard-dir", tb))
+    first = train(_args(data, *common, "--save", ckpt, "--exit-interval", "3"))
+    rest = train(_args(data, *common, "--load", ckpt, "--save", ckpt, "--save-interval", "2"))
+    return full, first, rest
+
+
+def _tree_flat_body(data):
+    """TP2 GPT: the same steps with tree packing and with flat packing (every sample its own chain)."""
+    from megatron_tree.megatron.trainer import train
+
+    common = ("--tensor-model-parallel-size", "2", "--num-layers", "2", "--train-iters", "5")
+    tree = train(_args(data, *common))
+    flat = train(_args(data, *common, "--packing", "flat", "--exit-interval", "2"))
+    return tree, flat
+
+
+# --------------------------------------------------------------------------------------------- tests
+def test_dp2_hybrid_loss_falls_and_resume_is_exact(tmp_path):
+    data, ckpt, tb = tmp_path / "d.jsonl", str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    samples = _write_data(data)
+    full, first, rest = run_distributed(_resume_body, 2, data, ckpt, tb, timeout=600)[0]
+    fh, ah, bh = full["history"], first["history"], rest["history"]
+    assert [m["step"] for m in fh] == [1, 2, 3, 4, 5, 6]
+    assert full["resumed_from"] is None and full["dp_size"] == 2
+    assert all(math.isfinite(m["loss"]) and m["num_targets"] > 0 for m in fh)
+    # memorising 24 samples (2 steps per epoch): the loss must fall well below its start
+    assert fh[-1]["loss"] < fh[0]["loss"] - 0.3, [m["loss"] for m in fh]
+    # every window holds 12 samples; an epoch (2 windows) covers the 24 samples exactly once
+    for e in range(3):
+        ids = fh[2 * e]["sample_ids"] + fh[2 * e + 1]["sample_ids"]
+        assert sorted(ids) == list(range(len(samples)))
+    # the interrupted run repeats the first half bit for bit (determinism), then stops and saves
+    assert [m["step"] for m in ah] == [1, 2, 3]
+    assert [m["loss"] for m in ah] == [m["loss"] for m in fh[:3]]
+    assert first["saved"] == [os.path.join(ckpt, "iter_0000003")]
+    # the resumed run trains exactly steps 4..6: same samples, same losses, same lr, same grad norms
+    assert rest["resumed_from"] == 3
+    assert [m["step"] for m in bh] == [4, 5, 6]
+    assert [m["sample_ids"] for m in bh] == [m["sample_ids"] for m in fh[3:]]
+    for a, b in zip(bh, fh[3:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+    assert rest["saved"] == [os.path.join(ckpt, "iter_0000004"), os.path.join(ckpt, "iter_0000006")]
+    assert latest_checkpoint(ckpt) == 6
+    assert latest_checkpoint(str(tmp_path / "nowhere")) is None
+    assert glob.glob(os.path.join(tb, "events.out.tfevents.*")), "no TensorBoard event file"
+    for m in fh:
+        assert m["tree_token_ratio"] > 1.5  # 3 completions share a 24-token prompt
+        assert m["planner_imbalance"] >= 1.0 and 0.0 <= m["data_wait_frac"] <= 1.0
+        assert m["useful_tokens_per_s"] == pytest.approx(m["rows_per_s"] * m["flat_tokens"] / m["tree_rows"])
+
+
+def test_tp2_gpt_tree_training_equals_flat_training(tmp_path):
+    data = tmp_path / "d.jsonl"
+    _write_data(data, seed=3)
+    tree, flat = run_distributed(_tree_flat_body, 2, data, timeout=600)[0]
+    th, fh = tree["history"], flat["history"]
+    assert len(th) == 5 and len(fh) == 2
+    assert th[-1]["loss"] < th[0]["loss"]
+    assert all(m["tree_token_ratio"] == 1.0 for m in fh) and all(m["tree_token_ratio"] > 1.5 for m in th)
+    for a, b in zip(th, fh):  # same samples, same weights: per-sample training, exactly (float32 rounding)
+        assert a["sample_ids"] == b["sample_ids"] and a["num_targets"] == b["num_targets"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train-iters", "2"], "no training data"),
+    (["--synthetic-preset", "fixed_5k_16x100"], "--train-iters"),
+    (["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "2", "--tensor-model-parallel-size", "2"],
+     "must be a multiple of tensor x pipeline"),
+    (["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "2", "--hybrid-override-pattern", "MG*",
+      "--num-layers", "4"], "--num-layers (4) must equal"),
+    (["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "2", "--hybrid-override-pattern", "ME"],
+     "set --num-experts"),
+    (["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "2", "--tree-max-tokens-per-mb", "100"],
+     "multiple of --tree-pad-to-multiple-of"),
+])
+def test_main_argument_errors_are_clear(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "megatron-tree train: error:" in err and message in err, err
+
+
+def test_check_args_defaults(tmp_path):
+    data = tmp_path / "d.jsonl"
+    samples = _write_data(data)
+    args = build_train_parser().parse_args(["--tree-data-path", str(data), "--train-iters", "1",
+                                            "--tree-global-batch-samples", "4"])
+    check_train_args(args, samples)
+    # budget: the largest tree (24 + 3 tails) rounded up to the padding multiple
+    assert args.tree_max_tokens_per_mb % 8 == 0 and args.tree_max_tokens_per_mb >= 24 + 3 * 4
+    assert args.num_layers == 4 and args.tree_packing
+    with pytest.raises(ValueError, match="tree-global-batch-samples is required"):
+        check_train_args(build_train_parser().parse_args(["--tree-data-path", str(data), "--train-iters", "1"]), samples)

@@ -130,6 +130,8 @@ def test_tp2_gpt_tree_training_equals_flat_training(tmp_path):
      "set --num-experts"),
     (["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "2", "--tree-max-tokens-per-mb", "100"],
      "multiple of --tree-pad-to-multiple-of"),
+    pytest.param(["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "2", "--bf16"], "--bf16 needs CUDA",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only rule")),
 ])
 def test_main_argument_errors_are_clear(argv, message, capsys):
     assert main(argv) == 2

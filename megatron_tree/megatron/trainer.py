@@ -171,6 +171,11 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
         errors.append("parallel sizes must be >= 1")
     elif not _launched() and args.nproc % (tp * pp):
         errors.append(f"--nproc ({args.nproc}) must be a multiple of tensor x pipeline parallel sizes ({tp * pp})")
+    if not torch.cuda.is_available():
+        for flag, on in (("--bf16", args.bf16), ("--use-distributed-optimizer", args.use_distributed_optimizer)):
+            if on:
+                errors.append(f"{flag} needs CUDA: Megatron's mixed-precision and distributed optimizers only "
+                              "wrap CUDA tensors (leave it off on CPU)")
     if args.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.num_attention_heads % tp:
@@ -414,9 +419,6 @@ def train(args, samples=None) -> dict:
     check_train_args(args, samples)
     _init_process_group()
     on_cpu = not torch.cuda.is_available()
-    if on_cpu and args.bf16:
-        raise ValueError("--bf16 needs CUDA: Megatron's mixed-precision optimizer only wraps CUDA tensors "
-                         "(train in float32 on CPU)")
     if on_cpu:
         from ..compat import cpu as compat_cpu
 

@@ -271,13 +271,8 @@ def _real_levels(layout: TreeLayout):
 
     Yields (segments, parent, lengths) per level, skipping empty levels.
     """
-    first_pad = layout.num_segments - layout.num_padding
-    for lv in level_schedule(layout):
-        keep = lv.segments < first_pad
-        if bool(keep.all()):
-            yield lv.segments, lv.parent, lv.lengths
-        elif bool(keep.any()):
-            yield lv.segments[keep], lv.parent[keep], lv.lengths[keep]
+    for lv in level_schedule(layout, include_padding=False):
+        yield lv.segments, lv.parent, lv.lengths
 
 
 def _padding_output(q, k, v, g, beta, layout, scale, cdt):

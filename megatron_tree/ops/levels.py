@@ -38,10 +38,12 @@ class Level:
         return self.rows != self.pad_row
 
 
-def level_schedule(layout: TreeLayout, *, pad_to_multiple_of: int = 1) -> list[Level]:
+def level_schedule(layout: TreeLayout, *, pad_to_multiple_of: int = 1, include_padding: bool = True) -> list[Level]:
     """Levels of ``layout``'s segment tree, root level first. Vectorised per level.
 
     ``pad_to_multiple_of`` rounds each level's common length T up (e.g. to the chunk size).
+    ``include_padding=False`` leaves out the padding rows' one-row root segments (ops that give
+    them a closed form) and any level left empty.
     """
     dev = layout.device
     level = layout.segment_level
@@ -49,8 +51,13 @@ def level_schedule(layout: TreeLayout, *, pad_to_multiple_of: int = 1) -> list[L
     lengths_all = layout.segment_lengths
     N = layout.num_rows
     out = []
+    first_pad = layout.num_segments - layout.num_padding
     for lv in range(layout.num_levels):
         segs = torch.nonzero(level == lv).flatten()
+        if not include_padding:
+            segs = segs[segs < first_pad]
+            if segs.numel() == 0:
+                continue
         lengths = lengths_all[segs]
         T = int(lengths.max().item())
         T = -(-T // pad_to_multiple_of) * pad_to_multiple_of

@@ -279,16 +279,11 @@ def tree_ssd(x, dt, A, B, C, layout: TreeLayout, *, D=None, backend: str = "auto
     # and the outputs at padded steps are dropped), which spares copying them.
     dtz = torch.cat([dt, dt.new_zeros(1, H)])
 
-    first_pad_seg = layout.num_segments - layout.num_padding
     slot = torch.full((layout.num_segments,), -1, dtype=torch.long, device=x.device)
     prev_final = None
     out_rows, out_vals = [], []
-    for depth, level in enumerate(level_schedule(layout)):
-        keep = torch.nonzero(level.segments < first_pad_seg).flatten()
-        if keep.numel() == 0:
-            continue
-        segs, parent, lengths, rows = (level.segments[keep], level.parent[keep], level.lengths[keep],
-                                       level.rows[keep])
+    for depth, level in enumerate(level_schedule(layout, include_padding=False)):
+        segs, parent, lengths, rows = level.segments, level.parent, level.lengths, level.rows
         init_all = None if depth == 0 else prev_final[slot[parent]]
         finals, order = [], []
         for idx in _length_buckets(lengths):

@@ -202,8 +202,8 @@ def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.nda
         for f, acc in (("advantage", adv), ("old_logprobs", old), ("ref_logprobs", ref)):
             if has[f]:  # NaN where a sample lacks the field: policy_loss names it if it is needed
                 acc.append(s.per_token(f, float("nan"))[t])
-    cat_l = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))
-    cat_f = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float64)) if xs else None
+    cat_l = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64, copy=False))
+    cat_f = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float64, copy=False)) if xs else None
     loss_map = LossMap(source_rows=cat_l(src), targets=cat_l(tgt), sample_index=cat_l(sidx), positions=cat_l(posn),
                        weights=cat_f(w), advantages=cat_f(adv), old_logprobs=cat_f(old), ref_logprobs=cat_f(ref))
     path_rows = np.concatenate([paths[k] for k in by_id.tolist()])

@@ -31,7 +31,6 @@ with `launch.run_distributed`. On CPU the ranks enable `compat.cpu` and turn Tor
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -364,22 +363,24 @@ class _Loggers:
 
 
 # --------------------------------------------------------------------------------------------- training
-class _FlatPipeline:
-    """Factory for a `TreeDataPipeline` whose packer shares nothing (``--packing flat``)."""
+def _make_pipeline(samples, packing: str, **kw):
+    """`TreeDataPipeline` over ``samples``; with ``packing="flat"`` its packer shares nothing (every
+    sample its own chain, same budget, same windows): the baseline tree packing is measured against."""
+    from ..data.pipeline import TreeDataPipeline
+    from ..tree import pack
 
-    @staticmethod
-    def make(**kw):
-        from ..data.pipeline import TreeDataPipeline
-        from ..tree import pack
+    if packing == "tree":
+        return TreeDataPipeline(samples, **kw)
 
-        class FlatDataPipeline(TreeDataPipeline):
-            def _pack(self, window, budget):
-                return [self._to_dataset_ids(mb, window)
-                        for mb in pack([self.samples[i] for i in window.tolist()], budget,
-                                       pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
-                                       pad_to_budget=self.pad_to_budget, share_prefixes=False)]
+    class FlatDataPipeline(TreeDataPipeline):
+        def _pack(self, window, budget):
+            return [self._to_dataset_ids(mb, window)
+                    for mb in pack([self.samples[i] for i in window.tolist()], budget,
+                                   pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
+                                   pad_to_budget=self.pad_to_budget, share_prefixes=False)]
 
-        return FlatDataPipeline(balance_budget=False, **kw)
+    # balance_budget prices budgets with the sharing packer's rows; flat packing keeps the full budget
+    return FlatDataPipeline(samples, balance_budget=False, **kw)
 
 
 def _model_args(args):
@@ -408,12 +409,6 @@ def train(args, samples=None) -> dict:
     num_samples, sample_ids (the window, all ranks).
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from ..data.pipeline import TreeDataPipeline
-    from .training import build_model, forward_backward, make_config, wrap_ddp
 
     samples = load_train_samples(args) if samples is None else samples
     check_train_args(args, samples)
@@ -429,18 +424,21 @@ def train(args, samples=None) -> dict:
         raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP x PP = {tp * pp}")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
-    rank = dist.get_rank()
     try:
-        return _train_loop(args, samples, on_cpu, rank, ps, OptimizerConfig, get_megatron_optimizer,
-                           OptimizerParamScheduler, model_parallel_cuda_manual_seed, TreeDataPipeline, build_model,
-                           forward_backward, make_config, wrap_ddp)
+        return _train_loop(args, samples, on_cpu)
     finally:
         ps.destroy_model_parallel()
 
 
-def _train_loop(args, samples, on_cpu, rank, ps, OptimizerConfig, get_megatron_optimizer, OptimizerParamScheduler,
-                model_parallel_cuda_manual_seed, TreeDataPipeline, build_model, forward_backward, make_config,
-                wrap_ddp) -> dict:
+def _train_loop(args, samples, on_cpu: bool) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from .training import build_model, forward_backward, make_config, wrap_ddp
+
+    rank = dist.get_rank()
     margs = _model_args(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     # a fresh config per model: DDP hangs hooks on it, MoE experts deep-copy it
@@ -468,7 +466,7 @@ def _train_loop(args, samples, on_cpu, rank, ps, OptimizerConfig, get_megatron_o
               dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, num_epochs=None,
               pad_to_multiple_of=args.tree_pad_to_multiple_of, vocab_size=args.vocab_size,
               lookahead=args.tree_lookahead)
-    pipeline = _FlatPipeline.make(samples=samples, **kw) if args.packing == "flat" else TreeDataPipeline(samples, **kw)
+    pipeline = _make_pipeline(samples, args.packing, **kw)
 
     start, resumed_from = 0, None
     ckpt = latest_checkpoint(args.load) if args.load else None

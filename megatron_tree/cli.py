@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    import warnings
+
+    # Megatron-Core warns at import that TE / Apex are absent (expected on CPU); keep the output readable.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (is|are) not installed.*")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

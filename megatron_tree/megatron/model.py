@@ -33,6 +33,17 @@ def _is_tree(psp) -> bool:
 class TreeGPTModel(GPTModel):
     """``GPTModel`` for tree microbatches (identical to ``GPTModel`` for any other input)."""
 
+    def __init__(self, config, transformer_layer_spec, *args, **kwargs):
+        super().__init__(config, transformer_layer_spec, *args, **kwargs)
+        self._non_homogeneous_layers = bool(getattr(transformer_layer_spec, "non_homogeneous_layers", False))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Megatron's sharded state dict; hybrid stacks are always keyed per layer (a Mamba layer
+        and an attention layer cannot be stacked into one tensor)."""
+        if self._non_homogeneous_layers:
+            metadata = dict(metadata or {}, non_homogeneous_layers=True)
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
         out = super()._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,

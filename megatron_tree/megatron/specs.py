@@ -156,4 +156,8 @@ def get_tree_hybrid_stack_spec(pattern: str, config=None, *, use_transformer_eng
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
         specs = specs[offset: offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)]
     layer_norm = _backend(use_te).layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=layer_norm)
+    block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=layer_norm)
+    # Layers differ in structure: checkpoints must key them per layer, not stacked (TreeGPTModel
+    # reads this flag in sharded_state_dict, so Megatron-LM's checkpointing gets it too).
+    block.non_homogeneous_layers = True
+    return block

@@ -268,7 +268,7 @@ def _iter_dir(directory: str, step: int) -> str:
 def _sharded_state(ddp, opt, *, is_loading: bool) -> dict:
     # per-layer keys: a hybrid stack's layers differ (a Mamba layer has no input_layernorm), so
     # Megatron's stacked [num_layers, ...] tensors would have holes
-    sd = {"model": ddp.module.sharded_state_dict(metadata={"non_homogeneous_layers": True})}
+    sd = {"model": ddp.module.sharded_state_dict()}
     sd["optimizer"] = opt.sharded_state_dict(sd["model"], is_loading=is_loading)
     return sd
 

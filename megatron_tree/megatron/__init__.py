@@ -1,5 +1,30 @@
-"""Megatron-Core glue: tree packed-seq params, layer specs, modules, depth RoPE, loss, verify.
+"""Megatron-Core glue: tree packed-seq params, layer specs, modules, depth RoPE, loss, verify, trainer.
 
-Import the submodules you need (``megatron_tree.megatron.specs``, ``.model``, ...); importing this
-package does not import Megatron-Core's heavy modules.
+Names are exported lazily (PEP 562): ``from megatron_tree.megatron import get_tree_gpt_layer_spec``
+imports Megatron-Core only when a name is first used, so importing this package stays cheap.
 """
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "TreePackedSeqParams": "packed_seq", "tree_packed_seq_params": "packed_seq", "get_tree_layout": "packed_seq",
+    "TreeDotProductAttention": "attention",
+    "TreeGatedDeltaNet": "gdn", "tree_gdn_module_spec": "gdn",
+    "TreeMambaMixer": "mamba", "tree_mamba_module_spec": "mamba",
+    "TreeGPTModel": "model",
+    "get_tree_gpt_layer_spec": "specs", "get_tree_gpt_decoder_block_spec": "specs",
+    "get_tree_hybrid_stack_spec": "specs", "treeify_spec": "specs",
+    "vocab_parallel_logprobs": "loss", "tree_loss_func": "loss",
+    "tree_forward_step": "training", "ModelArgs": "training", "make_config": "training", "build_model": "training",
+    "VerifyConfig": "verify", "run_verify": "verify",
+    "add_tree_args": "arguments", "validate_tree_args": "arguments",
+    "run_distributed": "launch",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,6 +44,10 @@ class MicrobatchStats:
     def fill(self) -> float:
         return self.tree_tokens / self.max_tokens_per_mb
 
+    def __getitem__(self, key: str):
+        """``stats["tree_token_ratio"]`` as well as ``stats.tree_token_ratio``."""
+        return self.as_dict()[key]
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(tree_token_ratio=self.tree_token_ratio, attention_pair_ratio=self.attention_pair_ratio,

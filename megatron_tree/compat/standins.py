@@ -184,7 +184,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     run's), as in mamba-ssm. Returns y [b,L,H,P] (x's dtype), or ``(y, final_states)``.
     """
     if return_varlen_states or cu_seqlens is not None:
-        raise NotImplementedError("varlen states (inference prefill) are not provided by the CPU stand-in")
+        raise RuntimeError("varlen states (inference prefill) are not provided by the CPU stand-in")
     runs = _runs(seq_idx, x.shape[1])
     ys, final = [], None
     for i, (lo, hi) in enumerate(runs):  # one call per packed sequence
@@ -320,7 +320,7 @@ def repeat(t: torch.Tensor, pattern: str, **sizes) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 def _inference_only(name: str) -> Callable:
     def stub(*args, **kwargs):
-        raise NotImplementedError(f"{name} is a Triton inference kernel; it is not available on CPU")
+        raise RuntimeError(f"{name} is a Triton inference kernel; it is not available on CPU")
 
     stub.__name__ = name
     return stub

@@ -124,7 +124,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         cp = getattr(pg_collection, "cp", None)
         if cp is not None and cp.size() > 1:
-            raise NotImplementedError("TreeGatedDeltaNet runs with context_parallel_size=1; tree-aware context "
+            raise ValueError("TreeGatedDeltaNet runs with context_parallel_size=1; tree-aware context "
                                       "parallelism for GDN belongs to megatron_tree.cp")
         with _fla_check_bypassed():
             super().__init__(config, submodules, layer_number=layer_number, bias=bias, conv_bias=conv_bias,
@@ -140,7 +140,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         who = type(self).__name__
         inference_context = deprecate_inference_params(inference_context, inference_params)
         if inference_context is not None:
-            raise NotImplementedError(f"{who} is a training module: inference over a tree is not supported")
+            raise ValueError(f"{who} is a training module: inference over a tree is not supported")
         if key_value_states is not None:
             raise ValueError(f"{who} is self-attention only (got key_value_states)")
         layout = get_tree_layout(packed_seq_params)

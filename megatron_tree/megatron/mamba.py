@@ -88,7 +88,7 @@ class _TreeMambaMixerImpl:
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         if pg_collection.cp.size() > 1:
-            raise NotImplementedError(f"{who} runs with context_parallel_size=1; tree-aware context parallelism "
+            raise ValueError(f"{who} runs with context_parallel_size=1; tree-aware context parallelism "
                                       "for Mamba belongs to megatron_tree.cp")
         super().__init__(config, submodules, config.hidden_size if d_model is None else d_model,
                          pg_collection=pg_collection, **kwargs)
@@ -101,7 +101,7 @@ class _TreeMambaMixerImpl:
         who = type(self).__name__
         inference_context = deprecate_inference_params(inference_context, inference_params)
         if inference_context is not None:
-            raise NotImplementedError(f"{who} is a training module: inference over a tree is not supported")
+            raise ValueError(f"{who} is a training module: inference over a tree is not supported")
         layout = get_tree_layout(packed_seq_params)
         _check_tree_input(hidden_states, who)
         cp = self.cp  # CP size 1 (checked at construction): its getters return this rank's parameters

@@ -18,6 +18,7 @@ WS1 = [
     VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", loss="grpo", recompute="full"),
     VerifyConfig(model="hybrid", pattern="GM*-", dtype="float32"),
     VerifyConfig(model="gpt", dtype="float32", window=5, sinks=True),
+    VerifyConfig(model="hybrid", pattern="GM*-", dtype="bfloat16"),  # smoke check at bf16 tolerance
 ] + [VerifyConfig(model="gpt", fault=f) for f in FAULTS if f != "zero_state"] + [
     VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", fault="zero_state"),
     VerifyConfig(model="hybrid", pattern="G-", dtype="float64", fault="zero_state"),

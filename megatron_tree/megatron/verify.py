@@ -218,10 +218,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             m = m.cuda()
         ddp = wrap_ddp(m, config)
         # Adam's first step is lr*sign(g): float noise on near-zero gradients flips whole updates, so
-        # float32 runs step with SGD (linear in the gradient); float64 runs use Adam.
+        # float32 runs step with SGD (linear in the gradient); float64 runs use Adam. On CPU, bf16
+        # params step with the plain optimizer (Megatron's fp16/bf16 wrapper accepts CUDA tensors only).
         opt_name = "adam" if dtype == torch.float64 else "sgd"
         opt = get_megatron_optimizer(OptimizerConfig(optimizer=opt_name, lr=1e-2, weight_decay=0.01, clip_grad=0.0,
-                                                     params_dtype=dtype, bf16=dtype == torch.bfloat16), [ddp])
+                                                     params_dtype=dtype, bf16=dtype == torch.bfloat16 and not on_cpu), [ddp])
         return ddp, opt
 
     result = {m: 0.0 for m in METRICS}

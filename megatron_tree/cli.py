@@ -73,7 +73,7 @@ def cmd_demo(args) -> int:
     cmd_stats(ns)
     print()
     run_demo(args.out_dir, steps=args.steps, flat_steps=args.flat_steps, preset=args.preset, scale=args.scale,
-             loss=args.loss)
+             loss=args.loss, budget=args.max_tokens_per_mb)
     return 0
 
 
@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--steps", type=int, default=40, help="tree-packed training steps")
     dm.add_argument("--flat-steps", type=int, default=5, help="flat-packed steps (throughput baseline)")
     dm.add_argument("--preset", choices=PRESETS, default="varied_5k_16x100")
-    dm.add_argument("--scale", type=float, default=0.1, help="shrink the preset's lengths for CPU")
+    dm.add_argument("--scale", type=float, default=0.2, help="shrink the preset's lengths for CPU")
+    dm.add_argument("--max-tokens-per-mb", type=int, default=2048, help="row budget per microbatch")
     dm.add_argument("--loss", choices=["sft", "grpo"], default="sft")
     dm.set_defaults(func=cmd_demo)
     from .megatron.trainer import add_train_args

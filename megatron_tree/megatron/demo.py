@@ -28,14 +28,14 @@ DEMO_PATTERN = "MG*-*E"  # Mamba-2, GDN, attention, MLP, attention, MoE
 
 
 def demo_train_argv(out_dir: str, *, steps: int, preset: str, scale: float, loss: str, pattern: str,
-                    packing: str = "tree", seed: int = 1234) -> list[str]:
+                    packing: str = "tree", seed: int = 1234, budget: int = 1024) -> list[str]:
     """``megatron-tree train`` arguments of the demo (printed, so a user can rerun it)."""
     return ["--synthetic-preset", preset, "--synthetic-scale", str(scale), "--vocab-size", "256",
             "--hybrid-override-pattern", pattern, "--num-experts", "4", "--hidden-size", "64",
             "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "128",
             "--train-iters", str(steps), "--lr", "1e-2", "--min-lr", "1e-4", "--lr-warmup-iters", "3",
             "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.0", "--seed", str(seed),
-            "--tree-global-batch-samples", "32", "--tree-max-tokens-per-mb", "1024", "--tree-loss", loss,
+            "--tree-global-batch-samples", "32", "--tree-max-tokens-per-mb", str(budget), "--tree-loss", loss,
             "--tree-lookahead", "1", "--packing", packing, "--nproc", "2", "--log-interval", "5",
             "--tensorboard-dir", os.path.join(out_dir, "tb", packing)]
 
@@ -137,8 +137,8 @@ def plot_demo(tree: dict, flat: dict, s: dict, path: str) -> Optional[str]:
 
 
 def run_demo(out_dir: str = "runs/demo", steps: int = 40, flat_steps: int = 5, *,
-             preset: str = "varied_5k_16x100", scale: float = 0.1, loss: str = "sft",
-             pattern: str = DEMO_PATTERN, timeout: float = 900.0, verbose: bool = True) -> dict:
+             preset: str = "varied_5k_16x100", scale: float = 0.2, loss: str = "sft",
+             pattern: str = DEMO_PATTERN, budget: int = 2048, timeout: float = 900.0, verbose: bool = True) -> dict:
     """Run the demo (module docstring); returns the figures (`summarize`) plus output paths.
 
     ``loss`` "sft" by default: on the presets' random completions GRPO's surrogate has no trend to
@@ -148,9 +148,10 @@ def run_demo(out_dir: str = "runs/demo", steps: int = 40, flat_steps: int = 5, *
 
     os.makedirs(out_dir, exist_ok=True)
     parser = build_train_parser()
-    tree_argv = demo_train_argv(out_dir, steps=steps, preset=preset, scale=scale, loss=loss, pattern=pattern)
+    tree_argv = demo_train_argv(out_dir, steps=steps, preset=preset, scale=scale, loss=loss, pattern=pattern,
+                                budget=budget)
     flat_argv = demo_train_argv(out_dir, steps=flat_steps, preset=preset, scale=scale, loss=loss, pattern=pattern,
-                                packing="flat")
+                                packing="flat", budget=budget)
     tree_args, flat_args = parser.parse_args(tree_argv), parser.parse_args(flat_argv)
     flat_args.quiet = not verbose
     tree_args.quiet = not verbose

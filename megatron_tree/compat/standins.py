@@ -32,19 +32,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..ops.gated_delta_rule import l2norm  # FLA's l2norm, shared with TreeGatedDeltaNet
+
 _TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
 
 
 # ----------------------------------------------------------------------------------------------
 # FLA stand-ins
 # ----------------------------------------------------------------------------------------------
-def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """FLA's ``l2norm``: ``x * rsqrt(sum(x^2) + eps)`` over ``dim`` (float32 inside for half inputs)."""
-    xf = x if x.dtype == torch.float64 else x.float()
-    y = xf * torch.rsqrt((xf * xf).sum(dim=dim, keepdim=True) + eps)
-    return y.to(output_dtype or x.dtype)
-
-
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
     """FLA ``chunk_gated_delta_rule`` calling convention on top of the torch reference.

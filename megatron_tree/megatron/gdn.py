@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import deprecate_inference_params
 
 from ..ops.causal_conv1d import tree_causal_conv1d
-from ..ops.gated_delta_rule import tree_gated_delta_rule
+from ..ops.gated_delta_rule import l2norm, tree_gated_delta_rule
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeGatedDeltaNet", "tree_gdn_module_spec", "spec_provider", "l2norm"]
@@ -49,13 +49,6 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     bf16/fp32 models) we use this: identical in bf16/fp32, and a float64 test model stays float64
     end to end, so tree and per-sample gradients agree to ~1e-12 instead of fp32 rounding."""
     return x if x.dtype == torch.float64 else x.float()
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """FLA's ``l2norm`` over the last dim: ``x * rsqrt(sum(x^2) + eps)``, computed in fp32 (fp64 for
-    fp64 inputs) and returned in ``x``'s dtype."""
-    xf = _wide(x)
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @contextlib.contextmanager

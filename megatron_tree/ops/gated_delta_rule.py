@@ -144,6 +144,13 @@ def _step_counts(num_chunks: torch.Tensor) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- batch-first API
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype=None) -> torch.Tensor:
+    """FLA's ``l2norm`` (how callers normalise q and k): ``x * rsqrt(sum(x^2) + eps)`` over ``dim``,
+    computed in float32 (float64 for float64 inputs), returned in ``output_dtype`` or x's dtype."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(dim=dim, keepdim=True) + eps)).to(output_dtype or x.dtype)
+
+
 def chunk_gated_delta_rule_torch(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                                  chunk_size: int = 64):
     """Chunked gated delta rule in FLA's batch-first layout (torch, differentiable, any device).

@@ -46,12 +46,11 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..tree.microbatch import TreeMicrobatch
+from ..tree.microbatch import TreeMicrobatch, padding_microbatch
 from ..tree.packing import PrefixPlan, pack
 from ..tree.sample import Sample, as_sample, validate_sample
 from .io import ReadReport, read_jsonl
 from .lookahead import Lookahead
-from ..tree.microbatch import padding_microbatch
 from .sharding import DEFAULT_ATTENTION_COST, balance, microbatch_cost
 
 _STATE_VERSION = 1
@@ -203,7 +202,9 @@ class TreeDataPipeline:
     attention_cost, cost_fn  cost model for balancing (`sharding.microbatch_cost` by default)
     balance_budget        when a window would pack into fewer microbatches than DP slots, pack it
                           with the smaller budget that minimises the slowest rank's rows
-                          (`_choose_budget`; not with ``pad_to_budget``)
+                          (`_choose_budget`; not with ``pad_to_budget`` or without prefix sharing)
+    share_prefixes        False: flat packing (every sample its own chain, same windows and budget),
+                          the baseline tree packing is measured against
     lookahead             steps built ahead by a background thread (0: build on demand)
     plan_fn               optional ``plan_fn(mb) -> plan`` run on each of this rank's microbatches
                           (padding ones included) while building, e.g. the CP planner; with
@@ -222,7 +223,7 @@ class TreeDataPipeline:
                  pad_to_budget: bool = False, pad_id: int = 0, vocab_size: int | None = None,
                  microbatches_per_rank: int | None = None, attention_cost: float = DEFAULT_ATTENTION_COST,
                  cost_fn: Callable[[TreeMicrobatch], float] | None = None, balance_budget: bool = True,
-                 lookahead: int = 0,
+                 share_prefixes: bool = True, lookahead: int = 0,
                  plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
@@ -253,6 +254,7 @@ class TreeDataPipeline:
         self.microbatches_per_rank = microbatches_per_rank
         self.cost_fn = cost_fn or (lambda mb: microbatch_cost(mb, attention_cost))
         self.balance_budget = balance_budget
+        self.share_prefixes = share_prefixes
         self.lookahead = int(lookahead)
         self.plan_fn = plan_fn
         self._float_fields = self._validate(vocab_size)
@@ -361,7 +363,7 @@ class TreeDataPipeline:
         return [self._to_dataset_ids(mb, window)
                 for mb in pack([self.samples[i] for i in window.tolist()], budget,
                                pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
-                               pad_to_budget=self.pad_to_budget)]
+                               pad_to_budget=self.pad_to_budget, share_prefixes=self.share_prefixes)]
 
     def _slots_makespan(self, rows: Sequence[int]) -> float:
         """Slowest rank's rows when microbatches of ``rows`` are balanced (inf if they cannot fit)."""
@@ -382,7 +384,8 @@ class TreeDataPipeline:
         tree-splitting and first-fit steps (rows only, no layout is built).
         """
         B = self.max_tokens_per_mb
-        if not self.balance_budget or self.pad_to_budget or self.dp_size == 1:
+        # budgets are priced with the sharing packer's rows, so flat packing keeps the full budget
+        if not self.balance_budget or self.pad_to_budget or self.dp_size == 1 or not self.share_prefixes:
             return B
         m = self.pad_to_multiple_of
         plan = PrefixPlan([self.samples[i].tokens.astype(np.int64, copy=False) for i in window.tolist()])

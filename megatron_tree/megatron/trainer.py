@@ -364,23 +364,10 @@ class _Loggers:
 
 # --------------------------------------------------------------------------------------------- training
 def _make_pipeline(samples, packing: str, **kw):
-    """`TreeDataPipeline` over ``samples``; with ``packing="flat"`` its packer shares nothing (every
-    sample its own chain, same budget, same windows): the baseline tree packing is measured against."""
+    """`TreeDataPipeline` over ``samples``; ``packing="flat"`` shares nothing (the baseline)."""
     from ..data.pipeline import TreeDataPipeline
-    from ..tree import pack
 
-    if packing == "tree":
-        return TreeDataPipeline(samples, **kw)
-
-    class FlatDataPipeline(TreeDataPipeline):
-        def _pack(self, window, budget):
-            return [self._to_dataset_ids(mb, window)
-                    for mb in pack([self.samples[i] for i in window.tolist()], budget,
-                                   pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
-                                   pad_to_budget=self.pad_to_budget, share_prefixes=False)]
-
-    # balance_budget prices budgets with the sharing packer's rows; flat packing keeps the full budget
-    return FlatDataPipeline(samples, balance_budget=False, **kw)
+    return TreeDataPipeline(samples, share_prefixes=packing == "tree", **kw)
 
 
 def _model_args(args):

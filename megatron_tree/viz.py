@@ -22,7 +22,7 @@ def plot_microbatch_tree(mb, path: str, *, title: str | None = None) -> None:
     import matplotlib.pyplot as plt
 
     L = mb.layout
-    real = L.segment_parent.numpy() if not L.num_padding else L.segment_parent.numpy()[: L.num_segments - L.num_padding]
+    real = L.segment_parent.numpy()[: L.num_segments - L.num_padding]  # padding segments are not drawn
     S = len(real)
     off = L.segment_offsets.numpy()
     pos = L.position_ids.numpy()
@@ -33,7 +33,6 @@ def plot_microbatch_tree(mb, path: str, *, title: str | None = None) -> None:
     is_leaf[real[real >= 0]] = False
     y = np.zeros(S)
     y[is_leaf] = np.arange(is_leaf.sum())  # preorder = leaf order top to bottom
-    cnt = np.zeros(S)
     acc = np.where(is_leaf, y, 0.0)
     n = is_leaf.astype(float)
     for lv in range(int(level.max(initial=0)), 0, -1):  # children's mean y -> parent

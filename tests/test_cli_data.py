@@ -9,7 +9,7 @@ import pytest
 from megatron_tree.cli import main
 from megatron_tree.data.io import ReadReport, read_jsonl, write_jsonl
 from megatron_tree.data.synthetic import PRESETS, make_preset
-from megatron_tree.tree import Sample, pack, summarize
+from megatron_tree.tree import pack, summarize
 
 
 def test_presets_are_seeded_and_shaped():

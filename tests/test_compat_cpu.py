@@ -550,7 +550,6 @@ def _ssm_body():
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     pgs = ProcessGroupCollection.use_mpu_process_groups()

@@ -320,7 +320,7 @@ def _forward_body():
         tree_tokens += int(n)
         assert torch.allclose(report["lm loss"], torch.stack([loss.detach(), n.to(loss.dtype)]).to(report["lm loss"].dtype))
     tree_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    flat_loss, flat_tokens, flat_grads = 0.0, 0, None
+    flat_loss, flat_tokens = 0.0, 0
     stock.zero_grad()
     for s in samples:
         lp = _flat_logprobs(stock, s, V)

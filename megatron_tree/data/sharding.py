@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from ..tree.microbatch import TreeMicrobatch, padding_microbatch  # noqa: F401 (re-exported for the pipeline)
 

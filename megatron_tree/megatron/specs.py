@@ -20,7 +20,6 @@ from typing import Optional
 
 from megatron.core.models.gpt import gpt_layer_specs as gls
 from megatron.core.transformer.attention import SelfAttentionSubmodules
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules

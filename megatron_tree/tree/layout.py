@@ -11,7 +11,7 @@ ancestor-or-self of q on q's root path".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -160,9 +160,8 @@ class TreeLayout:
         return TreeLayout(**{f: getattr(self, f).to(device) for f in _FIELDS}, num_padding=self.num_padding)
 
     def visible(self, q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
-        """Visibility predicate broadcast over ``q_rows`` x ``k_rows`` (tests and small blocks only)."""
-        q = q_rows.unsqueeze(-1)
-        k = k_rows.unsqueeze(-2) if k_rows.dim() else k_rows
+        """[Nq, Nk] bool: query rows ``q_rows`` [Nq] x key rows ``k_rows`` [Nk] (tests, small blocks)."""
+        q, k = q_rows.unsqueeze(-1), k_rows.unsqueeze(-2)
         return (k <= q) & (q < self.visible_until[k_rows].unsqueeze(-2))
 
     def dense_mask(self) -> torch.Tensor:

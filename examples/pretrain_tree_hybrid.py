@@ -27,8 +27,8 @@ Multi-node: examples/slurm/train_tree_hybrid.sbatch.
 from megatron.core.enums import ModelType
 from megatron.training import pretrain
 
-from megatron_tree.megatron.arguments import add_tree_args
-from megatron_tree.megatron.megatron_lm import forward_step, model_provider, train_valid_test_datasets_provider
+from megatron_tree.training.arguments import add_tree_args
+from megatron_tree.training.megatron_lm import forward_step, model_provider, train_valid_test_datasets_provider
 
 
 def hybrid_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):

@@ -59,7 +59,7 @@ def cmd_demo(args) -> int:
     tiny hybrid model trained on CPU with tree packing vs flat packing (`megatron.demo.run_demo`)."""
     import os
 
-    from .megatron.demo import run_demo
+    from .training.demo import run_demo
 
     os.makedirs(args.out_dir, exist_ok=True)
     ns = argparse.Namespace(data=None, preset=args.preset, seed=0, scale=1.0, max_tokens_per_mb=None,
@@ -78,14 +78,14 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .megatron.trainer import run
+    from .training.trainer import run
 
     run(args)
     return 0
 
 
 def cmd_verify(args) -> int:
-    from .megatron.verify import VerifyConfig, format_report, run_verify
+    from .training.verify import VerifyConfig, format_report, run_verify
 
     cfg = VerifyConfig(model=args.model, pattern=args.pattern, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
                        sp=args.sp, recompute=args.recompute, dtype=args.dtype, loss=args.loss, window=args.window,
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--max-tokens-per-mb", type=int, default=2048, help="row budget per microbatch")
     dm.add_argument("--loss", choices=["sft", "grpo"], default="sft")
     dm.set_defaults(func=cmd_demo)
-    from .megatron.trainer import add_train_args
+    from .training.trainer import add_train_args
 
     tr = sub.add_parser("train", help="train a Megatron-Core model on prefix trees (torchrun/srun, or --nproc "
                                       "local ranks)")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 # The harness itself lives in the package (``megatron-tree verify`` and the trainer spawn ranks too).
-from megatron_tree.megatron.launch import DistributedError, run_distributed  # noqa: F401
+from megatron_tree.training.launch import DistributedError, run_distributed  # noqa: F401
 
 __all__ = ["run_distributed", "init_megatron", "DistributedError"]
 

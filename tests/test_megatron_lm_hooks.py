@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_tree.megatron.arguments import add_tree_args, validate_tree_args
-from megatron_tree.megatron.launch import run_distributed
+from megatron_tree.training.arguments import add_tree_args, validate_tree_args
+from megatron_tree.training.launch import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,7 +185,7 @@ def _microbatches(seed=0):
 
 
 def test_encode_decode_roundtrip_keeps_every_field_exactly():
-    from megatron_tree.megatron.megatron_lm import decode_tree_batch, encode_tree_batch
+    from megatron_tree.training.megatron_lm import decode_tree_batch, encode_tree_batch
     from megatron_tree.tree import pack
 
     for mb in _microbatches(0) + pack(_samples(1, rl=False), 64):
@@ -220,7 +220,7 @@ def _tp_broadcast_body(seeds):
     cpu.enable()
     from megatron.core import parallel_state as ps
 
-    from megatron_tree.megatron.megatron_lm import get_batch
+    from megatron_tree.training.megatron_lm import get_batch
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     rank, tp_rank, dp_rank = dist.get_rank(), ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -285,8 +285,9 @@ def _forward_body():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tree.megatron import megatron_lm as H
-    from megatron_tree.megatron.training import ModelArgs, make_config, tree_forward_step
+    from megatron_tree.training import megatron_lm as H
+    from megatron_tree.megatron.forward_step import tree_forward_step
+    from megatron_tree.training.models import ModelArgs, make_config
     from megatron_tree.tree import pack
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
@@ -445,7 +446,7 @@ def _take(stream, n):
 
 
 def test_datasets_provider_fixed_microbatches_per_step_and_exact_resume(tmp_path):
-    from megatron_tree.megatron.megatron_lm import train_valid_test_datasets_provider
+    from megatron_tree.training.megatron_lm import train_valid_test_datasets_provider
 
     samples = _samples(2, rl=False)
     _write_jsonl(tmp_path / "train.jsonl", samples)
@@ -477,7 +478,7 @@ def test_datasets_provider_fixed_microbatches_per_step_and_exact_resume(tmp_path
 
 
 def test_datasets_provider_explains_too_few_microbatch_slots(tmp_path):
-    from megatron_tree.megatron.megatron_lm import train_valid_test_datasets_provider
+    from megatron_tree.training.megatron_lm import train_valid_test_datasets_provider
 
     _write_jsonl(tmp_path / "t.jsonl", _samples(2, rl=False))
     args = _provider_args(tmp_path / "t.jsonl", global_batch_size=1, tree_global_batch_samples=30)
@@ -494,7 +495,7 @@ def test_datasets_provider_explains_too_few_microbatch_slots(tmp_path):
 def test_example_calls_pretrain_with_the_tree_hooks(script, monkeypatch):
     from megatron.core.enums import ModelType
 
-    from megatron_tree.megatron import megatron_lm as H
+    from megatron_tree.training import megatron_lm as H
 
     calls = []
     stub = types.ModuleType("megatron.training")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tree.megatron.verify import FAULTS, VerifyConfig, format_report, run_verify_many
+from megatron_tree.training.verify import FAULTS, VerifyConfig, format_report, run_verify_many
 
 WS1 = [
     VerifyConfig(model="gpt", dtype="float64"),

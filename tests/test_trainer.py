@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from megatron_tree.megatron.launch import run_distributed
-from megatron_tree.megatron.trainer import build_train_parser, check_train_args, latest_checkpoint, main
+from megatron_tree.training.launch import run_distributed
+from megatron_tree.training.trainer import build_train_parser, check_train_args, latest_checkpoint, main
 
 HYBRID = "MG*E"  # Mamba-2, GDN, attention, MoE (2 experts)
 
@@ -48,7 +48,7 @@ def _args(data, *extra):
 # --------------------------------------------------------------------------------------------- rank bodies
 def _resume_body(data, ckpt, tb):
     """DP2 hybrid: uninterrupted 6 steps; 3 steps + save; resume from the checkpoint for 3 more."""
-    from megatron_tree.megatron.trainer import train
+    from megatron_tree.training.trainer import train
 
     common = ("--hybrid-override-pattern", HYBRID, "--num-experts", "2", "--moe-ffn-hidden-size", "16",
               "--train-iters", "6", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1")
@@ -60,7 +60,7 @@ def _resume_body(data, ckpt, tb):
 
 def _tree_flat_body(data):
     """TP2 GPT: the same steps with tree packing and with flat packing (every sample its own chain)."""
-    from megatron_tree.megatron.trainer import train
+    from megatron_tree.training.trainer import train
 
     common = ("--tensor-model-parallel-size", "2", "--num-layers", "2", "--train-iters", "5")
     tree = train(_args(data, *common))

@@ -31,7 +31,7 @@ def _body(a: dict) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_tree.compat import cpu as compat_cpu
-    from megatron_tree.megatron.training import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
+    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
     from megatron_tree.tree import Sample, pack, summarize
 
     compat_cpu.enable(kernels=True)
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from megatron_tree.megatron.launch import run_distributed
+    from megatron_tree.training.launch import run_distributed
 
     (r,) = run_distributed(_body, 1, vars(args), timeout=1800)
     print(f"hybrid '{args.pattern}', hidden {args.hidden}: prompt {args.prompt} + {args.completions} x "

@@ -1,4 +1,7 @@
-"""Megatron-Core glue: tree packed-seq params, layer specs, modules, depth RoPE, loss, verify, trainer.
+"""The extension a Megatron-Core user swaps in: tree packed-seq params, layer specs, modules, model, loss.
+
+This package imports ``tree``, ``ops`` (and ``cp``) and Megatron-Core, never ``data`` or our training
+application (``megatron_tree.training``: trainer, verify, launch, Megatron-LM hooks).
 
 Names are exported lazily (PEP 562): ``from megatron_tree.megatron import get_tree_gpt_layer_spec``
 imports Megatron-Core only when a name is first used, so importing this package stays cheap.
@@ -16,10 +19,7 @@ _EXPORTS = {
     "get_tree_gpt_layer_spec": "specs", "get_tree_gpt_decoder_block_spec": "specs",
     "get_tree_hybrid_stack_spec": "specs", "treeify_spec": "specs",
     "vocab_parallel_logprobs": "loss", "tree_loss_func": "loss",
-    "tree_forward_step": "training", "ModelArgs": "training", "make_config": "training", "build_model": "training",
-    "VerifyConfig": "verify", "run_verify": "verify",
-    "add_tree_args": "arguments", "validate_tree_args": "arguments",
-    "run_distributed": "launch",
+    "tree_forward_step": "forward_step",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import _BIG, block_pairs
+from .blocks import BIG_ROW, block_pairs
 
 __all__ = ["FLEX_BLOCK_SIZE", "FlexBlockTensors", "build_flex_block_tensors", "build_flex_block_mask",
            "flex_tree_attention_partial"]
@@ -92,7 +92,7 @@ def build_flex_block_mask(q_rows: torch.Tensor, k_rows: torch.Tensor, k_visible_
                                  q_positions=q_positions, k_positions=k_positions, window=window)
     lq, lk = t.seq_lengths
     qr = _pad_rows(q_rows.long(), lq, -1)
-    kr = _pad_rows(k_rows.long(), lk, _BIG)
+    kr = _pad_rows(k_rows.long(), lk, BIG_ROW)
     kv = _pad_rows(k_visible_until.long(), lk, -1)
     if window is None:
         def mask_mod(b, h, q_idx, kv_idx):

@@ -9,7 +9,7 @@ What one optimizer step does (every rank, `train`):
 1. `TreeDataPipeline` hands this DP rank its `TreeStep`: the window of ``--tree-global-batch-samples``
    samples packed into prefix-tree microbatches, balanced over DP ranks (every rank the same
    microbatch count), built ahead by a background thread (``--tree-lookahead``).
-2. `training.forward_backward` runs them through Megatron's ``get_forward_backward_func`` (variable
+2. `models.forward_backward` runs them through Megatron's ``get_forward_backward_func`` (variable
    sequence lengths between pipeline stages), DDP reduces the gradients, ``finalize_model_grads``
    divides them by the global target count (per-token loss: per-sample training, exactly).
 3. ``get_megatron_optimizer`` steps (grad clipping included), ``OptimizerParamScheduler`` moves lr/wd.
@@ -371,7 +371,7 @@ def _make_pipeline(samples, packing: str, **kw):
 
 
 def _model_args(args):
-    from .training import ModelArgs
+    from .models import ModelArgs
 
     pattern = args.tree_hybrid_pattern
     return ModelArgs(
@@ -423,7 +423,7 @@ def _train_loop(args, samples, on_cpu: bool) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from .training import build_model, forward_backward, make_config, wrap_ddp
+    from .models import build_model, forward_backward, make_config, wrap_ddp
 
     rank = dist.get_rank()
     margs = _model_args(args)

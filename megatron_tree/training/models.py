@@ -1,9 +1,9 @@
 """Building and stepping tree models with Megatron-Core's public training APIs.
 
-Shared by ``megatron-tree verify``, ``megatron-tree train`` and the Megatron-LM hooks: model
-configs for small GPT / hybrid models, the per-stage model builder, the DDP wrapper, the tree
-``forward_step`` and one forward-backward over a list of `TreeMicrobatch`es through
-``get_forward_backward_func`` (variable sequence lengths between pipeline stages).
+Shared by ``megatron-tree verify`` and ``megatron-tree train``: model configs for small GPT /
+hybrid models, the per-stage model builder, the DDP wrapper and one forward-backward over a list of
+`TreeMicrobatch`es through ``get_forward_backward_func`` (variable sequence lengths between
+pipeline stages) with the extension's ``tree_forward_step``.
 """
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from .loss import tree_loss_func
-from .model import TreeGPTModel
-from .packed_seq import tree_packed_seq_params
+from ..megatron.forward_step import tree_forward_step
+from ..megatron.model import TreeGPTModel
 
 DEFAULT_HYBRID_PATTERN = "MG*-*E"  # Mamba-2, GDN, attention, MLP, attention, MoE
 
@@ -44,7 +43,7 @@ class ModelArgs:
 
     def layers(self) -> int:
         if self.kind == "hybrid":
-            from .specs import parse_hybrid_pattern
+            from ..megatron.specs import parse_hybrid_pattern
 
             return len(parse_hybrid_pattern(self.pattern))
         return self.num_layers
@@ -97,7 +96,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
     """This pipeline stage's `TreeGPTModel` (GPT or hybrid stack, tree specs, local modules)."""
     from megatron.core import parallel_state as ps
 
-    from .specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
+    from ..megatron.specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
 
     pre = ps.is_pipeline_first_stage() if pre_process is None else pre_process
     post = ps.is_pipeline_last_stage() if post_process is None else post_process
@@ -124,18 +123,6 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False):
         overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer), module=model)
     config.no_sync_func = ddp.no_sync
     return ddp
-
-
-def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps: float = 0.2, clip_eps_high=None,
-                      kl_coef: float = 0.0, device=None):
-    """Megatron ``forward_step_func`` for `TreeMicrobatch` iterators (every stage reads the batch)."""
-    mb = next(data_iterator)
-    dev = device if device is not None else next(model.parameters()).device
-    psp = tree_packed_seq_params(mb, dev)
-    layout = psp.layout
-    out = model(layout.input_ids.unsqueeze(0), layout.position_ids.unsqueeze(0), None, packed_seq_params=psp)
-    return out, partial(tree_loss_func, psp.loss_map, loss_type=loss_type, clip_eps=clip_eps,
-                        clip_eps_high=clip_eps_high, kl_coef=kl_coef)
 
 
 def forward_backward(model, microbatches: list, *, forward_only: bool = False, **loss_kwargs) -> list[dict]:

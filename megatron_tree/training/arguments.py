@@ -4,7 +4,7 @@
 
 `add_tree_args` adds a "tree" argument group; `validate_tree_args` checks a parsed namespace
 against the rules tree training depends on and fills the derived defaults. Megatron-LM has no hook
-for validating extra arguments, so the hooks in `megatron_tree.megatron.megatron_lm` call
+for validating extra arguments, so the hooks in `megatron_tree.training.megatron_lm` call
 `validate_tree_args` themselves the first time they see the arguments.
 
 Nothing here imports Megatron: a bare ``argparse.ArgumentParser`` works, and checks about
@@ -178,7 +178,7 @@ def validate_tree_args(args) -> argparse.Namespace:
     # -- model
     pattern = _get(args, "tree_hybrid_pattern")
     if pattern is not None:
-        from .specs import parse_hybrid_pattern  # imports Megatron-Core's spec modules; only for hybrids
+        from ..megatron.specs import parse_hybrid_pattern  # imports Megatron-Core's spec modules; only for hybrids
 
         try:
             letters = parse_hybrid_pattern(pattern)

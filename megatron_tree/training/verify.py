@@ -141,7 +141,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _logits_step(store, data_iterator, model):
-    from .packed_seq import tree_packed_seq_params
+    from ..megatron.packed_seq import tree_packed_seq_params
 
     mb = next(data_iterator)
     psp = tree_packed_seq_params(mb, next(model.parameters()).device)
@@ -175,7 +175,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
     from ..compat import cpu as compat_cpu
     from ..tree import pack, padding_microbatch
-    from .training import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
+    from .models import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
 
     on_cpu = not torch.cuda.is_available()
     compat_cpu.enable(kernels=True)

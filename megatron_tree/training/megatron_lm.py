@@ -98,8 +98,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     if not getattr(config, "calculate_per_token_loss", False):
         raise ValueError("tree training needs calculate_per_token_loss=True (--calculate-per-token-loss)")
 
-    from .model import TreeGPTModel
-    from .specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
+    from ..megatron.model import TreeGPTModel
+    from ..megatron.specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
 
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     normalization = getattr(args, "normalization", None) or config.normalization
@@ -233,7 +233,7 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
     this with its own iterator copy. ``device`` defaults to the current CUDA device, else the CPU.
     Raises ``StopIteration`` on every TP rank when TP rank 0's iterator is exhausted.
     """
-    from .packed_seq import TreePackedSeqParams
+    from ..megatron.packed_seq import TreePackedSeqParams
 
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -269,7 +269,7 @@ def loss_func(loss_map: LossMap, output_tensor: torch.Tensor, *, loss_type: str 
     """Megatron ``loss_func``: ``(loss_sum, num_tokens, report)`` from the [M] per-occurrence log-probs
     the last stage returns. ``report["lm loss"]`` is ``[loss_sum, num_tokens]`` (Megatron-LM sums it
     over microbatches and DP ranks and logs the ratio); policy losses add their metrics likewise."""
-    from .loss import tree_loss_func
+    from ..megatron.loss import tree_loss_func
 
     out = tree_loss_func(loss_map, output_tensor, loss_type=loss_type, clip_eps=clip_eps,
                          clip_eps_high=clip_eps_high, kl_coef=kl_coef)

@@ -1,0 +1,104 @@
+"""The package's import arrows point down: tree -> ops -> cp -> megatron -> training/data -> cli.
+
+Every import statement of every module (top level and inside functions) is resolved to the
+``megatron_tree`` sub-package it names and checked against the allowed arrows. A Megatron user
+swaps in ``megatron_tree.megatron``; it must never pull in our data pipeline or our application.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import megatron_tree
+
+ROOT = Path(megatron_tree.__file__).parent
+
+# Layer -> the layers of ours it may import (itself always allowed). ``compat`` holds explicit
+# shims: it sits beside ops (its torch stand-ins call the ops) and is used by modules that run
+# Megatron-Core on CPU hosts.
+ALLOWED = {
+    "tree": set(),
+    "ops": {"tree"},
+    "compat": {"tree", "ops"},
+    "cp": {"tree", "ops"},
+    "megatron": {"tree", "ops", "cp", "compat"},
+    "data": {"tree"},
+    "viz": {"tree"},
+    "training": {"tree", "ops", "cp", "compat", "megatron", "data"},
+    "cli": {"tree", "ops", "cp", "compat", "megatron", "data", "training", "viz"},
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported_layers(path: Path) -> set[tuple[str, int]]:
+    """(layer, line) for every import of a ``megatron_tree`` module in ``path``."""
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    package = list(rel.parts[:-1])  # a module and a package's __init__ resolve "." alike
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                # ``from . import x`` / ``from .. import x``: x is the module
+                names = [mod + "." + a.name for a in node.names] if not node.module else [mod]
+            else:
+                names = [node.module or ""]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "megatron_tree" and len(parts) > 1:
+                out.add((parts[1], node.lineno))
+    return out
+
+
+def _modules():
+    return sorted(p for p in ROOT.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    layers = {_layer(p) for p in _modules()}
+    assert layers <= set(ALLOWED), layers - set(ALLOWED)
+    assert {"tree", "ops", "megatron", "training", "data"} <= layers
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path):
+    me = _layer(path)
+    bad = sorted((layer, line) for layer, line in _imported_layers(path) if layer != me and layer not in ALLOWED[me])
+    assert not bad, f"{path.relative_to(ROOT.parent)} ({me}) imports upward: " + ", ".join(
+        f"megatron_tree.{layer} at line {line}" for layer, line in bad)
+
+
+def test_checker_sees_relative_and_inner_imports(tmp_path, monkeypatch):
+    """The checker itself: a planted function-level relative import of the application is found."""
+    fake = ROOT / "megatron" / "model.py"
+    src = "def f():\n    from ..training.verify import run_verify\n    from ..data import pipeline\n"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: src)
+    found = _imported_layers(fake)
+    assert ("training", 2) in found and ("data", 3) in found
+
+
+def test_extension_import_loads_no_application():
+    """Importing every extension module loads neither ``megatron_tree.data`` nor ``.training``."""
+    code = ("import sys\n"
+            "from megatron_tree.compat import cpu\n"
+            "cpu.enable(kernels=True)  # Megatron's Mamba mixer imports Triton kernels; stand-ins on CPU\n"
+            "import megatron_tree.megatron as m\n"
+            "for n in m.__all__: getattr(m, n)\n"
+            "bad = [k for k in sys.modules if k.startswith(('megatron_tree.data', 'megatron_tree.training'))]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -19,7 +19,8 @@ setup(
         "test": ["pytest", "hypothesis", "pytest-xdist"],
         "plot": ["matplotlib"],
         "data": ["pyarrow"],
-        "log": ["tensorboardX"],
+        # tensorboardX: `megatron-tree train`; tensorboard: Megatron-LM's --tensorboard-dir (its SummaryWriter)
+        "log": ["tensorboardX", "tensorboard"],
     },
     entry_points={"console_scripts": ["megatron-tree=megatron_tree.cli:main"]},
 )

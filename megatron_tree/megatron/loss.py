@@ -53,7 +53,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
 def vocab_parallel_logprobs(logits: torch.Tensor, inverse: torch.Tensor, targets: torch.Tensor, *,
                             vocab_start: int = 0, group=None) -> torch.Tensor:
-    """logp[e] = log softmax(full-vocab logits[inverse[e]])[targets[e]] -> [M] float32.
+    """logp[e] = log softmax(full-vocab logits[inverse[e]])[targets[e]] -> [M].
+
+    The result is float64 for float64 logits and float32 for any other dtype (upcast first).
 
     logits [U, V_local] (this rank's vocab shard starting at ``vocab_start``), inverse [M] row of
     each occurrence in ``logits``, targets [M] global token ids, group the TP group (or None).

@@ -8,7 +8,8 @@ Two things a model must do differently on a tree, both confined here:
   runs on every pipeline stage (and the table is an input, so recomputation reuses it). Learned
   absolute position embeddings get depth ``position_ids`` from the caller.
 * **Loss rows.** With a `TreePackedSeqParams` carrying a loss map (and no ``labels``), the last
-  stage returns per-occurrence target log-probs ``[M]`` (float32) instead of logits: the output
+  stage returns per-occurrence target log-probs ``[M]`` instead of logits (float32, or float64 when
+  the model runs in float64: softmax is never taken in a lower precision than float32): the output
   layer runs on the distinct source rows only, and `vocab_parallel_logprobs` handles the TP vocab
   shards. Without a loss map it returns ordinary logits for every row.
 """
@@ -67,7 +68,10 @@ class TreeGPTModel(GPTModel):
         return super()._postprocess(hidden_states=hidden_states, **kwargs)
 
     def tree_logprobs(self, hidden_states: torch.Tensor, loss_map) -> torch.Tensor:
-        """[M] float32 log-probs of every loss occurrence from final hidden states [s(/tp), 1, h]."""
+        """[M] log-probs of every loss occurrence from final hidden states [s(/tp), 1, h].
+
+        float64 for a float64 model, float32 otherwise (bf16 / fp16 / fp32 logits are upcast).
+        """
         tp_group = self.pg_collection.tp
         if self.config.sequence_parallel:
             # backward: reduce-scatter = sum of every rank's partial (vocab-shard) input gradient

@@ -102,3 +102,12 @@ def test_extension_import_loads_no_application():
             "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_architecture_document_is_in_the_repository_and_names_every_layer():
+    doc = ROOT.parent / "docs" / "architecture.md"
+    readme = (ROOT.parent / "README.md").read_text()
+    assert "(docs/architecture.md)" in readme and "../shared" not in readme
+    text = doc.read_text()
+    for layer in sorted({_layer(p) for p in ROOT.glob("*/__init__.py")}):
+        assert f"**`{layer}/`**" in text, f"docs/architecture.md has no paragraph on megatron_tree/{layer}/"

@@ -32,7 +32,7 @@ _FIELDS = (
 class TreeLayout:
     """Immutable layout of N physical rows grouped into S segments (all int64 tensors).
 
-    Fields (DESIGN.md):
+    Fields (docs/architecture.md):
       input_ids       [N]   token of each physical row (padding rows hold ``pad_id``)
       position_ids    [N]   depth of the row on its root-to-leaf path (0 at a root row)
       segment_offsets [S+1] segment s owns rows ``segment_offsets[s]:segment_offsets[s+1]``

@@ -323,23 +323,44 @@ def test_lookahead_propagates_errors_and_shuts_down_cleanly():
     assert not la.alive and list(la) == []
 
 
-def test_timing_reports_hidden_packing():
+def test_timing_and_lookahead_builds_ahead():
+    """Timing fields add up, and lookahead really builds ahead: once the consumer holds step 0 the
+    thread builds steps 1 and 2 (depth 2) without being asked, and never more than depth + 1 ahead.
+    Counted, not timed, so a loaded machine cannot fail it."""
     samples = _dataset(9)
     slow_plan = lambda mb: time.sleep(0.02)
     kw = dict(max_tokens_per_mb=BUDGET, global_batch_samples=10, dp_size=2, plan_fn=slow_plan)
     sync = TreeDataPipeline(samples, **kw)
-    for _ in sync:
-        pass
+    want = [st.sample_ids for st in sync]
     t = sync.timing
-    assert t.steps == sync.steps_per_epoch and t.plan_s >= 0.02 * t.steps
-    assert t.wait_s >= t.produce_s  # without lookahead the consumer does the work
+    n = sync.steps_per_epoch
+    assert n >= 4 and t.steps == n and t.plan_s >= 0.02 * t.steps and t.produce_s == t.pack_s + t.plan_s
+    assert t.wait_s >= t.produce_s  # without lookahead the consumer does the work (nested timers)
+
     ahead = TreeDataPipeline(samples, lookahead=2, **kw)
-    for _ in ahead:
-        time.sleep(0.1)  # "training" is slower than producing
+    built, cv = [], threading.Condition()
+    build = ahead._build
+
+    def counting_build(state, order):  # runs in the lookahead thread
+        step = build(state, order)
+        with cv:
+            built.append(step.global_step)
+            cv.notify_all()
+        return step
+
+    ahead._build = counting_build
+    it = iter(ahead)
+    got = [next(it)]
+    with cv:
+        assert cv.wait_for(lambda: len(built) >= 3, timeout=60), built  # steps 1, 2 queued unasked
+        assert len(built) <= 1 + 2 + 1, built  # step 0 handed out, 2 queued, at most 1 in the making
+    assert ahead.timing.steps == 1 and ahead.state_dict()["global_step"] == 1  # only handed-out steps count
+    got += list(it)
+    assert [st.sample_ids for st in got] == want and built == list(range(n))
     t = ahead.timing
-    assert t.steps == sync.steps_per_epoch and t.plan_s >= 0.02 * t.steps
-    # only the first step is waited for in full (loose bound: the machine may be loaded)
-    assert t.wait_s < 0.75 * t.produce_s and t.hidden_fraction > 0.25, t.as_dict()
+    assert t.steps == n and t.plan_s >= 0.02 * n and t.produce_s == t.pack_s + t.plan_s
+    assert t.wait_s >= 0 and 0 <= t.max_wait_s <= t.wait_s and 0.0 <= t.hidden_fraction <= 1.0
+    assert all(st.wait_s >= 0 and st.pack_s > 0 and st.plan_s >= 0.02 * len(st.microbatches) for st in got)
 
 
 # ------------------------------------------------------------------------------------ balance
@@ -411,8 +432,8 @@ def test_parquet_roundtrip_and_pipeline_from_files(tmp_path):
     rep = ReadReport()
     both = read_samples(tmp_path, report=rep)  # a directory: files in name order
     assert [s.tokens.tolist() for s in both] == [s.tokens.tolist() for s in samples]
-    assert rep.sources[0] == "a.parquet:row 0" and rep.sources[19] == "a.parquet:row 19"
-    assert rep.sources[20] == "b.jsonl:1"
+    assert rep.sources[0] == f"{tmp_path}/a.parquet:row 0" and rep.sources[19] == f"{tmp_path}/a.parquet:row 19"
+    assert rep.sources[20] == f"{tmp_path}/b.jsonl:1"
     p = TreeDataPipeline.from_files([tmp_path / "a.parquet", tmp_path / "b.jsonl"], max_tokens_per_mb=BUDGET,
                                     global_batch_samples=8, vocab_size=VOCAB)
     assert sorted(i for st in p for i in st.sample_ids) == list(range(len(samples)))
@@ -444,8 +465,8 @@ def test_parquet_bad_rows_error_and_skip(tmp_path):
     rep = ReadReport()
     kept = read_parquet(path, vocab_size=50, bad_sample="skip", report=rep, batch_size=3)
     assert [s.tokens.tolist() for s in kept] == [[1, 2, 3], [7, 8, 9]]
-    assert rep.sources == ["bad.parquet:row 0", "bad.parquet:row 7"]
-    assert [w for w, _ in rep.skipped] == [f"bad.parquet:row {i}" for i in range(1, 7)]
+    assert rep.sources == [f"{path}:row 0", f"{path}:row 7"]
+    assert [w for w, _ in rep.skipped] == [f"{path}:row {i}" for i in range(1, 7)]
     reasons = [r for _, r in rep.skipped]
     assert "empty sample" in reasons[0] and "loss_mask has shape" in reasons[1]
     assert "advantage has a non-finite value" in reasons[2] and "vocab size 50" in reasons[3]
@@ -468,8 +489,16 @@ def test_jsonl_bad_lines_through_read_samples(tmp_path):
         read_samples(p, vocab_size=50)
     rep = ReadReport()
     kept = read_samples([p], vocab_size=50, bad_sample="skip", report=rep)
-    assert len(kept) == 1 and [w for w, _ in rep.skipped] == ["d.jsonl:2", "d.jsonl:3"]
+    assert len(kept) == 1 and [w for w, _ in rep.skipped] == [f"{p}:2", f"{p}:3"]
     assert "vocab size 50" in rep.skipped[1][1]
+    # from_files keeps the report: the count and the summary of what was dropped
+    pipe = TreeDataPipeline.from_files([p], vocab_size=50, bad_sample="skip", max_tokens_per_mb=BUDGET,
+                                       global_batch_samples=4)
+    assert pipe.skipped == 2 and pipe.read_report.skipped == rep.skipped and pipe.sources == [f"{p}:1"]
+    assert pipe.read_report.summary().splitlines() == [
+        "skipped 2 bad samples (--tree-bad-sample skip):", f"  {p}:2: advantage has a non-finite value at a "
+        "target position", f"  {p}:3: token id 60 >= vocab size 50"]
+    assert TreeDataPipeline(kept, max_tokens_per_mb=BUDGET, global_batch_samples=4).skipped == 0
     with pytest.raises(ValueError, match="unknown file type"):
         read_samples(tmp_path / "x.csv")
 

@@ -490,6 +490,74 @@ def test_datasets_provider_explains_too_few_microbatch_slots(tmp_path):
         train_valid_test_datasets_provider([0, 0, 0], args=_lm_args())
 
 
+def test_datasets_provider_checks_token_ids_against_the_user_vocabulary(tmp_path):
+    """--vocab-size 256 pads the embedding to 384 rows; a token id 263 is still out of vocabulary: the
+    error names the sample's file:line and 256, not the padded 384."""
+    from megatron_tree.training.megatron_lm import train_valid_test_datasets_provider
+
+    path = tmp_path / "v.jsonl"
+    samples = _samples(3, vocab=256, rl=False)
+    _write_jsonl(path, samples)
+    lines = path.read_text().splitlines(keepends=True)
+    lines[2] = json.dumps({"tokens": [5, 17, 263, 40], "loss_mask": [0, 1, 1, 1]}) + "\n"  # line 3
+    lines[5] = json.dumps({"tokens": [5, 255, 3], "loss_mask": [0, 1, 1]}) + "\n"  # 255: the last id, fine
+    path.write_text("".join(lines))
+    args = _provider_args(path, vocab_size=256, padded_vocab_size=384)
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3: token id 263 >= vocab size 256")):
+        train_valid_test_datasets_provider([0, 0, 0], args=args)
+    # skip: exactly the out-of-vocabulary line is dropped and named; the id 255 line trains
+    args = _provider_args(path, vocab_size=256, padded_vocab_size=384, tree_bad_sample="skip")
+    train = train_valid_test_datasets_provider([0, 0, 0], args=args)[0]
+    assert len(train.pipeline.samples) == len(samples) - 1
+    assert [w for w, _ in train.pipeline.read_report.skipped] == [f"{path}:3"]
+    train.close()
+
+
+def test_user_vocab_size_is_the_given_one_then_the_tokenizers_never_the_padded_one(monkeypatch):
+    from megatron_tree.training.megatron_lm import user_vocab_size
+
+    fake = types.ModuleType("megatron.training")
+
+    def no_tokenizer():
+        raise AssertionError("tokenizer is not initialized.")  # what Megatron-LM's get_tokenizer does
+
+    fake.get_tokenizer = no_tokenizer
+    monkeypatch.setitem(sys.modules, "megatron.training", fake)
+    assert user_vocab_size(types.SimpleNamespace(vocab_size=256, padded_vocab_size=384)) == 256
+    assert user_vocab_size(types.SimpleNamespace(vocab_size=None, padded_vocab_size=384)) is None
+    # --vocab-size wins over the NullTokenizer's size (257: its EOD id 256 is no data token)
+    fake.get_tokenizer = lambda: types.SimpleNamespace(vocab_size=257)
+    assert user_vocab_size(types.SimpleNamespace(vocab_size=256, padded_vocab_size=384)) == 256
+    fake.get_tokenizer = lambda: types.SimpleNamespace(vocab_size=50257)  # e.g. GPT-2's, no --vocab-size
+    assert user_vocab_size(types.SimpleNamespace(vocab_size=None, padded_vocab_size=50304)) == 50257
+
+
+def test_datasets_provider_reports_skipped_samples_on_rank_0(tmp_path, capsys):
+    from megatron_tree.training.megatron_lm import train_valid_test_datasets_provider
+
+    path = tmp_path / "s.jsonl"
+    samples = _samples(4, rl=False)
+    _write_jsonl(path, samples)
+    lines = path.read_text().splitlines(keepends=True)
+    lines.insert(1, '{"tokens": [1, 2,, 3]}\n')  # line 2: invalid JSON at column 18
+    lines.insert(4, '{"tokens": []}\n')  # line 5: empty
+    path.write_text("".join(lines))
+    args = _provider_args(path, tree_bad_sample="skip")
+    capsys.readouterr()
+    train = train_valid_test_datasets_provider([0, 0, 0], args=args)[0]
+    out = capsys.readouterr().out
+    assert train.pipeline.skipped == 2 and len(train.pipeline.samples) == len(samples)
+    assert "> tree train data: skipped 2 bad samples (--tree-bad-sample skip):" in out, out
+    assert f"  {path}:2:18: invalid JSON: Expecting value\n" in out, out
+    assert f"  {path}:5: empty sample (no tokens)" in out, out
+    train.close()
+    # nothing skipped: nothing printed about it
+    _write_jsonl(path, samples)
+    train = train_valid_test_datasets_provider([0, 0, 0], args=_provider_args(path, tree_bad_sample="skip"))[0]
+    assert train.pipeline.skipped == 0 and "skipped" not in capsys.readouterr().out
+    train.close()
+
+
 # ---------------------------------------------------------------------------------------------- examples
 @pytest.mark.parametrize("script", ["pretrain_tree_gpt.py", "pretrain_tree_hybrid.py"])
 def test_example_calls_pretrain_with_the_tree_hooks(script, monkeypatch):

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from megatron_tree.tree import Sample, pack, summarize
+from megatron_tree.tree.packing import PrefixPlan
 
 # Small alphabet + built-in extensions/duplicates: forks at several depths, single-token segments,
 # samples that are prefixes of others, duplicates, several trees per microbatch.
@@ -100,17 +101,105 @@ def test_pack_properties(forest, budget, pad):
     assert all(torch.equal(a.layout.input_ids, b.layout.input_ids) for a, b in zip(again, mbs))
 
 
+_LAYOUT_FIELDS = ("input_ids", "position_ids", "segment_offsets", "segment_parent", "subtree_end", "visible_until",
+                  "path_prev")
+
+
+def _loss_entries(mb, to_original=lambda i: i):
+    """The loss map as a sorted list of per-occurrence tuples, sample ids mapped by ``to_original``."""
+    lm = mb.loss_map
+    return sorted(zip([to_original(i) for i in lm.sample_index.tolist()], lm.positions.tolist(),
+                      lm.source_rows.tolist(), lm.targets.tolist(), lm.weights.tolist()))
+
+
 @settings(max_examples=30, deadline=None)
-@given(forests(), st.randoms(use_true_random=False))
-def test_pack_is_order_independent(forest, rnd):
+@given(forests(), st.randoms(use_true_random=False), st.sampled_from([16, 24, 64]))
+def test_pack_is_order_independent(forest, rnd, budget):
+    """The same microbatches, in the same order, whatever order the samples arrive in: identical
+    layouts, identical loss maps and the same samples (ids mapped back through the permutation).
+    Small budgets split trees, so the cuts and the bins must not depend on the input order either."""
     samples, masks = forest
     perm = list(range(len(samples)))
     rnd.shuffle(perm)
-    a = pack([Sample(s, m) for s, m in zip(samples, masks)], 64)
-    b = pack([Sample(samples[i], masks[i]) for i in perm], 64)
-    assert summarize(a)["tree_tokens"] == summarize(b)["tree_tokens"]
+    a = pack([Sample(s, m) for s, m in zip(samples, masks)], budget)
+    b = pack([Sample(samples[i], masks[i]) for i in perm], budget)
     assert len(a) == len(b)
-    assert sorted(m.num_rows for m in a) == sorted(m.num_rows for m in b)
+    for x, y in zip(a, b):
+        assert tuple(sorted(perm[i] for i in y.sample_ids)) == x.sample_ids
+        for f in _LAYOUT_FIELDS:
+            assert torch.equal(getattr(x.layout, f), getattr(y.layout, f)), f
+        assert x.layout.num_padding == y.layout.num_padding
+        assert _loss_entries(y, lambda i: perm[i]) == _loss_entries(x)
+        assert x.stats == y.stats
+
+
+def _trie_size(token_lists) -> int:
+    """Brute-force oracle: the number of distinct non-empty prefixes of the given sequences."""
+    return len({tuple(t[:k]) for t in token_lists for k in range(1, len(t) + 1)})
+
+
+def _check_against_trie(samples, mbs, budget, pad=1):
+    """Every microbatch: within budget, one real row per distinct prefix of its samples, each sample's
+    rows reproduce its tokens at positions 0..L-1; every sample exactly once. Returns real rows."""
+    seen, real = [], []
+    for mb in mbs:
+        toks = [list(samples[i]) for i in mb.sample_ids]
+        assert mb.num_rows <= budget and mb.num_rows % pad == 0
+        assert mb.layout.num_real_rows == _trie_size(toks), (mb.sample_ids, mb.layout.num_real_rows)
+        for i, t in zip(mb.sample_ids, toks):
+            rows = mb.sample_rows(i)
+            assert mb.layout.input_ids[rows].tolist() == t
+            assert mb.layout.position_ids[rows].tolist() == list(range(len(t)))
+        seen += mb.sample_ids
+        real.append(mb.layout.num_real_rows)
+    assert sorted(seen) == list(range(len(samples)))
+    return real
+
+
+def test_split_tree_parts_in_one_microbatch_share_their_prefix():
+    # One tree of 2 + 30 + 30 + 5 + 5 = 72 rows, budget 40: it must be cut. Whatever the cuts, the
+    # parts holding d1 (the 7-row part) and a (32 rows) fit one microbatch together; there they
+    # must share the root path [1, 2] instead of repeating it (37 rows, not 39).
+    P = [1, 2]
+    samples = [P + [3] * 30, P + [4] * 30, P + [5] * 5, P + [6] * 5]
+    mbs = pack(samples, 40)
+    real = _check_against_trie(samples, mbs, 40)
+    assert len(mbs) == 2 and sum(real) == 74  # 72 distinct prefixes + the root path once more
+
+
+def test_split_tree_cut_repeats_the_shortest_ancestor_path():
+    # Root [1, 2]; y (10 more tokens) sorts first, then subtree X: a 15-token path and three
+    # 5-token leaves. 2 + 10 + 15 + 15 = 42 rows > 40. Cutting before x3 (greedy: as late as fits)
+    # repeats the 17-row path [1, 2, X...]; cutting before x1 repeats only [1, 2]: 12 + 32 rows.
+    P, X = [1, 2], [7] * 15
+    samples = [P + [3] * 10] + [P + X + [10 + k] * 5 for k in range(3)]
+    mbs = pack(samples, 40)
+    real = _check_against_trie(samples, mbs, 40)
+    assert sorted(real) == [12, 32]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pack_split_trees_match_the_trie_of_each_microbatch(seed):
+    """Random deep trees (forks at several depths, duplicates, prefixes) larger than the budget:
+    each microbatch's real rows are the trie of its samples, never more (parts of one tree that
+    share a microbatch share their ancestor rows)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(rng.integers(1, 4)):  # trees
+        paths = [rng.integers(0, 3, rng.integers(1, 8)).tolist()]
+        for _ in range(rng.integers(3, 30)):
+            base = paths[rng.integers(len(paths))]
+            cut = int(rng.integers(1, len(base) + 1))
+            paths.append(base[:cut] + rng.integers(0, 4, rng.integers(0, 14)).tolist())
+        samples += paths
+    budget = int(rng.choice([16, 24, 32]))
+    samples = [s[:budget] for s in samples]
+    pad = int(rng.choice([1, 4, 8]))
+    mbs = pack(samples, budget, pad_to_multiple_of=pad)
+    _check_against_trie(samples, mbs, budget, pad)
+    # the planner the pipeline prices budgets with sees the same microbatches
+    plan = PrefixPlan([np.asarray(s, dtype=np.int64) for s in samples])
+    assert plan.microbatch_rows(budget, pad) == [mb.num_rows for mb in mbs]
 
 
 def test_family_shares_prompt_and_stays_together_in_any_order():

@@ -1,14 +1,16 @@
 """Reading samples from files. JSONL: one sample per line, ``{"tokens": [...], "loss_mask": [...], ...}``.
 
 Recognised keys are `Sample`'s fields (tokens, loss_mask, advantage, old_logprobs, ref_logprobs,
-weight, group); other keys go to ``meta``. A bad line raises ValueError naming ``file:line`` and the
-rule it breaks (``bad_sample="error"``), or is skipped and recorded (``bad_sample="skip"``).
+weight, group); other keys go to ``meta``. A bad line raises ValueError naming ``file:line`` (the
+file as the caller spelled it, 1-based line; ``file:line:column: invalid JSON: ...`` when the line
+does not parse) and the rule it breaks (``bad_sample="error"``), or is skipped and recorded in a
+`ReadReport` (``bad_sample="skip"``).
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..tree.sample import Sample, validate_sample
 
@@ -17,10 +19,41 @@ _FIELDS = ("tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "
 
 @dataclass
 class ReadReport:
-    """Where each kept sample came from and which lines were skipped (with the reason)."""
+    """Where each kept sample came from and which lines were skipped (with the reason).
 
-    sources: list[str] = field(default_factory=list)  # "file:line" of each kept sample
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # ("file:line", reason)
+    sources  "file:line" (JSONL) / "file:row R" (Parquet) of each kept sample, in reading order
+    skipped  ("file:line", reason) of each sample dropped by ``bad_sample="skip"``, in reading order;
+             ``reason`` is the message ``bad_sample="error"`` would have raised (it starts with the
+             location, with the column for invalid JSON)
+    """
+
+    sources: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def summary(self, max_items: int = 5) -> str:
+        """Human-readable account of the skipped samples, "" when none was skipped::
+
+            skipped 7 bad samples (--tree-bad-sample skip):
+              data/a.jsonl:3:1: invalid JSON: Expecting value
+              data/a.jsonl:9: empty sample (no tokens)
+              ... and 5 more
+
+        The first ``max_items`` are listed with their reasons, in reading order.
+        """
+        n = len(self.skipped)
+        if not n:
+            return ""
+        lines = [f"skipped {n} bad sample{'s' if n != 1 else ''} (--tree-bad-sample skip):"]
+        for where, reason in self.skipped[:max_items]:
+            # the reason normally starts with its location already; never print it twice
+            lines.append(f"  {reason}" if reason.startswith(f"{where}:") else f"  {where}: {reason}")
+        if n > max_items:
+            lines.append(f"  ... and {n - max_items} more")
+        return "\n".join(lines)
 
 
 def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None) -> Sample:
@@ -62,13 +95,15 @@ def collect_samples(records, *, vocab_size: int | None = None, bad_sample: str =
 
 def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error",
                report: ReadReport | None = None) -> list[Sample]:
-    """Samples of a JSONL file, in file order."""
+    """Samples of a JSONL file, in file order. Locations read ``path:line`` with ``path`` as given
+    (not resolved, not shortened to its base name), so a message points at the file the user named."""
+    name = os.fspath(path)
 
     def records():
         with open(path) as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    where = f"{Path(path).name}:{lineno}"
+                    where = f"{name}:{lineno}"
                     yield where, lambda line=line, where=where: _parse_json(line, where)
 
     return collect_samples(records(), vocab_size=vocab_size, bad_sample=bad_sample, report=report)
@@ -77,8 +112,8 @@ def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error"
 def _parse_json(line: str, where: str):
     try:
         return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+    except json.JSONDecodeError as e:  # colno is 1-based, like the line number
+        raise ValueError(f"{where}:{e.colno}: invalid JSON: {e.msg}") from None
 
 
 def write_jsonl(samples, path) -> None:

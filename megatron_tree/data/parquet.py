@@ -17,7 +17,7 @@ error whatever the policy.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 import numpy as np
 
@@ -78,7 +78,7 @@ def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "erro
         raise ValueError(f"bad_sample must be 'error' or 'skip', got {bad_sample!r}")
     pa, _, pq = _pa()
     report = report if report is not None else ReadReport()
-    name = Path(path).name
+    name = os.fspath(path)  # as the caller spelled it: messages point at the file the user named
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
     if "tokens" not in names:

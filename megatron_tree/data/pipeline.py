@@ -66,26 +66,30 @@ def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "err
     `parquet.read_parquet`; a directory contributes its files of those kinds in sorted name order.
     ``report.sources`` gets ``file:line`` (JSONL) or ``file:row R`` (Parquet, 0-based) of each kept
     sample, ``report.skipped`` ``(where, reason)`` of each skipped one (``bad_sample="skip"``).
+    ``file`` is spelled as given (a directory's files as ``os.path.join(directory, name)``), so
+    messages point at what the user typed.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     report = report if report is not None else ReadReport()
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            files += sorted(q for q in p.iterdir() if q.suffix in (".jsonl", ".json", ".parquet", ".pq"))
+    files: list[str] = []
+    for p in map(os.fspath, paths):
+        if os.path.isdir(p):
+            files += [os.path.join(p, q.name) for q in sorted(Path(p).iterdir())
+                      if q.suffix in (".jsonl", ".json", ".parquet", ".pq")]
         else:
             files.append(p)
     out: list[Sample] = []
     for f in files:
-        if f.suffix in (".jsonl", ".json"):
+        suffix = Path(f).suffix
+        if suffix in (".jsonl", ".json"):
             out += read_jsonl(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report)
-        elif f.suffix in (".parquet", ".pq"):
+        elif suffix in (".parquet", ".pq"):
             from .parquet import read_parquet
 
             out += read_parquet(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report)
         else:
-            raise ValueError(f"{f}: unknown file type {f.suffix!r} (expected .jsonl, .json, .parquet or .pq)")
+            raise ValueError(f"{f}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet or .pq)")
     return out
 
 
@@ -211,6 +215,9 @@ class TreeDataPipeline:
                           lookahead it runs in the background thread, so it must be pure CPU work
                           (no collectives, no CUDA stream it does not own)
     sources               optional "file:line" of each sample, used in error messages
+    read_report           optional `io.ReadReport` of the read that produced ``samples`` (`from_files`
+                          passes its own): kept as ``self.read_report``; ``self.skipped`` is its number
+                          of samples dropped by ``bad_sample="skip"`` (0 without a report)
 
     Iterate it (``for step in pipe``) to get `TreeStep`s from the current state; `build_step`
     builds any step directly. `state_dict` / `load_state_dict` resume; `timing` reports production
@@ -224,7 +231,8 @@ class TreeDataPipeline:
                  microbatches_per_rank: int | None = None, attention_cost: float = DEFAULT_ATTENTION_COST,
                  cost_fn: Callable[[TreeMicrobatch], float] | None = None, balance_budget: bool = True,
                  share_prefixes: bool = True, lookahead: int = 0,
-                 plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None):
+                 plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None,
+                 read_report: ReadReport | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         if global_batch_samples < 1:
@@ -245,6 +253,7 @@ class TreeDataPipeline:
         if sources is not None and len(sources) != len(self.samples):
             raise ValueError(f"{len(sources)} sources for {len(self.samples)} samples")
         self.sources = list(sources) if sources is not None else None
+        self.read_report = read_report
         self.max_tokens_per_mb = int(max_tokens_per_mb)
         self.global_batch_samples = int(global_batch_samples)
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
@@ -273,10 +282,20 @@ class TreeDataPipeline:
     @classmethod
     def from_files(cls, paths, *, vocab_size: int | None = None, bad_sample: str = "error",
                    report: ReadReport | None = None, **kwargs) -> "TreeDataPipeline":
-        """Read JSONL / Parquet files (`read_samples`) and build a pipeline over their samples."""
+        """Read JSONL / Parquet files (`read_samples`) and build a pipeline over their samples.
+
+        The read's `ReadReport` (``report`` if given, else a new one) stays on the pipeline as
+        ``read_report``: ``pipe.skipped`` counts the samples ``bad_sample="skip"`` dropped and
+        ``pipe.read_report.summary()`` lists them; ``read_report.sources`` names every sample."""
         report = report if report is not None else ReadReport()
         samples = read_samples(paths, vocab_size=vocab_size, bad_sample=bad_sample, report=report)
-        return cls(samples, vocab_size=vocab_size, sources=report.sources, **kwargs)
+        return cls(samples, vocab_size=vocab_size, sources=report.sources, read_report=report, **kwargs)
+
+    @property
+    def skipped(self) -> int:
+        """Samples dropped while reading (``bad_sample="skip"``); 0 when no `ReadReport` was given.
+        Fixed once the pipeline exists (the data is read up front), so it is the same at every step."""
+        return self.read_report.num_skipped if self.read_report is not None else 0
 
     # ------------------------------------------------------------------ setup
     def _where(self, i: int) -> str:

@@ -361,8 +361,31 @@ def _skip_steps(pipeline, steps: int) -> None:
     pipeline.load_state_dict(state)
 
 
+def user_vocab_size(args) -> Optional[int]:
+    """The vocabulary token ids must lie below: the one the user chose, never ``padded_vocab_size``
+    (Megatron-LM pads the embedding to a multiple of ``--make-vocab-size-divisible-by`` x TP; an id
+    in the padding would train a row no tokenizer produces, silently).
+
+    ``args.vocab_size`` (``--vocab-size``) when given: with the NullTokenizer the examples use it is
+    the real tokenizer's vocabulary (the NullTokenizer's extra EOD id, ``--vocab-size`` itself, is
+    no data token). Otherwise the size of the tokenizer Megatron-LM built (``get_tokenizer()``, e.g.
+    a HuggingFace one), else None (no check)."""
+    v = getattr(args, "vocab_size", None)
+    if v:
+        return int(v)
+    try:
+        from megatron.training import get_tokenizer  # Megatron-LM only
+
+        return int(get_tokenizer().vocab_size) or None
+    except Exception:  # noqa: BLE001 - not installed, no tokenizer built yet, or one without a size
+        return None
+
+
 def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = True, start_step: int = 0):
-    """A `TreeDataPipeline` for Megatron-LM: ``--global-batch-size / DP`` microbatches per rank and step."""
+    """A `TreeDataPipeline` for Megatron-LM: ``--global-batch-size / DP`` microbatches per rank and step.
+
+    Token ids are checked against `user_vocab_size` while reading (an offending sample is named by
+    ``file:line``; ``--tree-bad-sample skip`` drops it and ``pipe.read_report`` records it)."""
     from ..data.pipeline import TreeDataPipeline  # lazily: the data layer is optional for model-only use
 
     mbs = int(getattr(args, "micro_batch_size", 1) or 1)
@@ -370,7 +393,7 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
     if per_rank < 1:
         raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be at least the data-parallel size "
                          f"({dp_size}): every rank runs the same number of microbatches")
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+    vocab = user_vocab_size(args)
     pipe = TreeDataPipeline.from_files(
         paths, vocab_size=vocab, bad_sample=args.tree_bad_sample, max_tokens_per_mb=args.tree_max_tokens_per_mb,
         global_batch_samples=args.tree_global_batch_samples, dp_rank=dp_rank, dp_size=dp_size,
@@ -407,4 +430,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage
     _print_rank_0(f"> tree data: {len(p.samples)} training samples, {p.global_batch_samples} per step in "
                   f"{p.microbatches_per_rank} microbatches/rank x {dp_size} DP ranks, budget {p.max_tokens_per_mb} "
                   f"rows, starting at step {start}")
+    for name, stream in (("train", train), ("valid", valid)):
+        if stream is not None and stream.pipeline.skipped:  # dropped data must not pass unnoticed
+            _print_rank_0(f"> tree {name} data: {stream.pipeline.read_report.summary()}")
     return train, valid, None

@@ -7,17 +7,27 @@ How it works (vectorised; the only Python loops run once per sample or per tree,
    sample adds to the trie are exactly its tokens after the longest common prefix (LCP) with the
    previous sample, and concatenating those tails gives the trie in DFS preorder.
 2. A tree is a maximal run of consecutive sorted samples with LCP > 0. A tree that fits the budget
-   is kept whole; a larger one is cut into consecutive runs of samples, each part repeating only
-   the ancestor path of its first sample.
-3. Trees (and parts) go to microbatches first-fit-decreasing by rows.
-4. Segment boundaries are the tail starts (except where a sample merely extends the previous one)
+   is kept whole; a larger one is cut into consecutive runs of samples (parts), each part repeating
+   the ancestor path of its first sample (a cut before sample j costs ``lcp[j]`` repeated rows). Two
+   cuttings are planned: dynamic programming for the fewest parts, then the fewest rows (shallow
+   forks over deep ones), and greedy full parts; the one packing into fewer microbatches, then
+   fewer rows, wins. A duplicate is never cut off its twin.
+3. Trees (and parts) go to microbatches first-fit-decreasing by rows. A part joins a bin that
+   already holds parts of its tree at its *marginal* cost: the rows it adds to the bin's trie.
+4. A microbatch holds an ascending subset of the sorted samples; the LCP of two of them that are
+   not neighbours in the full order is the minimum LCP between them (range minimum), 0 across
+   trees. So parts of one tree that share a microbatch share their ancestor rows again: in every
+   microbatch the real rows are exactly the distinct prefixes (trie nodes) of its samples.
+5. Segment boundaries are the tail starts (except where a sample merely extends the previous one)
    and the rows where a later sample forks off an earlier path.
 
-Samples arriving in any order give the same microbatches: the result depends only on the multiset
-of samples and their indices (ties between identical samples are broken by index).
+Samples arriving in any order give the same microbatches (same layouts and loss maps, holding the
+same samples): every decision depends only on the sorted token sequences, and with prefix sharing
+identical samples are never cut apart, so the index tie-break between them changes nothing.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -60,13 +70,12 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
     if not share_prefixes:
         lcp[:] = 0
     lens = np.array([len(t) for t in toks], dtype=np.int64)[order]
-    units = _split_into_units(lens, lcp, max_tokens_per_mb)
-    bins = _first_fit_decreasing([u[2] for u in units], max_tokens_per_mb)
+    units, bins, bin_rows = _plan_bins(lens, lcp, max_tokens_per_mb)
     out = []
-    for unit_ids in bins:
+    for unit_ids, rows in zip(bins, bin_rows):
         pos = np.concatenate([np.arange(units[u][0], units[u][1]) for u in sorted(unit_ids)])
-        mb_lcp = lcp[pos].copy()
-        mb_lcp[np.isin(pos, [units[u][0] for u in unit_ids])] = 0  # each part starts a new root path
+        mb_lcp = _subset_lcp(lcp, pos)
+        assert int((lens[pos] - mb_lcp).sum()) == rows  # the bin's trie is what first-fit priced
         out.append(_build_microbatch(samples, toks, order[pos], mb_lcp, max_tokens_per_mb, pad_to_multiple_of,
                                      pad_id, pad_to_budget))
     return out
@@ -101,51 +110,160 @@ class PrefixPlan:
         return np.add.reduceat(self.lens - self.lcp, np.flatnonzero(self.lcp == 0))
 
     def microbatch_rows(self, budget: int, pad_to_multiple_of: int = 1) -> list[int]:
-        units = _split_into_units(self.lens, self.lcp, budget)
-        bins = _first_fit_decreasing([u[2] for u in units], budget)
         m = pad_to_multiple_of
-        return [-(-sum(units[u][2] for u in b) // m) * m for b in bins]
+        return [-(-r // m) * m for r in _plan_bins(self.lens, self.lcp, budget)[2]]
 
 
-def _split_into_units(lens: np.ndarray, lcp: np.ndarray, budget: int) -> list[tuple[int, int, int]]:
-    """Cut the sorted samples into (start, stop, rows) units: whole trees, or parts of big trees."""
+def _subset_lcp(lcp: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """[len(pos)] LCP of each of the sorted samples ``pos`` (ascending positions) with the previous
+    one of the subset, 0 for the first: the minimum of ``lcp`` over ``(pos[k-1], pos[k]]`` (the LCP
+    of two lexicographically sorted strings is the least adjacent LCP between them; it is 0 as soon
+    as the range crosses a tree boundary)."""
+    out = np.zeros(len(pos), dtype=np.int64)
+    if len(pos) > 1:
+        out[1:] = np.minimum.reduceat(lcp[: pos[-1] + 1], pos[:-1] + 1)
+    return out
+
+
+def _range_min(lcp: np.ndarray, a: int, b: int) -> int:
+    """LCP of sorted samples a < b: min(lcp[a+1 .. b])."""
+    return int(lcp[a + 1: b + 1].min())
+
+
+def _split_tree(lens: np.ndarray, lcp: np.ndarray, a: int, b: int, budget: int) -> list[tuple[int, int, int]]:
+    """Cut the tree of sorted samples [a, b) into consecutive parts of at most ``budget`` rows each.
+
+    A part [i, j) costs ``C[i] + T[j] - T[i]`` rows: the ancestor path ``C[i] = lcp[i]`` its first
+    sample repeats (0 for the tree's first sample) plus the tails ``T[j] - T[i]`` of its samples.
+    Dynamic programming over the cut positions picks the fewest parts, then the fewest rows, then
+    the latest last cut (a small last part packs well). A duplicate (tail 0) never starts a part, so
+    identical samples stay together and the result does not depend on how ties between them were
+    ordered. Returns (start, stop, rows) in order, tiling [a, b).
+
+    The best start for a cut j minimises ``key[i] + C[i] - T[i]`` over the starts i < j with
+    ``T[i] - C[i] >= T[j] - budget``; that bound only rises with j, so a start that fails it once
+    fails it forever: a heap with lazy removal gives O(n log n) (one push/pop per sample).
+    """
+    L, C = lens[a:b].tolist(), lcp[a:b].tolist()
+    C[0] = 0
+    n = b - a
+    T = [0] * (n + 1)
+    for k in range(n):
+        T[k + 1] = T[k] + L[k] - C[k]
+    big = T[n] + n * budget + 1  # key = parts * big + rows orders by parts, then rows
+    back = [0] * (n + 1)
+    heap = [(C[0] - T[0], 0)]  # (key[i] + C[i] - T[i], -i): ties go to the latest start
+    for j in range(1, n + 1):
+        if j < n and L[j] == C[j]:
+            continue  # a duplicate: no cut before it
+        while T[-heap[0][1]] - C[-heap[0][1]] < T[j] - budget:
+            heapq.heappop(heap)  # never empty: the latest start alone (with its duplicates) fits
+        v, neg_i = heap[0]
+        back[j] = -neg_i
+        key_j = v + big + T[j]  # one more part, ending at j
+        if j < n:
+            heapq.heappush(heap, (key_j + C[j] - T[j], -j))
+    parts, j = [], n
+    while j > 0:
+        i = back[j]
+        parts.append((a + i, a + j, C[i] + T[j] - T[i]))
+        j = i
+    return parts[::-1]
+
+
+def _split_tree_greedy(lens: np.ndarray, lcp: np.ndarray, a: int, b: int, budget: int) -> list[tuple[int, int, int]]:
+    """Cut the tree [a, b) into consecutive parts filled as far as the budget allows (every part but
+    the last is full, so the small last part packs well). Never cuts before a duplicate (tail 0
+    adds no row). Same return as `_split_tree`."""
+    tails = lens - lcp
+    parts, start, used = [], a, int(lens[a])
+    for j in range(a + 1, b):
+        if used + tails[j] > budget:
+            parts.append((start, j, used))
+            start, used = j, int(lens[j])
+        else:
+            used += int(tails[j])
+    parts.append((start, b, used))
+    return parts
+
+
+def _plan_bins(lens: np.ndarray, lcp: np.ndarray, budget: int):
+    """Units, bins and the real rows of each bin for the sorted samples (``lens``, ``lcp``).
+
+    units     [(start, stop, rows, tree)]: whole trees, or parts of trees over the budget; ``rows``
+              is the unit's cost alone
+    bins      lists of unit ids, first-fit-decreasing (`_first_fit`)
+    bin_rows  real rows of each bin = the size of the trie of its samples, always <= ``budget``
+
+    Trees over the budget are cut twice, by `_split_tree` (fewest parts, then fewest rows) and by
+    `_split_tree_greedy` (full parts, a small remainder: bins pack tighter); the plan with fewer
+    bins, then fewer rows, wins (the row-minimal one on ties). Depends only on the sorted samples,
+    so not on the order they were given in.
+    """
     tails = lens - lcp
     tree_start = np.flatnonzero(lcp == 0)
     tree_stop = np.append(tree_start[1:], len(lens))
     tree_rows = np.add.reduceat(tails, tree_start)
-    units = []
-    for a, b, rows in zip(tree_start.tolist(), tree_stop.tolist(), tree_rows.tolist()):
-        if rows <= budget:
-            units.append((a, b, rows))
-            continue
-        # Greedy consecutive parts: a part's first sample repeats its whole ancestor path.
-        start, used = a, int(lens[a])
-        for j in range(a + 1, b):
-            if used + tails[j] > budget:
-                units.append((start, j, used))
-                start, used = j, int(lens[j])
+    trees = list(zip(tree_start.tolist(), tree_stop.tolist(), tree_rows.tolist()))
+    big = tree_rows > budget
+    plans = []
+    for split in ((_split_tree, _split_tree_greedy) if big.any() else (None,)):
+        units: list[tuple[int, int, int, int]] = []
+        for t, (a, b, rows) in enumerate(trees):
+            if rows <= budget:
+                units.append((a, b, rows, t))
             else:
-                used += int(tails[j])
-        units.append((start, b, used))
-    return units
+                units += [(i, j, r, t) for i, j, r in split(lens, lcp, a, b, budget)]
+        bins, bin_rows = _first_fit(units, lcp, big, budget)
+        plans.append((len(bins), sum(bin_rows), units, bins, bin_rows))
+    best = min(plans, key=lambda p: p[:2])  # min keeps the first of equals: the row-minimal cuts
+    return best[2:]
 
 
-def _first_fit_decreasing(sizes: Sequence[int], budget: int) -> list[list[int]]:
-    """Bins of unit ids; units sorted by size descending (ties by id), each into the first bin it fits."""
-    sizes = np.asarray(sizes, dtype=np.int64)
+def _first_fit(units, lcp: np.ndarray, split_tree: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
+    """First-fit-decreasing of ``units`` (see `_plan_bins`) by their rows alone (ties by unit id).
+
+    A part of a split tree (``split_tree[tree]``) goes to the first bin where its *marginal* cost
+    fits: the rows it adds to that bin's trie, less than its rows alone when the bin already holds
+    parts of its tree (`_marginal_rows`). Returns the bins (unit ids) and their real rows.
+    """
+    sizes = np.array([u[2] for u in units], dtype=np.int64)
     order = np.lexsort((np.arange(len(sizes)), -sizes))
     remaining = np.empty(0, dtype=np.int64)
     bins: list[list[int]] = []
+    placed: dict[int, list[tuple[int, int, int]]] = {}  # tree -> [(bin, start, stop)] of its placed parts
     for u in order.tolist():
-        fits = np.flatnonzero(remaining >= sizes[u])
-        if fits.size:
-            b = int(fits[0])
-            remaining[b] -= sizes[u]
-            bins[b].append(u)
-        else:
-            remaining = np.append(remaining, budget - sizes[u])
-            bins.append([u])
-    return bins
+        a, b, rows, t = units[u]
+        fits = np.flatnonzero(remaining >= rows)
+        choice, cost = (int(fits[0]) if fits.size else len(bins)), rows
+        for bn in sorted({p[0] for p in placed.get(t, ())}):
+            if bn > choice:
+                break
+            m = _marginal_rows(lcp, [(i, j) for q, i, j in placed[t] if q == bn], a, b, rows)
+            if m <= remaining[bn]:
+                choice, cost = bn, m
+                break
+        if choice == len(bins):
+            remaining = np.append(remaining, budget)
+            bins.append([])
+        remaining[choice] -= cost
+        bins[choice].append(u)
+        if split_tree[t]:  # only parts of a split tree can share rows with another unit
+            placed.setdefault(t, []).append((choice, a, b))
+    return bins, (budget - remaining).tolist()
+
+
+def _marginal_rows(lcp: np.ndarray, others: list[tuple[int, int]], a: int, b: int, rows: int) -> int:
+    """Rows that part [a, b) (``rows`` alone) adds to a bin already holding the parts ``others`` of
+    the same tree: its first sample shares its LCP with the closest earlier sample p of the bin,
+    and the closest later sample s now follows b-1 instead of p (its tail shrinks accordingly)."""
+    p = max((j - 1 for i, j in others if j <= a), default=None)
+    s = min((i for i, j in others if i >= b), default=None)
+    lcp_pa = _range_min(lcp, p, a) if p is not None else 0
+    cost = rows - lcp_pa
+    if s is not None:
+        cost -= _range_min(lcp, b - 1, s) - (_range_min(lcp, p, s) if p is not None else 0)
+    return cost
 
 
 def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.ndarray, lcp: np.ndarray, budget: int,

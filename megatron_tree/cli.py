@@ -56,7 +56,8 @@ def cmd_stats(args) -> int:
 
 def cmd_demo(args) -> int:
     """The README's first command: the sharing report of a GRPO preset (with a tree plot), then a
-    tiny hybrid model trained on CPU with tree packing vs flat packing (`megatron.demo.run_demo`)."""
+    tiny hybrid model trained on CPU with tree packing vs flat packing (`training.demo.run_demo`).
+    Exit status 1 when the tree and flat losses disagree past `demo.TREE_FLAT_LOSS_RTOL`."""
     import os
 
     from .training.demo import run_demo
@@ -72,9 +73,9 @@ def cmd_demo(args) -> int:
         pass
     cmd_stats(ns)
     print()
-    run_demo(args.out_dir, steps=args.steps, flat_steps=args.flat_steps, preset=args.preset, scale=args.scale,
-             loss=args.loss, budget=args.max_tokens_per_mb)
-    return 0
+    out = run_demo(args.out_dir, steps=args.steps, flat_steps=args.flat_steps, preset=args.preset, scale=args.scale,
+                   loss=args.loss, budget=args.max_tokens_per_mb)
+    return 0 if out["summary"]["tree_flat_loss_agree"] else 1  # the demo's exactness claim failed
 
 
 def cmd_train(args) -> int:
@@ -98,6 +99,7 @@ def cmd_verify(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .data.synthetic import PRESETS
+    from .training.verify import FAULTS
 
     p = argparse.ArgumentParser(prog="megatron-tree", description="Prefix-tree training for Megatron-Core")
     sub = p.add_subparsers(dest="command", required=True)
@@ -130,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--max-tokens-per-mb", type=int, default=64)
     vf.add_argument("--seed", type=int, default=1234)
     vf.add_argument("--tolerance", type=float, default=None, help="max relative error (default by dtype)")
-    vf.add_argument("--inject-fault", default=None,
-                    choices=["sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state"],
-                    help="inject a known bug into the tree side (verify must then fail)")
+    vf.add_argument("--inject-fault", default=None, choices=FAULTS,
+                    help="inject a known bug into the tree side (verify must then fail; nan: a NaN in one "
+                         "parameter's gradient and one logit)")
     vf.set_defaults(func=cmd_verify)
     dm = sub.add_parser("demo", help="the CPU demo (README's first command): sharing report, then tree vs flat "
                                      "training of a tiny hybrid model on 2 CPU ranks")

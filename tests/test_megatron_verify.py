@@ -67,3 +67,48 @@ def test_world_size_1(ws1, i):
 def test_world_size_2(ws2, i):
     out = ws2[i]
     assert out["passed"], format_report(WS2[i], out)
+
+
+def test_nonfinite_values_fail_and_are_named():
+    """A NaN that is not the first item of a comparison, on either side, must fail (Python's ``max``
+    drops it) and name where it is; the worst rank's location is what the report names."""
+    import math
+
+    import torch
+
+    from megatron_tree.training.verify import _combine, _worst
+
+    ok, nan = torch.ones(3), torch.tensor([1.0, float("nan"), 1.0])
+    assert _worst([("a", ok, ok), ("b", ok, ok)]) == (0.0, "a")
+    for tree, flat, side in ((nan, ok, "tree"), (ok, nan, "per-sample"), (nan, nan, "tree and per-sample")):
+        err, at = _worst([("first", ok, ok), ("decoder.w", tree, flat), ("last", ok, 2 * ok)])
+        assert err == math.inf and at == f"decoder.w (non-finite on the {side} side)"
+    err, at = _worst([("first", ok, ok), ("inf", torch.tensor([1.0, math.inf, 1.0]), ok)])
+    assert err == math.inf and at.startswith("inf (non-finite on the tree side")
+    cfg = VerifyConfig()
+    rank = {m: 0.0 for m in ("logits", "loss", "grads", "params_after_step")}
+    rank.update(num_samples=1, tree_rows=1, flat_rows=1, loss_value=1.0)
+    bad = dict(rank, grads=math.inf, grads_at="decoder.w (non-finite on the tree side)")
+    out = _combine(cfg, [rank, bad])
+    assert not out["passed"] and out["grads"] == math.inf
+    report = format_report(cfg, out)
+    assert "FAIL  (worst: decoder.w (non-finite on the tree side))" in report and report.endswith(
+        "FAILED: tree training differs from per-sample training")
+
+
+def test_cli_verify_exit_status(capsys):
+    """`megatron-tree verify` exits 1 on an injected fault, naming the NaN parameter; 0 on a clean run."""
+    from megatron_tree.cli import main
+
+    assert main(["verify", "--families", "2", "--inject-fault", "nan"]) == 1
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.split()}
+    # `_plant_nan` spoils the last parameter's gradient (hence the stepped parameter) and one logit
+    for m in ("grads", "params_after_step"):
+        assert "inf  FAIL  (worst: output_layer.weight (non-finite on the tree side))" in lines[m], out
+    assert " FAIL  (worst: sample " in lines["logits"] and "non-finite on the tree side" in lines["logits"], out
+    assert lines["loss"].split()[1:3] == ["0.000e+00", "ok"], out
+    assert "FAILED" in out
+    assert main(["verify", "--families", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("PASSED: tree training equals per-sample training"), out

@@ -7,8 +7,8 @@ On two gloo ranks (data parallel 2), in one set of processes:
    prefix trees. Its loss curve is the demo's first result.
 2. flat run: the same model from the same initial weights, same data, same microbatch budget, for
    ``flat_steps`` steps with flat packing (every sample its own chain: what packing without prefix
-   sharing trains). Its losses equal the tree run's on the same steps (tree training is exact);
-   its useful tokens/s is the baseline.
+   sharing trains). Its losses equal the tree run's on the same steps (tree training is exact) to
+   within `TREE_FLAT_LOSS_RTOL`; its useful tokens/s is the baseline.
 
 Throughput is "useful tokens/s": per-sample (flat-equivalent) tokens trained per second, the
 median over each run's steps after the first (warm-up). The ideal gain is the tree_token_ratio
@@ -25,6 +25,9 @@ from typing import Optional
 import numpy as np
 
 DEMO_PATTERN = "MG*-*E"  # Mamba-2, GDN, attention, MLP, attention, MoE
+# Tree and flat runs sum the same float32 terms in different orders (and GPU kernels chunk a tree
+# differently from a chain): ~1e-7 apart on CPU. A real tree bug moves the loss by far more.
+TREE_FLAT_LOSS_RTOL = 1e-4
 
 
 def demo_train_argv(out_dir: str, *, steps: int, preset: str, scale: float, loss: str, pattern: str,
@@ -76,6 +79,7 @@ def summarize(tree: dict, flat: dict) -> dict:
         "gain_best": _throughput(th, how=np.max) / max(_throughput(fh, how=np.max), 1e-12),
         "gain": gain, "ideal_gain": ideal, "gain_over_ideal": gain / ideal,
         "data_wait_frac": wait_s / max(step_s, 1e-12), "tree_flat_loss_max_rel_diff": loss_diff,
+        "tree_flat_loss_rtol": TREE_FLAT_LOSS_RTOL, "tree_flat_loss_agree": loss_diff <= TREE_FLAT_LOSS_RTOL,
         "planner_imbalance_mean": float(np.mean([m["planner_imbalance"] for m in th])),
     }
 
@@ -92,7 +96,8 @@ def format_summary(s: dict, tree: dict, flat: dict, *, loss: str) -> str:
     lines += [
         f"loss: {s['loss_first']:.4f} (first step) -> {s['loss_last']:.4f} (last step)",
         f"tree vs flat loss on the same {len(flat['history'])} steps: max rel. diff {s['tree_flat_loss_max_rel_diff']:.1e}"
-        " (tree training is exact)",
+        + (f" (tree training is exact: within {s['tree_flat_loss_rtol']:.0e})" if s["tree_flat_loss_agree"] else
+           f" EXCEEDS the tolerance {s['tree_flat_loss_rtol']:.0e}: tree training differs from flat training"),
         f"useful tokens/s: tree {s['useful_tokens_per_s_tree']:,.0f} vs flat {s['useful_tokens_per_s_flat']:,.0f} "
         f"-> gain {s['gain']:.2f}x; ideal (tree_token_ratio) {s['ideal_gain']:.2f}x; "
         f"gain/ideal {s['gain_over_ideal']:.0%}  (medians over steps 2..; best steps: "

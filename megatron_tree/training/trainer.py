@@ -15,7 +15,9 @@ What one optimizer step does (every rank, `train`):
 3. ``get_megatron_optimizer`` steps (grad clipping included), ``OptimizerParamScheduler`` moves lr/wd.
 4. Metrics: loss (sum of per-occurrence losses / targets over all DP ranks), lr, grad norm,
    tree_token_ratio, tree rows/s, samples/s, useful (flat-equivalent) tokens/s, data-wait fraction
-   of the step time and the planner's DP imbalance (max / mean predicted rank cost).
+   of the step time and the planner's DP imbalance (max / mean predicted rank cost); with
+   ``--tree-bad-sample skip``, the bad samples skipped (named on rank 0 at start; in the log line
+   and TensorBoard's ``data/skipped_samples``).
 
 Checkpoints (``--save``, every ``--save-interval`` steps and at the end) are Megatron distributed
 checkpoints in ``SAVE/iter_XXXXXXX/``: model and optimizer as sharded tensors, and as common state
@@ -45,7 +47,7 @@ import torch.distributed as dist
 from .arguments import add_tree_args, validate_tree_args
 
 __all__ = ["add_train_args", "build_train_parser", "check_train_args", "load_train_samples", "train", "main",
-           "latest_checkpoint", "format_progress"]
+           "latest_checkpoint", "format_progress", "format_skipped"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 PACKINGS = ("tree", "flat")
@@ -205,8 +207,11 @@ def _default_budget(samples, args) -> int:
     return -(-need // pad) * pad
 
 
-def load_train_samples(args) -> list:
-    """The training samples: ``--tree-data-path`` files, or the synthetic preset (vocab = --vocab-size)."""
+def load_train_samples(args, report=None) -> list:
+    """The training samples: ``--tree-data-path`` files, or the synthetic preset (vocab = --vocab-size).
+
+    ``report`` (a `data.io.ReadReport`), when given, receives where each file sample came from and,
+    under ``--tree-bad-sample skip``, ``report.skipped``: ``("file:line", reason)`` of each skipped one."""
     if args.synthetic_preset:
         from ..data.synthetic import make_preset
 
@@ -214,7 +219,8 @@ def load_train_samples(args) -> list:
                            scale=args.synthetic_scale)
     from ..data.pipeline import read_samples
 
-    return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample)
+    return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample,
+                        report=report)
 
 
 # --------------------------------------------------------------------------------------------- process group
@@ -323,7 +329,17 @@ def format_progress(step: int, total: int, m: dict, width: int = 20) -> str:
             f"grad norm {gn if gn is None else f'{gn:.3f}'} | tree_token_ratio {m['tree_token_ratio']:.2f} | "
             f"rows/s {m['rows_per_s']:,.0f} | samples/s {m['samples_per_s']:,.1f} | "
             f"useful tok/s {m['useful_tokens_per_s']:,.0f} | data wait {100 * m['data_wait_frac']:.1f}% | "
-            f"planner imbalance {m['planner_imbalance']:.3f} | {m['step_s']:.2f}s")
+            f"planner imbalance {m['planner_imbalance']:.3f} | "
+            + (f"skipped samples {m['skipped_samples']} | " if m.get("skipped_samples") else "")
+            + f"{m['step_s']:.2f}s")
+
+
+def format_skipped(skipped: list) -> str:
+    """The start-of-run message for samples ``--tree-bad-sample skip`` dropped: their count, then the
+    first few of them as ``file:line: reason`` (`data.io.ReadReport.summary`)."""
+    from ..data.io import ReadReport
+
+    return "megatron-tree train: " + ReadReport(skipped=list(skipped)).summary()
 
 
 class _Loggers:
@@ -347,13 +363,17 @@ class _Loggers:
                 self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
                                         config={k: v for k, v in vars(args).items() if not k.startswith("_")})
 
+    DATA_SCALARS = ("skipped_samples",)  # logged as data/<name>; every other scalar as train/<name>
+
     def log(self, m: dict) -> None:
-        scalars = {k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step" and v is not None}
+        # rank_* entries are the logging rank's own share, not a figure of the run: left out
+        scalars = {f"{'data' if k in self.DATA_SCALARS else 'train'}/{k}": v for k, v in m.items()
+                   if isinstance(v, (int, float)) and k != "step" and not k.startswith("rank_") and v is not None}
         if self.tb is not None:
             for k, v in scalars.items():
-                self.tb.add_scalar(f"train/{k}", v, m["step"])
+                self.tb.add_scalar(k, v, m["step"])
         if self.wandb is not None:
-            self.wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=m["step"])
+            self.wandb.log(scalars, step=m["step"])
 
     def close(self) -> None:
         if self.tb is not None:
@@ -384,20 +404,31 @@ def _model_args(args):
         normalization=args.normalization, extra={"bf16": True} if args.bf16 else {})
 
 
-def train(args, samples=None) -> dict:
+def train(args, samples=None, *, skipped=None) -> dict:
     """Train on the current process group (initialised here from the environment if needed).
 
     ``args``: a namespace from `build_train_parser` (checked with `check_train_args`); ``samples``:
-    the training samples (default `load_train_samples(args)`). Returns, on every rank,
-    ``{"history": [per-step metric dicts], "resumed_from": step or None, "saved": [paths],
-    "timing": data-pipeline timing, "tree_token_ratio": over the run}``. History entries: step
-    (1-based), loss, num_targets, lr, grad_norm, tree_token_ratio, rows_per_s, samples_per_s,
-    useful_tokens_per_s, data_wait_frac, planner_imbalance, step_s, tree_rows, flat_tokens,
-    num_samples, sample_ids (the window, all ranks).
+    the training samples (default `load_train_samples(args)`); ``skipped``: the ``(where, reason)``
+    bad samples dropped while reading them (default: those of that read; none with given samples).
+    Returns, on every rank, ``{"history": [per-step metric dicts], "resumed_from": step or None,
+    "saved": [paths], "timing": data-pipeline timing, "tree_token_ratio": over the run, "skipped":
+    [(where, reason)]}``. History entries: step (1-based), loss, num_targets (all ranks), lr,
+    grad_norm, tree_token_ratio, rows_per_s, samples_per_s, useful_tokens_per_s, data_wait_frac,
+    planner_imbalance, step_s, tree_rows, flat_tokens, num_samples, sample_ids (the window, all
+    ranks), skipped_samples (bad samples dropped so far: the data is read before step 1, so it is
+    the final count from the start) and this rank's share: rank_sample_ids (the samples of the
+    microbatches this rank ran, ascending; over the DP ranks of one step they are disjoint and make
+    up ``sample_ids``) and rank_num_targets (targets whose loss this rank computed: 0 off the last
+    pipeline stage and on TP ranks > 0; over the loss-computing ranks they sum to num_targets).
     """
     from megatron.core import parallel_state as ps
 
-    samples = load_train_samples(args) if samples is None else samples
+    from ..data.io import ReadReport
+
+    if samples is None:
+        report = ReadReport()
+        samples = load_train_samples(args, report)
+        skipped = report.skipped
     check_train_args(args, samples)
     _init_process_group()
     on_cpu = not torch.cuda.is_available()
@@ -412,12 +443,12 @@ def train(args, samples=None) -> dict:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
     try:
-        return _train_loop(args, samples, on_cpu)
+        return _train_loop(args, samples, on_cpu, list(skipped or []))
     finally:
         ps.destroy_model_parallel()
 
 
-def _train_loop(args, samples, on_cpu: bool) -> dict:
+def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -466,6 +497,8 @@ def _train_loop(args, samples, on_cpu: bool) -> dict:
     elif args.load and rank == 0 and not args.quiet:
         print(f"megatron-tree train: no checkpoint in {args.load}; starting fresh", flush=True)
 
+    if skipped and rank == 0:  # dropped data is a warning, shown even with --quiet
+        print(format_skipped(skipped), file=sys.stderr, flush=True)
     # the rank that reports: global rank 0 learns the loss through an all-reduce over the world
     loss_owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     loggers = _Loggers(args, active=rank == 0)
@@ -493,6 +526,7 @@ def _train_loop(args, samples, on_cpu: bool) -> dict:
             tot = torch.zeros(2, dtype=torch.float64)
             if loss_owner and reports:
                 tot += torch.stack([r["lm loss"].double().cpu() for r in reports if "lm loss" in r]).sum(0)
+            rank_targets = int(tot[1])  # read before the all-reduce: on CPU ``red`` is ``tot`` itself
             red = tot.to(dev)
             timing = torch.tensor([step_s, step.wait_s], dtype=torch.float64, device=dev)
             dist.all_reduce(red)
@@ -509,7 +543,10 @@ def _train_loop(args, samples, on_cpu: bool) -> dict:
                      planner_imbalance=step.balance_ratio, step_s=step_s, tree_rows=step.tree_tokens,
                      flat_tokens=step.flat_tokens, num_samples=step.num_samples,
                      microbatches_per_rank=step.microbatches_per_rank, sample_ids=list(step.sample_ids),
-                     epoch=step.epoch)
+                     epoch=step.epoch, skipped_samples=len(skipped),
+                     # from the microbatches this rank ran, not the pipeline's bookkeeping of them
+                     rank_sample_ids=sorted(i for mb in step.microbatches for i in mb.sample_ids),
+                     rank_num_targets=rank_targets)
             history.append(m)
             loggers.log(m)
             if show:
@@ -527,7 +564,7 @@ def _train_loop(args, samples, on_cpu: bool) -> dict:
         loggers.close()
     out = {"history": history, "resumed_from": resumed_from, "saved": saved, "timing": pipeline.timing.as_dict(),
            "tree_token_ratio": ratio_num / max(ratio_den, 1), "dp_size": dp_size,
-           "world_size": dist.get_world_size(), "packing": args.packing}
+           "world_size": dist.get_world_size(), "packing": args.packing, "skipped": skipped}
     if args.metrics_json and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.metrics_json)), exist_ok=True)
         with open(args.metrics_json, "w") as f:
@@ -552,11 +589,14 @@ def _rank_train(args) -> dict:
 def run(args) -> dict:
     """Check ``args`` and train: here under torchrun/srun, else on ``--nproc`` spawned local ranks.
     Returns rank 0's `train` result."""
-    samples = load_train_samples(args) if (args.tree_data_path or args.synthetic_preset) else None
+    from ..data.io import ReadReport
+
+    report = ReadReport()
+    samples = load_train_samples(args, report) if (args.tree_data_path or args.synthetic_preset) else None
     check_train_args(args, samples)
     if _launched() or dist.is_initialized():
         _quiet_warnings()
-        return train(args, samples)
+        return train(args, samples, skipped=report.skipped)
     from .launch import run_distributed
 
     return run_distributed(_rank_train, args.nproc, args, timeout=args.timeout)[0]

@@ -9,8 +9,10 @@ prefix of another, duplicates, EOS, several trees per microbatch, padding) and r
          attention and recurrences), same initial weights, same schedule, DDP and optimizer;
 
 then compares the logits at every sample row, the loss, every parameter gradient (after DDP
-reduction) and every parameter after one optimizer step (SGD in float32, Adam in float64). Prints max relative errors; the exit status
-is non-zero past tolerance. ``fault=`` injects a known bug into the tree side (used by the tests
+reduction) and every parameter after one optimizer step (SGD in float32, Adam in float64). Prints
+each quantity's max relative error and where it is worst (sample or parameter name); the exit
+status is non-zero past tolerance. A NaN or inf on either side, anywhere, is an infinite error:
+it always fails and is named. ``fault=`` injects a known bug into the tree side (used by the tests
 to prove verify can fail).
 
 Per-token loss over the global batch (``calculate_per_token_loss``) is used for both sides. MoE
@@ -20,6 +22,7 @@ deduplicates by design.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -27,7 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state")
+FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state", "nan")
 METRICS = ("logits", "loss", "grads", "params_after_step")
 
 
@@ -123,6 +126,8 @@ def inject_fault(mb, fault: Optional[str]):
         fields = {f.name: (None if getattr(lm, f.name) is None else getattr(lm, f.name)[idx])
                   for f in dataclasses.fields(lm)}
         return dataclasses.replace(mb, loss_map=type(lm)(**fields))
+    if fault == "nan":
+        return mb  # planted after the backward pass (`_plant_nan`), not in the tree metadata
     if fault == "zero_state":
         child = torch.nonzero(par >= 0).flatten()
         if len(child):
@@ -135,9 +140,42 @@ def inject_fault(mb, fault: Optional[str]):
 
 # ----------------------------------------------------------------------------------------- ranks
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max(max |b|, 1e-8)."""
+    """max |a - b| / max(max |b|, 1e-8); inf when either side holds a NaN or inf.
+
+    Never NaN: a non-finite value is never "close", and inf (unlike NaN) survives every ``max``
+    and fails every ``<= tolerance``."""
     a, b = a.double(), b.double()
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.inf
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-8)) if b.numel() else 0.0
+
+
+def _worst(items) -> tuple[float, Optional[str]]:
+    """The largest `_rel` error over ``items`` (``(where, tree, flat)`` triples) and where it is.
+
+    ``where`` names the first item with that error, with ``(non-finite on the tree side)`` (or
+    per-sample side, or both) when a NaN/inf is the reason; ``(0.0, None)`` for no items."""
+    err, at = 0.0, None
+    for where, a, b in items:
+        e = _rel(a, b)
+        if at is None or e > err:
+            err, at = e, where
+            if e == math.inf:
+                bad = [side for side, x in (("tree", a), ("per-sample", b)) if not bool(torch.isfinite(x).all())]
+                at = f"{where} (non-finite on the {' and '.join(bad)} side)"
+    return err, at
+
+
+def _plant_nan(ddp, store: list, mine: list) -> None:
+    """The ``nan`` fault, tree side: NaN in one element of the gradient of this rank's last parameter,
+    before the optimizer step (so the stepped parameter turns NaN too), and in one logit of the last
+    sample of this rank's last microbatch. Both are the last item their comparison visits: a
+    reduction with Python's ``max`` drops a NaN that is not first, which is how verify once passed."""
+    _, p = list(ddp.module.named_parameters())[-1]
+    p.main_grad.view(-1)[0] = float("nan")
+    if store:  # last pipeline stage: the logits of this rank's real microbatches come first, in order
+        rows = mine[-1].sample_rows(mine[-1].sample_ids[-1])
+        store[len(mine) - 1][rows[-1], 0] = float("nan")
 
 
 def _logits_step(store, data_iterator, model):
@@ -225,6 +263,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         return ddp, opt
 
     result = {m: 0.0 for m in METRICS}
+    result.update({f"{m}_at": None for m in METRICS})
     runs = {}
     for side, batch in (("tree", tree_mbs), ("flat", flat_mbs)):
         ddp, opt = fresh()
@@ -238,24 +277,25 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         tot = report_totals(reports)
         if tot is not None:
             torch.distributed.all_reduce(tot, group=ps.get_data_parallel_group())
+        if side == "tree" and cfg.fault == "nan":
+            _plant_nan(ddp, store, mine)
         grads = {n: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
         opt.step()
         params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
         runs[side] = dict(logits=store, loss=tot, grads=grads, params=params)
     t, f = runs["tree"], runs["flat"]
     if t["logits"]:  # last pipeline stage
-        k = 0
-        for j, mb in enumerate(mine):
-            for i in mb.sample_ids:
-                rows = mb.sample_rows(i)
-                result["logits"] = max(result["logits"], _rel(t["logits"][j][rows], f["logits"][k][: len(rows)]))
-                k += 1
+        flat_logits = iter(f["logits"])  # one flat microbatch per sample, in the order of ``mine``
+        result["logits"], result["logits_at"] = _worst(
+            (f"sample {i}", t["logits"][j][mb.sample_rows(i)], next(flat_logits)[: len(mb.sample_rows(i))])
+            for j, mb in enumerate(mine) for i in mb.sample_ids)
         lt, lf = t["loss"][0] / t["loss"][1], f["loss"][0] / f["loss"][1]
-        result["loss"] = _rel(lt.reshape(1), lf.reshape(1))
+        result["loss"], result["loss_at"] = _worst([("loss", lt.reshape(1), lf.reshape(1))])
         result["loss_value"] = float(lf)
         result["num_tokens_tree"], result["num_tokens_flat"] = int(t["loss"][1]), int(f["loss"][1])
-    result["grads"] = max(_rel(t["grads"][n], f["grads"][n]) for n in f["grads"])
-    result["params_after_step"] = max(_rel(t["params"][n], f["params"][n]) for n in f["params"])
+    result["grads"], result["grads_at"] = _worst((n, t["grads"][n], f["grads"][n]) for n in f["grads"])
+    result["params_after_step"], result["params_after_step_at"] = _worst(
+        (n, t["params"][n], f["params"][n]) for n in f["params"])
     stats = [mb.stats for mb in mine]
     result["tree_rows"] = sum(s.tree_tokens for s in stats)
     result["flat_rows"] = sum(s.flat_tokens for s in stats)
@@ -285,7 +325,10 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
 
 
 def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
-    out = {m: max(r[m] for r in per_rank) for m in METRICS}
+    out = {}
+    for m in METRICS:  # the worst rank names where; `_rel` is never NaN, so ``max`` sees every error
+        worst = max(per_rank, key=lambda r: r[m])
+        out[m], out[f"{m}_at"] = worst[m], worst.get(f"{m}_at")
     out["tolerance"] = cfg.tol()
     out["passed"] = all(out[m] <= cfg.tol() for m in METRICS)
     last = [r for r in per_rank if "loss_value" in r]
@@ -307,7 +350,9 @@ def format_report(cfg: VerifyConfig, out: dict) -> str:
              f"{'quantity':<20} {'max rel. error':>14}  status (tolerance {out['tolerance']:.0e})"]
     for m in METRICS:
         ok = out[m] <= out["tolerance"]
-        lines.append(f"{m:<20} {out[m]:>14.3e}  {'ok' if ok else 'FAIL'}")
+        at = out.get(f"{m}_at")
+        where = f"  (worst: {at})" if at and at != m else ""
+        lines.append(f"{m:<20} {out[m]:>14.3e}  {'ok' if ok else 'FAIL'}{where}")
     lines.append("PASSED: tree training equals per-sample training" if out["passed"]
                  else "FAILED: tree training differs from per-sample training")
     return "\n".join(lines)

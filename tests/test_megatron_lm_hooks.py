@@ -85,6 +85,7 @@ def test_validate_fills_derived_defaults_and_is_a_noop_without_tree_packing():
     a.tree_max_tokens_per_mb = None
     validate_tree_args(a)
     assert (a.tree_max_tokens_per_mb, a.tree_pad_to_multiple_of) == (48, 24)  # budget from --seq-length, lcm(8, TP)
+    validate_tree_args(_megatron_like(context_parallel_size=4))  # tree CP covers attention / MLP / MoE models
     off = _megatron_like(micro_batch_size=4, attention_dropout=0.1)
     off.tree_packing = False
     assert validate_tree_args(off) is off and off.tree_pad_to_multiple_of is None
@@ -103,7 +104,7 @@ def test_validate_fills_derived_defaults_and_is_a_noop_without_tree_packing():
     (dict(rampup_batch_size=[1, 1, 10]), "--rampup-batch-size"),
     (dict(train_samples=1000), "--train-iters"),
     (dict(mtp_num_layers=1), "--mtp-num-layers"),
-    (dict(context_parallel_size=2), "--context-parallel-size"),
+    (dict(context_parallel_size=2, tree_hybrid_pattern="MG*-", num_layers=4), "(Mamba-2 / Gated DeltaNet) have no tree"),
     (dict(num_experts=8), "--moe-token-dispatcher-type alltoall"),
     (dict(tree_loss="grpo", tree_clip_eps=0.0), "--tree-clip-eps must be > 0"),
     (dict(tree_loss="ppo", tree_clip_eps_high=-0.1), "--tree-clip-eps-high must be > 0"),

@@ -53,14 +53,12 @@ class TreeDotProductAttention(MegatronModule):
             raise ValueError(
                 f"tree attention has no attention dropout (got attention_dropout={dropout}); set "
                 "--attention-dropout 0 (TransformerConfig.attention_dropout=0.0), as LLM training usually does")
-        if config.context_parallel_size > 1:
-            raise ValueError("TreeDotProductAttention runs with context_parallel_size=1; tree-aware context "
-                             "parallelism is provided by megatron_tree.cp")
         self.layer_number = max(1, layer_number)
         self.cp_comm_type = cp_comm_type
         self.backend = backend
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(
+                required_pgs=["tp", "cp"] if config.context_parallel_size > 1 else ["tp"])
         self.pg_collection = pg_collection
         tp = pg_collection.tp.size()
         self.num_heads_per_partition = divide(config.num_attention_heads, tp)
@@ -103,12 +101,38 @@ class TreeDotProductAttention(MegatronModule):
         s, b = query.shape[:2]
         if b != 1:
             raise ValueError(f"tree attention expects micro-batch size 1 (the tree is the batch), got {b}")
+        sinks = None if self.softmax_offset is None else self.softmax_offset
+        if self.config.context_parallel_size > 1:
+            return self._forward_cp(query, key, value, packed_seq_params, sinks)
         if s != layout.num_rows:
             raise ValueError(f"sequence length {s} != tree layout rows {layout.num_rows}")
-        sinks = None if self.softmax_offset is None else self.softmax_offset
         out = tree_attention(query[:, 0], key[:, 0], value[:, 0], layout, softmax_scale=self.softmax_scale,
                              window=self.window, sinks=sinks, backend=self.backend)
         return out.reshape(s, 1, -1)
+
+    def _forward_cp(self, query, key, value, psp, sinks):
+        """Tree CP: this rank's owned rows attend to every visible row of the CP group (`tree_attention_cp`).
+
+        The local sequence is ``psp.local_rows`` followed by ``psp.num_local_padding`` rows that pad it
+        to a multiple of the TP size; padding rows attend to nothing (output 0) and are never attended.
+        """
+        plan = psp.cp_plan
+        if plan is None or psp.local_rows is None:
+            raise ValueError("context_parallel_size > 1 needs a CP plan in packed_seq_params: build it with "
+                             "tree_packed_seq_params(mb, cp_plan=megatron_tree.cp.plan_context_parallel(mb.layout, "
+                             "cp_size), cp_rank=...) or let tree_forward_step plan it")
+        s, n = query.shape[0], int(psp.local_rows.shape[0])
+        if s != psp.num_local_rows:
+            raise ValueError(f"sequence length {s} != this CP rank's rows {psp.num_local_rows} "
+                             f"({n} owned + {psp.num_local_padding} padding)")
+        from ..cp import tree_attention_cp  # the executor sits below this package
+
+        out = tree_attention_cp(query[:n, 0], key[:n, 0], value[:n, 0], plan, self.pg_collection.cp,
+                                softmax_scale=self.softmax_scale, window=self.window, sinks=sinks)
+        out = out.reshape(n, 1, -1)
+        if s > n:
+            out = torch.cat([out, out.new_zeros(s - n, 1, out.shape[-1])])
+        return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint

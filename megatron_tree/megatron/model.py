@@ -52,9 +52,10 @@ class TreeGPTModel(GPTModel):
                                   padding_mask=padding_mask)
         if _is_tree(packed_seq_params) and self.position_embedding_type == "rope":
             layout = packed_seq_params.layout
-            # depth < number of rows, so a table of num_rows positions covers every depth
-            table = self.rotary_pos_emb(layout.num_rows, packed_seq=True)  # [N, 1, 1, dim], no CP slicing
-            out = (out[0], table[layout.position_ids]) + tuple(out[2:])
+            # depth < number of rows, so a table of num_rows positions covers every depth; under CP
+            # the rank's rows are indexed by their own depths (no zigzag slicing of the table)
+            table = self.rotary_pos_emb(layout.num_rows, packed_seq=True)  # [N, 1, 1, dim]
+            out = (out[0], table[packed_seq_params.position_ids]) + tuple(out[2:])
         elif _is_tree(packed_seq_params) and self.position_embedding_type not in ("learned_absolute", "none"):
             raise ValueError(f"tree training supports rope, learned_absolute or none position embeddings, "
                              f"not {self.position_embedding_type!r}")

@@ -7,6 +7,7 @@ every module without mutable module state. ``qkv_format`` stays ``"sbhd"``: inpu
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,14 +22,27 @@ from ..tree.loss_map import LossMap
 class TreePackedSeqParams(PackedSeqParams):
     """PackedSeqParams carrying a tree.
 
-    layout    `TreeLayout` of the microbatch's rows (on the compute device)
-    loss_map  `LossMap` (on the compute device), or None on stages that compute no loss
-    cp_plan   context-parallel plan (None without CP); every rank holds the same plan
+    layout             `TreeLayout` of the whole microbatch (on the compute device), on every rank
+    loss_map           `LossMap` (on the compute device), or None on stages that compute no loss.
+                       Under CP it holds this rank's occurrences only, with ``source_rows`` as
+                       *local* row indices (the rows whose outputs this rank computes)
+    cp_plan            `megatron_tree.cp.CPPlan` (None without CP); every CP rank holds the same plan
+    cp_rank            this rank's index in the CP group (0 without CP)
+    local_rows         [n] global rows this CP rank holds, in its local order (None without CP)
+    num_local_padding  rows appended after ``local_rows`` (pad token, depth 0, attend to nothing)
+                       so that the local sequence divides by the TP size under sequence parallelism
+
+    Without CP the modules see all ``layout.num_rows`` rows; under CP they see
+    ``num_local_rows = len(local_rows) + num_local_padding`` rows: ``input_ids`` / ``position_ids``
+    give the rank's view in both cases.
     """
 
     layout: Optional[TreeLayout] = None
     loss_map: Optional[LossMap] = None
     cp_plan: Any = None
+    cp_rank: int = 0
+    local_rows: Optional[torch.Tensor] = None
+    num_local_padding: int = 0
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -40,9 +54,30 @@ class TreePackedSeqParams(PackedSeqParams):
             self.max_seqlen_q = self.max_seqlen_kv = self.layout.num_rows
 
     @property
+    def is_context_parallel(self) -> bool:
+        return self.cp_plan is not None and self.cp_plan.cp_size > 1
+
+    @property
+    def num_local_rows(self) -> int:
+        """Rows the modules of this rank see (all rows without CP)."""
+        if self.local_rows is None:
+            return self.layout.num_rows
+        return int(self.local_rows.shape[0]) + self.num_local_padding
+
+    def _local(self, full: torch.Tensor, pad_value: int) -> torch.Tensor:
+        if self.local_rows is None:
+            return full
+        return torch.cat([full[self.local_rows], full.new_full((self.num_local_padding,), pad_value)])
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """[num_local_rows] tokens this rank embeds."""
+        return self._local(self.layout.input_ids, 0)
+
+    @property
     def position_ids(self) -> torch.Tensor:
-        """[N] depth of every row (what RoPE is indexed by)."""
-        return self.layout.position_ids
+        """[num_local_rows] depth of every row this rank holds (what RoPE is indexed by)."""
+        return self._local(self.layout.position_ids, 0)
 
 
 def get_tree_layout(packed_seq_params) -> TreeLayout:
@@ -54,9 +89,56 @@ def get_tree_layout(packed_seq_params) -> TreeLayout:
     return packed_seq_params.layout
 
 
-def tree_packed_seq_params(mb, device=None, *, cp_plan=None) -> TreePackedSeqParams:
-    """`TreePackedSeqParams` for a `TreeMicrobatch`, moved to ``device``."""
+def local_loss_map(loss_map: LossMap, owner: torch.Tensor, local_rows: torch.Tensor, rank: int) -> LossMap:
+    """The occurrences whose source row ``rank`` owns, with ``source_rows`` as local indices.
+
+    owner [N] rank of every global row; local_rows [n] this rank's rows in local order (ascending).
+    Order of the kept occurrences is unchanged; every occurrence lands on exactly one rank.
+    """
+    keep = owner[loss_map.source_rows] == rank
+    kept = {f.name: (None if getattr(loss_map, f.name) is None else getattr(loss_map, f.name)[keep])
+            for f in dataclasses.fields(loss_map)}
+    kept["source_rows"] = torch.searchsorted(local_rows, kept["source_rows"])
+    return LossMap(**kept)
+
+
+def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
+                           pad_to_multiple_of: int = 1) -> TreePackedSeqParams:
+    """`TreePackedSeqParams` for a `TreeMicrobatch`, moved to ``device``; with a ``cp_plan`` of more
+    than one rank, CP rank ``cp_rank``'s view of it (`context_parallel_view`)."""
     layout, loss_map = mb.layout, mb.loss_map
     if device is not None:
         layout, loss_map = layout.to(device), loss_map.to(device)
-    return TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan)
+    psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan)
+    if cp_plan is None or cp_plan.cp_size == 1:
+        return psp
+    return context_parallel_view(psp, cp_plan, cp_rank, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
+                          pad_to_multiple_of: int = 1) -> TreePackedSeqParams:
+    """CP rank ``cp_rank``'s view of a whole-microbatch ``psp``.
+
+    Its owned rows (``cp_plan.owner_rows(cp_rank)``), padded up to a multiple of ``pad_to_multiple_of``
+    (the TP size under sequence parallelism; a rank that owns nothing still gets one padded slot per
+    TP rank, since Megatron's modules cannot run on an empty sequence), and the loss map of the
+    occurrences it computes. The layout stays whole: every rank sees the tree.
+    """
+    layout, loss_map = psp.layout, psp.loss_map
+    if cp_plan.num_rows != layout.num_rows:
+        raise ValueError(f"the CP plan covers {cp_plan.num_rows} rows but the microbatch has {layout.num_rows}: "
+                         "plan each microbatch with megatron_tree.cp.plan_context_parallel(mb.layout, cp_size)")
+    if not 0 <= cp_rank < cp_plan.cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside the plan's CP group of size {cp_plan.cp_size}")
+    dev = layout.device
+    rows = torch.from_numpy(cp_plan.owner_rows(cp_rank)).to(dev)
+    owner = torch.from_numpy(cp_plan.owner.astype("int64")).to(dev)
+    multiple = max(1, pad_to_multiple_of)
+    pad = (-int(rows.shape[0])) % multiple or (multiple if rows.shape[0] == 0 else 0)
+    local_lm = None if loss_map is None else local_loss_map(loss_map, owner, rows, cp_rank)
+    out = TreePackedSeqParams(layout=layout, loss_map=local_lm, cp_plan=cp_plan, cp_rank=cp_rank, local_rows=rows,
+                              num_local_padding=pad)
+    # Megatron's GPTModel builds (and TreeGPTModel then replaces) a rotary table of max_seqlen_q rows,
+    # zigzag-sliced over CP ranks, which needs a multiple of 2 * cp
+    out.max_seqlen_q = out.max_seqlen_kv = -(-layout.num_rows // (2 * cp_plan.cp_size)) * 2 * cp_plan.cp_size
+    return out

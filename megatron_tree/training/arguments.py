@@ -164,8 +164,11 @@ def validate_tree_args(args) -> argparse.Namespace:
 
     # -- parallelism
     if int(_get(args, "context_parallel_size", 1) or 1) > 1:
-        errors.append("--context-parallel-size > 1 is not available with --tree-packing yet (tree-aware "
-                      "context parallelism is not wired into these hooks); use TP/PP/DP/EP")
+        recurrent = sorted(set(_get(args, "tree_hybrid_pattern", None) or "") & set("MG"))
+        if recurrent:
+            errors.append(f"--context-parallel-size > 1 with --tree-packing covers attention, MLP and MoE layers; "
+                          f"the pattern's {'/'.join(recurrent)} layers (Mamba-2 / Gated DeltaNet) have no tree "
+                          "context parallelism yet: use TP/PP/DP/EP for hybrid models")
     if _get(args, "num_experts") and _get(args, "moe_token_dispatcher_type") == "allgather":
         errors.append("MoE with --tree-packing needs --moe-token-dispatcher-type alltoall (or flex): microbatch "
                       "lengths vary, which the allgather dispatcher does not support")

@@ -289,15 +289,18 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, ar
     if return_schedule_plan:
         raise ValueError("tree training does not support --overlap-moe-expert-parallel-comm schedule plans or "
                          "partial activation checkpointing per microbatch")
+    from ..megatron.forward_step import context_parallel_params
+
     args = _args(args)
     timers = _timers()
     if timers is not None:
         timers("batch-generator", log_level=2).start()
     psp = get_batch(data_iterator, device=next(model.parameters()).device)
+    # under CP each rank keeps its owned rows of the plan --tree-cp-planner makes (the same on every rank)
+    psp = context_parallel_params(psp, model, strategy=args.tree_cp_planner)
     if timers is not None:
         timers("batch-generator").stop()
-    layout = psp.layout
-    output = model(layout.input_ids.unsqueeze(0), layout.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+    output = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
     return output, partial(loss_func, psp.loss_map, loss_type=args.tree_loss, clip_eps=args.tree_clip_eps,
                            clip_eps_high=args.tree_clip_eps_high, kl_coef=args.tree_kl_coef,
                            check_for_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))

@@ -126,11 +126,12 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False):
 
 
 def forward_backward(model, microbatches: list, *, forward_only: bool = False, **loss_kwargs) -> list[dict]:
-    """One forward(-backward) over ``microbatches`` through Megatron's schedule. Returns the loss
-    reports of the last pipeline stage (empty elsewhere)."""
+    """One forward(-backward) over ``microbatches`` (`TreeMicrobatch`es, or ``(microbatch, CPPlan)``
+    pairs under context parallelism) through Megatron's schedule. Returns the loss reports of the
+    last pipeline stage (empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    seq = max(mb.num_rows for mb in microbatches)
+    seq = max((mb[0] if isinstance(mb, tuple) else mb).num_rows for mb in microbatches)
     return get_forward_backward_func()(
         forward_step_func=partial(tree_forward_step, **loss_kwargs), data_iterator=iter(list(microbatches)),
         model=[model], num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=1,

@@ -82,6 +82,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--context-parallel-size", type=int, default=1,
+                   help="tree-aware context parallelism: each microbatch's rows are spread over this many ranks "
+                        "(ownership from --tree-cp-planner); attention, MLP and MoE layers")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     p.add_argument("--use-distributed-optimizer", action="store_true")
@@ -168,10 +171,12 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
             args.hybrid_override_pattern != args.tree_hybrid_pattern:
         errors.append("--hybrid-override-pattern and --tree-hybrid-pattern disagree; pass one of them")
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    if min(tp, pp, ep) < 1:
+    cp = args.context_parallel_size
+    if min(tp, pp, ep, cp) < 1:
         errors.append("parallel sizes must be >= 1")
-    elif not _launched() and args.nproc % (tp * pp):
-        errors.append(f"--nproc ({args.nproc}) must be a multiple of tensor x pipeline parallel sizes ({tp * pp})")
+    elif not _launched() and args.nproc % (tp * pp * cp):
+        errors.append(f"--nproc ({args.nproc}) must be a multiple of tensor x pipeline x context parallel sizes "
+                      f"({tp * pp * cp})")
     if not torch.cuda.is_available():
         for flag, on in (("--bf16", args.bf16), ("--use-distributed-optimizer", args.use_distributed_optimizer)):
             if on:
@@ -438,10 +443,11 @@ def train(args, samples=None, *, skipped=None) -> dict:
         compat_cpu.enable(kernels=True)
         torch._dynamo.config.disable = True
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    if dist.get_world_size() % (tp * pp):
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP x PP = {tp * pp}")
+    cp = args.context_parallel_size
+    if dist.get_world_size() % (tp * pp * cp):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP x PP x CP = {tp * pp * cp}")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 context_parallel_size=cp, expert_model_parallel_size=ep)
     try:
         return _train_loop(args, samples, on_cpu, list(skipped or []))
     finally:
@@ -461,7 +467,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     # a fresh config per model: DDP hangs hooks on it, MoE experts deep-copy it
     config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                         ep=args.expert_model_parallel_size, sp=args.sequence_parallel,
+                         ep=args.expert_model_parallel_size, cp=args.context_parallel_size, sp=args.sequence_parallel,
                          recompute=args.recompute_granularity or "none", dtype=dtype, cpu=on_cpu)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
@@ -484,6 +490,10 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
               dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, num_epochs=None,
               pad_to_multiple_of=args.tree_pad_to_multiple_of, vocab_size=args.vocab_size,
               lookahead=args.tree_lookahead)
+    if args.context_parallel_size > 1:  # every CP rank plans its DP rank's microbatches ahead, identically
+        from ..cp import make_plan_fn
+
+        kw["plan_fn"] = make_plan_fn(args.context_parallel_size, strategy=args.tree_cp_planner)
     pipeline = _make_pipeline(samples, args.packing, **kw)
 
     start, resumed_from = 0, None
@@ -517,7 +527,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
             step = next(data)
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            reports = forward_backward(ddp, step.microbatches, **loss_kwargs)
+            items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
+            reports = forward_backward(ddp, items, **loss_kwargs)
             lr = float(opt.param_groups[0]["lr"])  # the rate this step uses (sched.step sets the next one)
             ok, grad_norm, _ = opt.step()
             sched.step(1)

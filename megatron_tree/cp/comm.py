@@ -1,0 +1,88 @@
+"""Row-block all-to-all for context parallelism.
+
+Two layers:
+
+* `start_exchange(send, send_splits, recv_splits, group)` -> `Exchange`: one
+  ``all_to_all_single`` of row blocks with split sizes, issued asynchronously (``async_op=True``);
+  ``Exchange.wait()`` returns the received block. This is what the attention executor uses inside
+  its own autograd Function, so it can issue the fetch of wave ``w + 1`` before computing wave ``w``
+  and overlap the return of dK/dV with the backward of the next stage.
+* `fetch_rows(x, send_local, send_splits, recv_splits, group)`: the same move as an autograd op.
+  Forward gathers the local rows ``x[send_local]`` (grouped by destination) and sends them;
+  backward sends the received rows' gradients back to their owners, who ADD them into the gradient
+  of ``x`` (``index_add``): a fetch replicates a row onto every rank that needs it, and the
+  transpose of a replicating gather is an accumulation.
+
+Every rank must enter every exchange, in the same order, even with zero rows to send or receive:
+``all_to_all_single`` is an ordered collective, and a rank that skipped one would pair its next
+collective with another rank's previous one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Exchange", "start_exchange", "fetch_rows"]
+
+
+class Exchange:
+    """An all-to-all in flight. ``wait()`` returns the received rows [sum(recv_splits), ...]."""
+
+    def __init__(self, out: torch.Tensor, work, send: torch.Tensor):
+        self._out, self._work = out, work
+        self._send = send  # the send buffer must stay alive until the collective has read it
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._send = None
+        return self._out
+
+
+def start_exchange(send: torch.Tensor, send_splits, recv_splits, group=None, *, async_op: bool = True) -> Exchange:
+    """Issue ``all_to_all_single`` of the row block ``send`` [sum(send_splits), F].
+
+    ``send_splits[d]`` rows (consecutive, destination order) go to rank ``d`` of ``group``;
+    ``recv_splits[s]`` rows arrive from rank ``s``. Returns an `Exchange`; the output buffer
+    [sum(recv_splits), F] is valid after ``wait()``. A group of size 1 moves nothing.
+    """
+    send_splits, recv_splits = [int(x) for x in send_splits], [int(x) for x in recv_splits]
+    if send.shape[0] != sum(send_splits):
+        raise ValueError(f"send buffer has {send.shape[0]} rows but send_splits sum to {sum(send_splits)}")
+    out = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+    if dist.get_world_size(group) == 1:
+        out.copy_(send)
+        return Exchange(out, None, send)
+    send = send.contiguous()
+    work = dist.all_to_all_single(out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                  group=group, async_op=async_op)
+    return Exchange(out, work if async_op else None, send)
+
+
+class _FetchRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_local, send_splits, recv_splits, group):
+        ctx.save_for_backward(send_local)
+        ctx.splits, ctx.group, ctx.n = (send_splits, recv_splits), group, x.shape[0]
+        return start_exchange(x.index_select(0, send_local), send_splits, recv_splits, group).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (send_local,) = ctx.saved_tensors
+        send_splits, recv_splits = ctx.splits
+        # the reverse move: what we received goes back to its owner
+        back = start_exchange(grad.contiguous(), recv_splits, send_splits, ctx.group).wait()
+        dx = grad.new_zeros((ctx.n,) + tuple(grad.shape[1:]))
+        dx.index_add_(0, send_local, back)  # a row sent to several ranks collects all their grads
+        return dx, None, None, None, None
+
+
+def fetch_rows(x: torch.Tensor, send_local: torch.Tensor, send_splits, recv_splits, group=None) -> torch.Tensor:
+    """Autograd all-to-all of rows: send ``x[send_local]`` (grouped by destination, ``send_splits``
+    rows each), receive [sum(recv_splits), ...] (grouped by source). The gradient of a received row
+    returns to its owner and is added to ``x``'s gradient at the sent index (a row sent to several
+    ranks accumulates all their contributions). Every rank of ``group`` must call it, in the same
+    order, also with nothing to send or receive.
+    """
+    return _FetchRows.apply(x, send_local, tuple(send_splits), tuple(recv_splits), group)

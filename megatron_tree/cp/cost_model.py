@@ -1,0 +1,314 @@
+"""Predicted per-rank time of a CP plan: calibrated coefficients and a staged-schedule simulator.
+
+What one CP rank does per transformer layer (the executor's staged schedule):
+
+forward
+  1. token-local work of its rows (projections, norms, MLP / MoE): ``rows * tok_fwd_ms_per_row``;
+  2. the *local stage*: its queries against its own K/V;
+  3. ``num_waves`` *remote stages*: wave ``w``'s K/V rows arrive by all-to-all; the fetch of wave
+     ``w + 1`` is issued when wave ``w``'s compute starts and overlaps it (fraction ``overlap`` of a
+     transfer can hide behind compute; 0 means transfers block, as with gloo on a CPU); each
+     remote stage is followed by an exact LSE merge over the rank's query rows.
+backward
+  the remote waves again (their K/V refetched when ``bwd_refetch``), each returning its dK/dV to
+  the owners while the next wave computes, then the local stage; the layer's backward ends when the
+  compute and every dK/dV return have finished; plus token-local backward.
+
+A stage costs ``launch + per_pair * max(pairs, underfill_pairs) + stage_row_ms * (nq + nk)``:
+pairs at the calibrated throughput (local and remote, forward and backward each their own), a
+floor below which a small stage stops getting cheaper (a GPU kernel that cannot fill the device),
+and a per-row term for gathering / assembling the stage's rows. A transfer costs
+``comm_latency_ms + bytes * comm_ms_per_byte`` with ``bytes = max(sent, received) rows * bytes per
+row`` for that rank in that wave (the all-to-all's busier direction); a wave in which no rank moves
+a row is skipped by every rank (the executor's rule), so it costs nothing.
+
+These are empirical predictions: the coefficients come from `tools/calibrate_cp.py` (measured
+stage timings on the machine), the defaults below describe a Hopper-class GPU with NVLink for a
+GQA model (32 query heads, 8 K/V heads, head dim 128, hidden 4096, bf16).
+
+`simulate` is vectorised over ranks (used by the planner's search); `simulate_reference` follows
+the same schedule with plain loops, one rank at a time (tests check that the two agree).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["CostModel", "RankLoads", "RankTimes", "simulate", "simulate_reference", "default_cost_model",
+           "CPU_COST_JSON"]
+
+CPU_COST_JSON = os.path.join(os.path.dirname(__file__), "cost_cpu.json")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Calibrated coefficients (milliseconds, per transformer layer) of the CP time model.
+
+    tok_fwd_ms_per_row, tok_bwd_ms_per_row   token-local work per owned row
+    {fwd,bwd}_{local,remote}_ms_per_pair    attention time per visible (query, key) pair
+    fwd_launch_ms, bwd_launch_ms            fixed cost of one attention stage
+    underfill_pairs                         a stage with fewer pairs costs as many (device fill)
+    stage_row_ms                            per query + key row of a stage (gather, block metadata)
+    merge_fwd_ms_per_row, merge_bwd_ms_per_row   LSE merge of one remote stage, per query row
+    comm_latency_ms, comm_ms_per_byte       one all-to-all: latency + bytes / bandwidth
+    kv_bytes_per_row, dkv_bytes_per_row     K + V bytes of one row (forward fetch / dK + dV return)
+    overlap                                 fraction of a transfer that hides behind compute (0..1)
+    bwd_refetch                             backward fetches each wave's K/V again (bounded memory)
+    layers                                  attention layers the prediction covers (multiplier)
+    max_remote_kv_rows                      optional cap on remote K/V rows held at once
+    name, meta                              where the figures come from
+    """
+
+    name: str = "gpu-default"
+    # token-local: ~436 MFLOP per row forward (hidden 4096, GQA projections, SwiGLU MLP 14336) at
+    # ~600 TFLOP/s; backward twice that
+    tok_fwd_ms_per_row: float = 7.3e-4
+    tok_bwd_ms_per_row: float = 1.46e-3
+    # attention: 4 * head_dim * q_heads = 16384 FLOP per pair forward at ~420 TFLOP/s, backward 2.5x
+    # the FLOPs at ~350 TFLOP/s; remote stages 3% slower (gathered, non-contiguous rows; their
+    # tiles are mostly full rectangles, the kernel's best shape). Not yet measured on a GPU.
+    fwd_local_ms_per_pair: float = 3.9e-8
+    fwd_remote_ms_per_pair: float = 4.0e-8
+    bwd_local_ms_per_pair: float = 1.17e-7
+    bwd_remote_ms_per_pair: float = 1.2e-7
+    fwd_launch_ms: float = 0.02
+    bwd_launch_ms: float = 0.04
+    underfill_pairs: float = 5.0e5
+    # per query/key row of a stage: Q, O, LSE (and K, V) through HBM at ~2.5 TB/s
+    stage_row_ms: float = 3.5e-6
+    # an LSE merge reads two outputs and writes one (fp32): ~48 KB per query row; backward twice
+    merge_fwd_ms_per_row: float = 1.9e-5
+    merge_bwd_ms_per_row: float = 3.8e-5
+    comm_latency_ms: float = 0.03
+    comm_ms_per_byte: float = 7.0e-9  # ~140 GB/s per GPU in an all-to-all over NVLink
+    kv_bytes_per_row: float = 4096.0  # 2 (K, V) x 8 heads x 128 dims x 2 bytes
+    dkv_bytes_per_row: float = 4096.0
+    overlap: float = 0.9
+    bwd_refetch: bool = True
+    layers: int = 1
+    max_remote_kv_rows: int | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"CostModel.overlap must lie in [0, 1], got {self.overlap}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and v < 0:
+                raise ValueError(f"CostModel.{f.name} must be >= 0, got {v}")
+        if self.layers < 1:
+            raise ValueError(f"CostModel.layers must be >= 1, got {self.layers}")
+
+    # ------------------------------------------------------------------ construction / IO
+    @classmethod
+    def gpu(cls, **overrides) -> "CostModel":
+        """Built-in Hopper-class GPU profile (see the module doc)."""
+        return cls(**overrides)
+
+    @classmethod
+    def cpu(cls, **overrides) -> "CostModel":
+        """The CPU profile fitted by `tools/calibrate_cp.py` and shipped as ``cost_cpu.json``."""
+        m = cls.from_json(CPU_COST_JSON)
+        return dataclasses.replace(m, **overrides) if overrides else m
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown CostModel fields {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str) -> "CostModel":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @property
+    def key(self) -> tuple:
+        """Hashable identity of the coefficients (plan-cache key part)."""
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.compare)
+
+    # ------------------------------------------------------------------ stage formulas
+    def stage_ms(self, pairs, nq, nk, *, remote: bool, backward: bool):
+        """Time of one attention stage (elementwise over numpy arrays); 0 where it has no key rows."""
+        per_pair = ((self.bwd_remote_ms_per_pair if remote else self.bwd_local_ms_per_pair) if backward
+                    else (self.fwd_remote_ms_per_pair if remote else self.fwd_local_ms_per_pair))
+        launch = self.bwd_launch_ms if backward else self.fwd_launch_ms
+        pairs = np.asarray(pairs, np.float64)
+        t = launch + per_pair * np.maximum(pairs, self.underfill_pairs) + self.stage_row_ms * (np.asarray(nq) + np.asarray(nk))
+        return np.where((np.asarray(nk) > 0) & (np.asarray(nq) > 0), t, 0.0)
+
+    def transfer_ms(self, nbytes):
+        """One all-to-all moving ``nbytes`` through the rank's busier direction."""
+        return self.comm_latency_ms + self.comm_ms_per_byte * np.asarray(nbytes, np.float64)
+
+
+def default_cost_model() -> CostModel:
+    """The GPU profile when CUDA is available, else the shipped CPU profile (same on every rank of
+    a job, so plans stay identical across ranks)."""
+    import torch
+
+    return CostModel.gpu() if torch.cuda.is_available() else CostModel.cpu()
+
+
+@dataclass(frozen=True)
+class RankLoads:
+    """What each rank computes and moves under one ownership (input of the simulator).
+
+    rows [cp]            owned rows (token-local work, query rows of every stage)
+    local_pairs [cp]     visible pairs of the local stage
+    wave_rows [cp, W]    remote K/V rows received in each wave
+    wave_pairs [cp, W]   visible pairs of each remote stage
+    send_rows [cp, W]    rows of the rank's K/V sent to others in each wave
+    total_remote_rows    sum of wave_rows (for the "no collective needed" case)
+    """
+
+    rows: np.ndarray
+    local_pairs: np.ndarray
+    wave_rows: np.ndarray
+    wave_pairs: np.ndarray
+    send_rows: np.ndarray
+
+    @property
+    def cp_size(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def num_waves(self) -> int:
+        return int(self.wave_rows.shape[1])
+
+    @property
+    def query_pairs(self) -> np.ndarray:
+        """[cp] all visible pairs of the rank's queries (model-neutral attention work)."""
+        return self.local_pairs + self.wave_pairs.sum(1)
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """Predicted ms per rank: token-local and attention, forward and backward; ``total`` [cp]."""
+
+    tok_fwd: np.ndarray
+    attn_fwd: np.ndarray
+    tok_bwd: np.ndarray
+    attn_bwd: np.ndarray
+    layers: int = 1
+
+    @property
+    def total(self) -> np.ndarray:
+        return (self.tok_fwd + self.attn_fwd + self.tok_bwd + self.attn_bwd) * self.layers
+
+
+def simulate(cm: CostModel, loads: RankLoads) -> RankTimes:
+    """Per-rank times of the staged schedule (module doc), vectorised over ranks."""
+    cp, W = loads.cp_size, loads.num_waves
+    rows = loads.rows.astype(np.float64)
+    a = cm.overlap
+    tok_f, tok_b = rows * cm.tok_fwd_ms_per_row, rows * cm.tok_bwd_ms_per_row
+    local_f = cm.stage_ms(loads.local_pairs, rows, rows, remote=False, backward=False)
+    local_b = cm.stage_ms(loads.local_pairs, rows, rows, remote=False, backward=True)
+    if cp == 1:
+        return RankTimes(tok_f, local_f, tok_b, local_b, cm.layers)
+    busy = np.maximum(loads.wave_rows, loads.send_rows)
+    moves = loads.wave_rows.sum(0) > 0  # [W] a wave that moves no row on any rank is skipped by all
+    x_kv = np.where(moves, cm.transfer_ms(busy * cm.kv_bytes_per_row), 0.0)  # [cp, W]
+    x_dkv = np.where(moves, cm.transfer_ms(busy * cm.dkv_bytes_per_row), 0.0)
+    rf = (cm.stage_ms(loads.wave_pairs, rows[:, None], loads.wave_rows, remote=True, backward=False)
+          + np.where(loads.wave_rows > 0, cm.merge_fwd_ms_per_row * rows[:, None], 0.0))
+    rb = (cm.stage_ms(loads.wave_pairs, rows[:, None], loads.wave_rows, remote=True, backward=True)
+          + np.where(loads.wave_rows > 0, cm.merge_bwd_ms_per_row * rows[:, None], 0.0))
+    # forward: local stage while wave 0 arrives; wave w+1 is fetched while wave w computes
+    t = local_f.copy()
+    ready = x_kv[:, 0].copy()
+    for w in range(W):
+        start = np.maximum(t + (1 - a) * x_kv[:, w], ready)
+        if w + 1 < W:
+            ready = start + x_kv[:, w + 1]
+        t = start + rf[:, w]
+    attn_f = t
+    # backward: remote waves (refetched K/V), each returning dK/dV under the next one, then local
+    x_b = x_kv if cm.bwd_refetch else np.zeros_like(x_kv)
+    t = np.zeros(cp)
+    ready = x_b[:, 0].copy()
+    returned = np.zeros(cp)
+    for w in range(W):
+        start = np.maximum(t + (1 - a) * x_b[:, w], ready)
+        if w + 1 < W:
+            ready = start + x_b[:, w + 1]
+        t = start + rb[:, w]
+        returned = np.maximum(returned, t + x_dkv[:, w])
+        t = t + (1 - a) * x_dkv[:, w]
+    attn_b = np.maximum(t + local_b, returned)
+    return RankTimes(tok_f, attn_f, tok_b, attn_b, cm.layers)
+
+
+def simulate_reference(cm: CostModel, loads: RankLoads) -> RankTimes:
+    """`simulate` written as plain per-rank, per-wave loops over Python floats (test oracle)."""
+    cp, W = loads.cp_size, loads.num_waves
+    out = {k: [] for k in ("tok_fwd", "attn_fwd", "tok_bwd", "attn_bwd")}
+
+    def stage(pairs, nq, nk, remote, backward):
+        if nq <= 0 or nk <= 0:
+            return 0.0
+        if backward:
+            per_pair, launch = (cm.bwd_remote_ms_per_pair if remote else cm.bwd_local_ms_per_pair), cm.bwd_launch_ms
+        else:
+            per_pair, launch = (cm.fwd_remote_ms_per_pair if remote else cm.fwd_local_ms_per_pair), cm.fwd_launch_ms
+        return launch + per_pair * max(float(pairs), cm.underfill_pairs) + cm.stage_row_ms * (nq + nk)
+
+    for r in range(cp):
+        n = float(loads.rows[r])
+        out["tok_fwd"].append(n * cm.tok_fwd_ms_per_row)
+        out["tok_bwd"].append(n * cm.tok_bwd_ms_per_row)
+        lf = stage(loads.local_pairs[r], n, n, False, False)
+        lb = stage(loads.local_pairs[r], n, n, False, True)
+        if cp == 1:
+            out["attn_fwd"].append(lf)
+            out["attn_bwd"].append(lb)
+            continue
+        xs, xd, fwd_stage, bwd_stage = [], [], [], []
+        for w in range(W):
+            busy = max(float(loads.wave_rows[r, w]), float(loads.send_rows[r, w]))
+            if sum(float(loads.wave_rows[s, w]) for s in range(cp)) > 0:
+                xs.append(cm.comm_latency_ms + cm.comm_ms_per_byte * busy * cm.kv_bytes_per_row)
+                xd.append(cm.comm_latency_ms + cm.comm_ms_per_byte * busy * cm.dkv_bytes_per_row)
+            else:  # no rank moves a row in this wave: every rank skips its collective
+                xs.append(0.0)
+                xd.append(0.0)
+            has = loads.wave_rows[r, w] > 0
+            fwd_stage.append(stage(loads.wave_pairs[r, w], n, loads.wave_rows[r, w], True, False)
+                             + (cm.merge_fwd_ms_per_row * n if has else 0.0))
+            bwd_stage.append(stage(loads.wave_pairs[r, w], n, loads.wave_rows[r, w], True, True)
+                             + (cm.merge_bwd_ms_per_row * n if has else 0.0))
+        # forward
+        clock, arrival = lf, xs[0]
+        for w in range(W):
+            begin = max(clock + (1 - cm.overlap) * xs[w], arrival)
+            if w + 1 < W:
+                arrival = begin + xs[w + 1]
+            clock = begin + fwd_stage[w]
+        out["attn_fwd"].append(clock)
+        # backward
+        fetch = xs if cm.bwd_refetch else [0.0] * W
+        clock, arrival, last_return = 0.0, fetch[0], 0.0
+        for w in range(W):
+            begin = max(clock + (1 - cm.overlap) * fetch[w], arrival)
+            if w + 1 < W:
+                arrival = begin + fetch[w + 1]
+            clock = begin + bwd_stage[w]
+            last_return = max(last_return, clock + xd[w])
+            clock += (1 - cm.overlap) * xd[w]
+        out["attn_bwd"].append(max(clock + lb, last_return))
+    return RankTimes(*(np.array(out[k]) for k in ("tok_fwd", "attn_fwd", "tok_bwd", "attn_bwd")), cm.layers)

@@ -89,7 +89,7 @@ def cmd_verify(args) -> int:
     from .training.verify import VerifyConfig, format_report, run_verify
 
     cfg = VerifyConfig(model=args.model, pattern=args.pattern, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
-                       sp=args.sp, recompute=args.recompute, dtype=args.dtype, loss=args.loss, window=args.window,
+                       cp=args.cp, cp_strategy=args.cp_strategy, sp=args.sp, recompute=args.recompute, dtype=args.dtype, loss=args.loss, window=args.window,
                        sinks=args.sinks, seed=args.seed, families=args.families, budget=args.max_tokens_per_mb,
                        fault=args.inject_fault, tolerance=args.tolerance)
     out = run_verify(cfg)
@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--pp", type=int, default=1)
     vf.add_argument("--dp", type=int, default=1)
     vf.add_argument("--ep", type=int, default=1)
+    vf.add_argument("--cp", type=int, default=1, help="tree context parallel size (attention, MLP and MoE layers)")
+    vf.add_argument("--cp-strategy", choices=["balanced", "zigzag", "contiguous"], default="balanced",
+                    help="CP ownership planner for the tree side")
     vf.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     vf.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     vf.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float64",

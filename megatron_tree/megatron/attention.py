@@ -129,7 +129,7 @@ class TreeDotProductAttention(MegatronModule):
 
         out = tree_attention_cp(query[:n, 0], key[:n, 0], value[:n, 0], plan, self.pg_collection.cp,
                                 softmax_scale=self.softmax_scale, window=self.window, sinks=sinks)
-        out = out.reshape(n, 1, -1)
+        out = out.reshape(n, 1, out.shape[1] * out.shape[2])  # n may be 0: a rank that owns nothing
         if s > n:
             out = torch.cat([out, out.new_zeros(s - n, 1, out.shape[-1])])
         return out

@@ -42,6 +42,8 @@ class VerifyConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1  # tree context parallelism (attention / MLP / MoE layers)
+    cp_strategy: str = "balanced"
     sp: bool = False
     recompute: str = "none"
     dtype: str = "float64"  # exact check; float32/bfloat16 are smoke checks with float-noise tolerances
@@ -56,7 +58,7 @@ class VerifyConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     def has_moe(self) -> bool:
         return self.ep > 1 or (self.model == "hybrid" and "E" in (self.pattern or "MG*-*E"))
@@ -178,19 +180,53 @@ def _plant_nan(ddp, store: list, mine: list) -> None:
         store[len(mine) - 1][rows[-1], 0] = float("nan")
 
 
-def _logits_step(store, data_iterator, model):
+def _logits_step(store, cp_strategy, data_iterator, model):
+    from ..megatron.forward_step import context_parallel_params
     from ..megatron.packed_seq import tree_packed_seq_params
 
-    mb = next(data_iterator)
-    psp = tree_packed_seq_params(mb, next(model.parameters()).device)
+    item = next(data_iterator)
+    mb, plan = item if isinstance(item, tuple) else (item, None)
+    psp = context_parallel_params(tree_packed_seq_params(mb, next(model.parameters()).device), model, plan=plan,
+                                  strategy=cp_strategy)
     psp.loss_map = None
-    out = model(psp.layout.input_ids.unsqueeze(0), psp.layout.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+    out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
 
     def loss_func(output):
-        store.append(output.detach()[0].float().cpu())  # GPTModel returns [b, s, V/tp]
+        logits = output.detach()[0].float().cpu()  # GPTModel returns [b, s, V/tp]
+        if psp.is_context_parallel:  # every CP rank computed its owned rows: gather the whole microbatch
+            logits = _gather_cp_rows(logits, psp)
+        store.append(logits)
         return output.sum() * 0, {}
 
     return out, loss_func
+
+
+def _gather_cp_rows(local: torch.Tensor, psp) -> torch.Tensor:
+    """[N, V] logits of every row from each CP rank's [n_local (+ padding), V] (all-gather, padded)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group()
+    rows = psp.local_rows.cpu()
+    width = max(int(r.shape[0]) for r in (psp.cp_plan.owner_rows(i) for i in range(psp.cp_plan.cp_size)))
+    buf = local.new_zeros(width, local.shape[1])
+    buf[: rows.shape[0]] = local[: rows.shape[0]]
+    parts = [torch.empty_like(buf) for _ in range(psp.cp_plan.cp_size)]
+    torch.distributed.all_gather(parts, buf, group=group)
+    full = local.new_zeros(psp.layout.num_rows, local.shape[1])
+    for r, part in enumerate(parts):
+        owned = torch.from_numpy(psp.cp_plan.owner_rows(r))
+        full[owned] = part[: owned.shape[0]]
+    return full
+
+
+def _single_owner_plan(mb, cp: int):
+    """CP plan putting every row on CP rank 0: the per-sample side never crosses ranks, so it stays an
+    oracle that does not share the CP executor's cross-rank code with the tree side."""
+    from ..cp import CPPlan
+
+    n = mb.layout.num_rows
+    return CPPlan(cp, "single_owner", np.zeros(n, np.int32), mb.layout.visible_until.numpy(),
+                  mb.layout.position_ids.numpy())
 
 
 def _rank_body_many(cfgs: list) -> list:
@@ -218,7 +254,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     on_cpu = not torch.cuda.is_available()
     compat_cpu.enable(kernels=True)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-                                 expert_model_parallel_size=cfg.ep)
+                                 context_parallel_size=cfg.cp, expert_model_parallel_size=cfg.ep)
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[cfg.dtype]
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype, not params_dtype
@@ -246,7 +282,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
     def fresh():
         # a new config per model: DDP hangs hooks on it, and MoE experts deep-copy it
-        config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, sp=cfg.sp, recompute=cfg.recompute,
+        config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, recompute=cfg.recompute,
                              dtype=dtype, cpu=on_cpu)
         torch.manual_seed(cfg.seed)
         model_parallel_cuda_manual_seed(cfg.seed)
@@ -265,18 +301,24 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     result = {m: 0.0 for m in METRICS}
     result.update({f"{m}_at": None for m in METRICS})
     runs = {}
+    if cfg.cp > 1:  # the tree side runs the planner's plan; the per-sample side stays on one CP rank
+        from ..cp import plan_context_parallel
+
+        tree_mbs = [(mb, plan_context_parallel(mb.layout, cfg.cp, strategy=cfg.cp_strategy)) for mb in tree_mbs]
+        flat_mbs = [(mb, _single_owner_plan(mb, cfg.cp)) for mb in flat_mbs]
     for side, batch in (("tree", tree_mbs), ("flat", flat_mbs)):
         ddp, opt = fresh()
         store: list = []
-        get_forward_backward_func()(forward_step_func=partial(_logits_step, store), data_iterator=iter(batch),
-                                    model=[ddp], num_microbatches=len(batch),
-                                    seq_length=max(b.num_rows for b in batch), micro_batch_size=1, forward_only=True)
+        get_forward_backward_func()(forward_step_func=partial(_logits_step, store, cfg.cp_strategy),
+                                    data_iterator=iter(batch), model=[ddp], num_microbatches=len(batch),
+                                    seq_length=max((b[0] if isinstance(b, tuple) else b).num_rows for b in batch),
+                                    micro_batch_size=1, forward_only=True)
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        reports = forward_backward(ddp, batch, loss_type=cfg.loss)
+        reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy)
         tot = report_totals(reports)
-        if tot is not None:
-            torch.distributed.all_reduce(tot, group=ps.get_data_parallel_group())
+        if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
+            torch.distributed.all_reduce(tot, group=ps.get_data_parallel_group(with_context_parallel=True))
         if side == "tree" and cfg.fault == "nan":
             _plant_nan(ddp, store, mine)
         grads = {n: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
@@ -318,8 +360,9 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
     for cfg in cfgs:
         if cfg.fault is not None and cfg.fault not in FAULTS:
             raise ValueError(f"unknown fault {cfg.fault!r}; choose one of {FAULTS}")
-        if cfg.ep > 1 and (cfg.dp * cfg.tp) % cfg.ep:
-            raise ValueError(f"expert parallel size {cfg.ep} must divide data x tensor parallel ranks {cfg.dp * cfg.tp}")
+        if cfg.ep > 1 and (cfg.dp * cfg.cp) % cfg.ep:  # experts spread over a stage's DP x CP ranks (ETP = TP)
+            raise ValueError(f"expert parallel size {cfg.ep} must divide data x context parallel ranks "
+                             f"{cfg.dp * cfg.cp}")
     per_rank = run_distributed(_rank_body_many, sizes.pop(), list(cfgs), timeout=timeout)
     return [_combine(cfg, [r[i] for r in per_rank]) for i, cfg in enumerate(cfgs)]
 
@@ -333,8 +376,8 @@ def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
     out["passed"] = all(out[m] <= cfg.tol() for m in METRICS)
     last = [r for r in per_rank if "loss_value" in r]
     out["loss_value"] = last[0]["loss_value"] if last else float("nan")
-    # ranks of one DP group hold the same samples: count each DP rank once (TP/PP replicas share them)
-    rep = cfg.tp * cfg.pp
+    # ranks of one DP group hold the same samples: count each DP rank once (TP/PP/CP replicas share them)
+    rep = cfg.tp * cfg.pp * cfg.cp
     for k in ("num_samples", "tree_rows", "flat_rows"):
         out[k] = sum(r[k] for r in per_rank) // rep
     return out
@@ -343,6 +386,7 @@ def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
 def format_report(cfg: VerifyConfig, out: dict) -> str:
     layout = (f"model={cfg.model}{'(' + (cfg.pattern or '') + ')' if cfg.model == 'hybrid' else ''} tp={cfg.tp} "
               f"pp={cfg.pp} dp={cfg.dp} ep={cfg.ep} sp={cfg.sp} recompute={cfg.recompute} dtype={cfg.dtype} "
+              + (f"cp={cfg.cp}({cfg.cp_strategy}) " if cfg.cp > 1 else "") +
               f"loss={cfg.loss}" + (f" fault={cfg.fault}" if cfg.fault else ""))
     lines = [f"megatron-tree verify: {layout}",
              f"batch: {out['num_samples']} samples, {out['flat_rows']} flat rows -> {out['tree_rows']} tree rows; "

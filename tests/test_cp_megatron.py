@@ -142,3 +142,26 @@ def _mismatch_body():
 def test_mismatched_plans_stop_with_a_clear_error():
     msgs = run_distributed(_mismatch_body, 2, timeout=120)
     assert all(m is not None and "different plan" in m for m in msgs), msgs
+
+
+def test_train_cli_context_parallel_matches_cp1(tmp_path):
+    """`megatron-tree train --context-parallel-size 2` on 2 ranks: the same losses as 1 rank (float32
+    noise only), with the planner's predicted and the measured CP balance in the step metrics."""
+    from megatron_tree.training.trainer import build_train_parser, check_train_args, train
+    from megatron_tree.training.launch import run_distributed as run
+
+    common = ["--synthetic-preset", "many_small_64_4x16", "--synthetic-scale", "0.5", "--vocab-size", "128",
+              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "3",
+              "--tree-global-batch-samples", "8", "--tree-max-tokens-per-mb", "256", "--lr", "1e-2", "--quiet",
+              "--tree-lookahead", "1"]
+    runs = {}
+    for cp in (1, 2):
+        args = check_train_args(build_train_parser().parse_args(
+            common + ["--context-parallel-size", str(cp), "--nproc", str(cp)]))
+        runs[cp] = run(train, cp, args, timeout=300)[0]["history"]
+    for a, b in zip(runs[1], runs[2]):
+        assert a["sample_ids"] == b["sample_ids"] and a["num_targets"] == b["num_targets"]
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    for m in runs[2]:
+        assert 1.0 <= m["cp_predicted_imbalance"] < 2.0 and m["cp_attention_s"] > 0
+        assert m["cp_attention_imbalance"] >= 1.0

@@ -44,6 +44,8 @@ stage forward per wave.
 """
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +56,7 @@ from .comm import start_exchange
 from .plan import CPPlan
 from .schedule import CPSchedule, build_schedule
 
-__all__ = ["tree_attention_cp"]
+__all__ = ["tree_attention_cp", "attention_seconds"]
 
 #: TEST-ONLY fault switch for the sensitivity tests (tests/test_cp_attention.py). Always None in
 #: real use. Each value plants one known executor bug that the equivalence tests must catch:
@@ -159,10 +161,35 @@ def _stage_grads(stage: _Stage, g: torch.Tensor, dlse: torch.Tensor, o: torch.Te
     return torch.autograd.grad((stage.o, stage.lse), stage.inputs, (do_r, dlse_r))
 
 
+_SECONDS = [0.0]  # wall time this process spent inside tree CP attention (forward + backward)
+
+
+def attention_seconds(*, reset: bool = False) -> float:
+    """Seconds this process spent in `tree_attention_cp` forward and backward (including waits for
+    its fetches) since the last reset. The trainer compares it over CP ranks (measured max / mean).
+    Host wall time: on CUDA it counts launches and synchronising waits, not kernel time."""
+    t = _SECONDS[0]
+    if reset:
+        _SECONDS[0] = 0.0
+    return t
+
+
+def _timed(fn):
+    @functools.wraps(fn)
+    def wrapper(*args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            _SECONDS[0] += time.perf_counter() - t0
+    return wrapper
+
+
 class _CPAttentionFn(torch.autograd.Function):
     """(q, k, v) -> (o, lse) of the owned rows over the whole CP group (no sinks)."""
 
     @staticmethod
+    @_timed
     def forward(ctx, q, k, v, cfg: _Cfg):
         sched, nw = cfg.sched, cfg.sched.num_waves
         idx = sched.device_indices(q.device)
@@ -204,6 +231,7 @@ class _CPAttentionFn(torch.autograd.Function):
         return o, lse_acc
 
     @staticmethod
+    @_timed
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         cfg = ctx.cfg

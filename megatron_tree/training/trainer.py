@@ -336,6 +336,8 @@ def format_progress(step: int, total: int, m: dict, width: int = 20) -> str:
             f"useful tok/s {m['useful_tokens_per_s']:,.0f} | data wait {100 * m['data_wait_frac']:.1f}% | "
             f"planner imbalance {m['planner_imbalance']:.3f} | "
             + (f"skipped samples {m['skipped_samples']} | " if m.get("skipped_samples") else "")
+            + (f"CP imbalance predicted {m['cp_predicted_imbalance']:.3f} measured {m['cp_attention_imbalance']:.3f} | "
+               if "cp_attention_imbalance" in m else "")
             + f"{m['step_s']:.2f}s")
 
 
@@ -425,6 +427,9 @@ def train(args, samples=None, *, skipped=None) -> dict:
     microbatches this rank ran, ascending; over the DP ranks of one step they are disjoint and make
     up ``sample_ids``) and rank_num_targets (targets whose loss this rank computed: 0 off the last
     pipeline stage and on TP ranks > 0; over the loss-computing ranks they sum to num_targets).
+    Under context parallelism also cp_predicted_imbalance (the planner's max / mean predicted rank
+    time, averaged over this rank's microbatches), cp_attention_s (the slowest CP rank's time in
+    tree CP attention this step) and cp_attention_imbalance (measured max / mean of that time).
     """
     from megatron.core import parallel_state as ps
 
@@ -516,6 +521,9 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     loss_kwargs = dict(loss_type=args.tree_loss, clip_eps=args.tree_clip_eps, clip_eps_high=args.tree_clip_eps_high,
                        kl_coef=args.tree_kl_coef)
     dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    cp_group = ps.get_context_parallel_group() if args.context_parallel_size > 1 else None
+    if cp_group is not None:
+        from ..cp.attention import attention_seconds
     history, saved = [], []
     show = rank == 0 and not args.quiet
     tty = show and sys.stdout.isatty()
@@ -528,6 +536,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
             ddp.zero_grad_buffer()
             opt.zero_grad()
             items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
+            if cp_group is not None:
+                attention_seconds(reset=True)
             reports = forward_backward(ddp, items, **loss_kwargs)
             lr = float(opt.param_groups[0]["lr"])  # the rate this step uses (sched.step sets the next one)
             ok, grad_norm, _ = opt.step()
@@ -558,6 +568,14 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
                      # from the microbatches this rank ran, not the pipeline's bookkeeping of them
                      rank_sample_ids=sorted(i for mb in step.microbatches for i in mb.sample_ids),
                      rank_num_targets=rank_targets)
+            if cp_group is not None:  # predicted (planner) vs measured (this step) balance of CP attention
+                att = torch.tensor([attention_seconds()], dtype=torch.float64, device=dev)
+                every = [torch.zeros_like(att) for _ in range(dist.get_world_size(cp_group))]
+                dist.all_gather(every, att, group=cp_group)
+                every = torch.cat(every)
+                m.update(cp_predicted_imbalance=float(np.mean([p.imbalance for p in step.plans])),
+                         cp_attention_s=float(every.max()),
+                         cp_attention_imbalance=float(every.max() / every.mean()) if every.mean() > 0 else 1.0)
             history.append(m)
             loggers.log(m)
             if show:

@@ -701,3 +701,55 @@ def test_patches_are_well_formed_and_listed_in_the_readme():
     assert listed == {p.name for p in patches}, "patches/README.md lists patch files that do not exist"
     if not patches:  # then the README must say why none is needed
         assert "no patch" in readme.lower()
+
+
+# ---------------------------------------------------------------------------------------------- context parallel
+def _cp_forward_body(strategy):
+    """The hooks' forward_step at CP2 (each rank its owned rows of the --tree-cp-planner plan) vs CP1."""
+    from megatron_tree.compat import cpu
+
+    cpu.enable(kernels=True)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tree.training import megatron_lm as H
+    from megatron_tree.training.models import ModelArgs, make_config
+    from megatron_tree.tree import pack
+
+    mbs = pack(_samples(5), 48, pad_to_multiple_of=8)
+    out = {}
+    for cp in (2, 1):
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+        torch.set_default_dtype(torch.float64)
+        model_parallel_cuda_manual_seed(7)
+        torch.manual_seed(7)
+        config = make_config(ModelArgs(num_layers=2, vocab_size=100), cp=cp, dtype=torch.float64)
+        args = _lm_args("--tree-loss", "sft", "--tree-cp-planner", strategy)
+        args.context_parallel_size = cp
+        model = H.model_provider(config=config, args=args)
+        loss_sum, tokens = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+        it = iter(mbs)
+        for _ in mbs:
+            output, lf = H.forward_step(it, model, args=args)
+            loss, n, _ = lf(output)
+            loss.backward()
+            loss_sum, tokens = loss_sum + loss.detach(), tokens + n
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        if cp > 1:  # what Megatron's DP x CP gradient reduction does
+            group = ps.get_context_parallel_group()
+            for g in grads.values():
+                torch.distributed.all_reduce(g, group=group)
+            torch.distributed.all_reduce(loss_sum, group=group)
+            torch.distributed.all_reduce(tokens, group=group)
+        out[cp] = (float(loss_sum), int(tokens), grads)
+        ps.destroy_model_parallel()
+        torch.set_default_dtype(torch.float32)
+    (l2, n2, g2), (l1, n1, g1) = out[2], out[1]
+    err = max(float((g2[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for k, g in g1.items())
+    return l2, l1, n2, n1, err
+
+
+@pytest.mark.parametrize("strategy", ["balanced", "zigzag"])
+def test_forward_step_under_context_parallelism_equals_cp1(strategy):
+    for l2, l1, n2, n1, err in run_distributed(_cp_forward_body, 2, strategy, timeout=200):
+        assert n2 == n1 > 0 and l2 == pytest.approx(l1, rel=1e-12) and err < 1e-10

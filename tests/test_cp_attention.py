@@ -72,7 +72,6 @@ def test_schedule_matches_dense_mask(window):
     for seed in range(4):
         layout = _forest(seed)
         vis = _dense_visible(layout, window)
-        n = layout.num_rows
         for cp, kind, waves in [(2, "random", 1), (3, "chunks", 2), (4, "zigzag", 3), (4, "empty_last", 2),
                                 (3, "contiguous", 4), (2, "all_on_1", 2)]:
             plan = _plan(layout, kind, cp, waves, seed)

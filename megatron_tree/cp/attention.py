@@ -49,10 +49,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..ops.attention import apply_sinks, merge_attention, tree_attention_partial
-from .comm import start_exchange
+from .comm import group_rank, start_exchange
 from .plan import CPPlan
 from .schedule import CPSchedule, build_schedule
 
@@ -323,16 +322,7 @@ def tree_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: C
     """
     if not isinstance(plan, CPPlan):
         raise TypeError(f"plan must be a CPPlan, got {type(plan).__name__}")
-    if dist.is_available() and dist.is_initialized():
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        if rank < 0:
-            raise ValueError("this process is not a member of the given CP group")
-    elif plan.cp_size == 1:
-        rank, size = 0, 1  # no process group needed: nothing moves
-    else:
-        raise RuntimeError(f"tree_attention_cp with cp_size={plan.cp_size} needs an initialised torch.distributed")
-    if size != plan.cp_size:
-        raise ValueError(f"the CP group has {size} ranks but the plan was made for cp_size={plan.cp_size}")
+    rank = group_rank(plan, group, "tree_attention_cp")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [n_local,H,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     sched = build_schedule(plan, rank, window=window)

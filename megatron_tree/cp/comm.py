@@ -22,7 +22,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Exchange", "start_exchange", "fetch_rows"]
+__all__ = ["Exchange", "start_exchange", "fetch_rows", "group_rank"]
+
+
+def group_rank(plan, group, who: str) -> int:
+    """This process's rank in the CP ``group`` that ``plan`` was made for (0 with no group at CP1).
+
+    Raises before any collective, identically on every rank: a CP size > 1 without an initialised
+    process group, a process outside ``group``, or a group whose size is not ``plan.cp_size``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if plan.cp_size == 1:
+            return 0  # no process group needed: nothing moves
+        raise RuntimeError(f"{who} with cp_size={plan.cp_size} needs an initialised torch.distributed")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError(f"{who}: this process is not a member of the given CP group")
+    if size != plan.cp_size:
+        raise ValueError(f"{who}: the CP group has {size} ranks but the plan was made for cp_size={plan.cp_size}")
+    return rank
 
 
 class Exchange:

@@ -10,14 +10,19 @@ forward
      transfer can hide behind compute; 0 means transfers block, as with gloo on a CPU); each
      remote stage is followed by an exact LSE merge over the rank's query rows.
 backward
-  the remote waves again (their K/V refetched when ``bwd_refetch``), each returning its dK/dV to
+  the remote waves again (their K/V refetched when ``bwd_refetch``: the executor's recompute mode),
+  each returning its dK/dV to
   the owners while the next wave computes, then the local stage; the layer's backward ends when the
   compute and every dK/dV return have finished; plus token-local backward.
 
-A stage costs ``launch + per_pair * max(pairs, underfill_pairs) + stage_row_ms * (nq + nk)``:
-pairs at the calibrated throughput (local and remote, forward and backward each their own), a
-floor below which a small stage stops getting cheaper (a GPU kernel that cannot fill the device),
-and a per-row term for gathering / assembling the stage's rows. A transfer costs
+A stage costs ``launch + max(full * full_tile_ms + partial * part_tile_ms, underfill_tiles *
+full_tile_ms) + stage_row_ms * (nq + nk)``. The kernels (the torch reference and FlexAttention)
+compute whole ``tile_rows`` x ``tile_rows`` tiles of the stage's query and key rows, skipping tiles
+with no visible pair and masking the partial ones, so work is counted in tiles (`pairs.tile_counts`)
+rather than visible pairs: a tree of short branches fills its tiles poorly, and a fragmented
+ownership cuts tiles. Full and partial tiles have their own calibrated costs (a partial tile also
+evaluates its mask), forward and backward each; a floor for a stage too small to fill the device;
+a per-row term for gathering / assembling the stage's rows. A transfer costs
 ``comm_latency_ms + bytes * comm_ms_per_byte`` with ``bytes = max(sent, received) rows * bytes per
 row`` for that rank in that wave (the all-to-all's busier direction); a wave in which no rank moves
 a row is skipped by every rank (the executor's rule), so it costs nothing.
@@ -32,6 +37,7 @@ the same schedule with plain loops, one rank at a time (tests check that the two
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -49,15 +55,18 @@ class CostModel:
     """Calibrated coefficients (milliseconds, per transformer layer) of the CP time model.
 
     tok_fwd_ms_per_row, tok_bwd_ms_per_row   token-local work per owned row
-    {fwd,bwd}_{local,remote}_ms_per_pair    attention time per visible (query, key) pair
+    {fwd,bwd}_{full,part}_tile_ms            attention time per full / partially masked tile
+    tile_rows                               rows per tile side (the kernels' block)
     fwd_launch_ms, bwd_launch_ms            fixed cost of one attention stage
-    underfill_pairs                         a stage with fewer pairs costs as many (device fill)
+    underfill_tiles                         a stage with less work costs as many full tiles
     stage_row_ms                            per query + key row of a stage (gather, block metadata)
     merge_fwd_ms_per_row, merge_bwd_ms_per_row   LSE merge of one remote stage, per query row
     comm_latency_ms, comm_ms_per_byte       one all-to-all: latency + bytes / bandwidth
     kv_bytes_per_row, dkv_bytes_per_row     K + V bytes of one row (forward fetch / dK + dV return)
     overlap                                 fraction of a transfer that hides behind compute (0..1)
-    bwd_refetch                             backward fetches each wave's K/V again (bounded memory)
+    bwd_refetch                             backward fetches each wave's K/V again: the executor's
+                                            ``recompute=True`` mode (remote K/V held: two waves); by
+                                            default stages keep their graph (held: all fetched rows)
     layers                                  attention layers the prediction covers (multiplier)
     max_remote_kv_rows                      optional cap on remote K/V rows held at once
     name, meta                              where the figures come from
@@ -68,16 +77,17 @@ class CostModel:
     # ~600 TFLOP/s; backward twice that
     tok_fwd_ms_per_row: float = 7.3e-4
     tok_bwd_ms_per_row: float = 1.46e-3
-    # attention: 4 * head_dim * q_heads = 16384 FLOP per pair forward at ~420 TFLOP/s, backward 2.5x
-    # the FLOPs at ~350 TFLOP/s; remote stages 3% slower (gathered, non-contiguous rows; their
-    # tiles are mostly full rectangles, the kernel's best shape). Not yet measured on a GPU.
-    fwd_local_ms_per_pair: float = 3.9e-8
-    fwd_remote_ms_per_pair: float = 4.0e-8
-    bwd_local_ms_per_pair: float = 1.17e-7
-    bwd_remote_ms_per_pair: float = 1.2e-7
+    # attention: a full 128 x 128 tile is 4 * 128 * 128 * head_dim 128 * 32 q-heads = 268 MFLOP
+    # forward at ~420 TFLOP/s, backward 2.5x the FLOPs at ~350 TFLOP/s; a masked (partial) tile
+    # ~1.5x a full one. Not yet measured on a GPU: tools/calibrate_cp.py --device cuda.
+    fwd_full_tile_ms: float = 6.4e-4
+    fwd_part_tile_ms: float = 9.6e-4
+    bwd_full_tile_ms: float = 1.9e-3
+    bwd_part_tile_ms: float = 2.9e-3
+    tile_rows: int = 128
     fwd_launch_ms: float = 0.02
     bwd_launch_ms: float = 0.04
-    underfill_pairs: float = 5.0e5
+    underfill_tiles: float = 4.0  # 32 heads x 4 tiles ~ one wave of thread blocks on 132 SMs
     # per query/key row of a stage: Q, O, LSE (and K, V) through HBM at ~2.5 TB/s
     stage_row_ms: float = 3.5e-6
     # an LSE merge reads two outputs and writes one (fp32): ~48 KB per query row; backward twice
@@ -88,7 +98,7 @@ class CostModel:
     kv_bytes_per_row: float = 4096.0  # 2 (K, V) x 8 heads x 128 dims x 2 bytes
     dkv_bytes_per_row: float = 4096.0
     overlap: float = 0.9
-    bwd_refetch: bool = True
+    bwd_refetch: bool = False
     layers: int = 1
     max_remote_kv_rows: int | None = None
     meta: dict = field(default_factory=dict, compare=False)
@@ -142,23 +152,27 @@ class CostModel:
         return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.compare)
 
     # ------------------------------------------------------------------ stage formulas
-    def stage_ms(self, pairs, nq, nk, *, remote: bool, backward: bool):
-        """Time of one attention stage (elementwise over numpy arrays); 0 where it has no key rows."""
-        per_pair = ((self.bwd_remote_ms_per_pair if remote else self.bwd_local_ms_per_pair) if backward
-                    else (self.fwd_remote_ms_per_pair if remote else self.fwd_local_ms_per_pair))
-        launch = self.bwd_launch_ms if backward else self.fwd_launch_ms
-        pairs = np.asarray(pairs, np.float64)
-        t = launch + per_pair * np.maximum(pairs, self.underfill_pairs) + self.stage_row_ms * (np.asarray(nq) + np.asarray(nk))
-        return np.where((np.asarray(nk) > 0) & (np.asarray(nq) > 0), t, 0.0)
+    def stage_ms(self, full, part, nq, nk, *, backward: bool):
+        """Time of one attention stage of ``full`` + ``part`` tiles (elementwise over numpy arrays);
+        0 where it has no query or no key row."""
+        if backward:
+            cf, cpart, launch = self.bwd_full_tile_ms, self.bwd_part_tile_ms, self.bwd_launch_ms
+        else:
+            cf, cpart, launch = self.fwd_full_tile_ms, self.fwd_part_tile_ms, self.fwd_launch_ms
+        nq, nk = np.asarray(nq, np.float64), np.asarray(nk, np.float64)
+        tiles = np.maximum(np.multiply(full, cf) + np.multiply(part, cpart), self.underfill_tiles * cf)
+        t = launch + tiles + self.stage_row_ms * (nq + nk)
+        return t * ((nq > 0) & (nk > 0))
 
     def transfer_ms(self, nbytes):
         """One all-to-all moving ``nbytes`` through the rank's busier direction."""
         return self.comm_latency_ms + self.comm_ms_per_byte * np.asarray(nbytes, np.float64)
 
 
+@functools.lru_cache(maxsize=1)
 def default_cost_model() -> CostModel:
     """The GPU profile when CUDA is available, else the shipped CPU profile (same on every rank of
-    a job, so plans stay identical across ranks)."""
+    a job, so plans stay identical across ranks). Read once per process."""
     import torch
 
     return CostModel.gpu() if torch.cuda.is_available() else CostModel.cpu()
@@ -173,7 +187,8 @@ class RankLoads:
     wave_rows [cp, W]    remote K/V rows received in each wave
     wave_pairs [cp, W]   visible pairs of each remote stage
     send_rows [cp, W]    rows of the rank's K/V sent to others in each wave
-    total_remote_rows    sum of wave_rows (for the "no collective needed" case)
+    local_tiles [cp, 2]  (full, partial) tiles of the local stage
+    wave_tiles [cp, W, 2]  (full, partial) tiles of each remote stage
     """
 
     rows: np.ndarray
@@ -181,6 +196,8 @@ class RankLoads:
     wave_rows: np.ndarray
     wave_pairs: np.ndarray
     send_rows: np.ndarray
+    local_tiles: np.ndarray
+    wave_tiles: np.ndarray
 
     @property
     def cp_size(self) -> int:
@@ -217,17 +234,18 @@ def simulate(cm: CostModel, loads: RankLoads) -> RankTimes:
     rows = loads.rows.astype(np.float64)
     a = cm.overlap
     tok_f, tok_b = rows * cm.tok_fwd_ms_per_row, rows * cm.tok_bwd_ms_per_row
-    local_f = cm.stage_ms(loads.local_pairs, rows, rows, remote=False, backward=False)
-    local_b = cm.stage_ms(loads.local_pairs, rows, rows, remote=False, backward=True)
+    lt, wt = loads.local_tiles, loads.wave_tiles
+    local_f = cm.stage_ms(lt[:, 0], lt[:, 1], rows, rows, backward=False)
+    local_b = cm.stage_ms(lt[:, 0], lt[:, 1], rows, rows, backward=True)
     if cp == 1:
         return RankTimes(tok_f, local_f, tok_b, local_b, cm.layers)
     busy = np.maximum(loads.wave_rows, loads.send_rows)
     moves = loads.wave_rows.sum(0) > 0  # [W] a wave that moves no row on any rank is skipped by all
     x_kv = np.where(moves, cm.transfer_ms(busy * cm.kv_bytes_per_row), 0.0)  # [cp, W]
     x_dkv = np.where(moves, cm.transfer_ms(busy * cm.dkv_bytes_per_row), 0.0)
-    rf = (cm.stage_ms(loads.wave_pairs, rows[:, None], loads.wave_rows, remote=True, backward=False)
+    rf = (cm.stage_ms(wt[..., 0], wt[..., 1], rows[:, None], loads.wave_rows, backward=False)
           + np.where(loads.wave_rows > 0, cm.merge_fwd_ms_per_row * rows[:, None], 0.0))
-    rb = (cm.stage_ms(loads.wave_pairs, rows[:, None], loads.wave_rows, remote=True, backward=True)
+    rb = (cm.stage_ms(wt[..., 0], wt[..., 1], rows[:, None], loads.wave_rows, backward=True)
           + np.where(loads.wave_rows > 0, cm.merge_bwd_ms_per_row * rows[:, None], 0.0))
     # forward: local stage while wave 0 arrives; wave w+1 is fetched while wave w computes
     t = local_f.copy()
@@ -259,21 +277,22 @@ def simulate_reference(cm: CostModel, loads: RankLoads) -> RankTimes:
     cp, W = loads.cp_size, loads.num_waves
     out = {k: [] for k in ("tok_fwd", "attn_fwd", "tok_bwd", "attn_bwd")}
 
-    def stage(pairs, nq, nk, remote, backward):
+    def stage(tiles, nq, nk, backward):
         if nq <= 0 or nk <= 0:
             return 0.0
         if backward:
-            per_pair, launch = (cm.bwd_remote_ms_per_pair if remote else cm.bwd_local_ms_per_pair), cm.bwd_launch_ms
+            cf, cpart, launch = cm.bwd_full_tile_ms, cm.bwd_part_tile_ms, cm.bwd_launch_ms
         else:
-            per_pair, launch = (cm.fwd_remote_ms_per_pair if remote else cm.fwd_local_ms_per_pair), cm.fwd_launch_ms
-        return launch + per_pair * max(float(pairs), cm.underfill_pairs) + cm.stage_row_ms * (nq + nk)
+            cf, cpart, launch = cm.fwd_full_tile_ms, cm.fwd_part_tile_ms, cm.fwd_launch_ms
+        work = max(float(tiles[0]) * cf + float(tiles[1]) * cpart, cm.underfill_tiles * cf)
+        return launch + work + cm.stage_row_ms * (nq + nk)
 
     for r in range(cp):
         n = float(loads.rows[r])
         out["tok_fwd"].append(n * cm.tok_fwd_ms_per_row)
         out["tok_bwd"].append(n * cm.tok_bwd_ms_per_row)
-        lf = stage(loads.local_pairs[r], n, n, False, False)
-        lb = stage(loads.local_pairs[r], n, n, False, True)
+        lf = stage(loads.local_tiles[r], n, n, False)
+        lb = stage(loads.local_tiles[r], n, n, True)
         if cp == 1:
             out["attn_fwd"].append(lf)
             out["attn_bwd"].append(lb)
@@ -288,9 +307,9 @@ def simulate_reference(cm: CostModel, loads: RankLoads) -> RankTimes:
                 xs.append(0.0)
                 xd.append(0.0)
             has = loads.wave_rows[r, w] > 0
-            fwd_stage.append(stage(loads.wave_pairs[r, w], n, loads.wave_rows[r, w], True, False)
+            fwd_stage.append(stage(loads.wave_tiles[r, w], n, loads.wave_rows[r, w], False)
                              + (cm.merge_fwd_ms_per_row * n if has else 0.0))
-            bwd_stage.append(stage(loads.wave_pairs[r, w], n, loads.wave_rows[r, w], True, True)
+            bwd_stage.append(stage(loads.wave_tiles[r, w], n, loads.wave_rows[r, w], True)
                              + (cm.merge_bwd_ms_per_row * n if has else 0.0))
         # forward
         clock, arrival = lf, xs[0]

@@ -36,6 +36,13 @@ the points form few row runs (found by walking up the segment tree, one vectoris
 level) and ``pairs_w[i, j] = pairs[i, j] - sum_runs overlap(j, run)``: **exact** (tested against
 brute force). ``key_rows`` with a window is an **upper bound**: ``min(key_rows without window,
 pairs_w)``.
+
+Tiles. The kernels compute whole ``TILE_ROWS`` x ``TILE_ROWS`` tiles of a stage's query and key
+rows (skipping empty tiles, masking partial ones), so the cost model counts tiles, not pairs:
+`tile_counts` gives, per stored entry, the full and the partially visible tiles between the two
+chunks' blocks (blocks counted from each chunk's start), by the same range-overlap sums over
+blocks instead of rows. On chunks of whole blocks (`block_grid`, the planner's default) a rank's
+local-stage tiles are exactly those the kernel visits (tested against ``ops.blocks.block_pairs``).
 """
 from __future__ import annotations
 
@@ -46,14 +53,27 @@ import numpy as np
 
 __all__ = ["ChunkGrid", "PairMatrix", "chunk_grid", "visible_pairs", "default_chunk_size", "LayoutArrays",
            "layout_arrays", "snapped_grid", "count_entries",
-           "default_num_chunks"]
+           "default_num_chunks", "tile_counts", "tile_units", "TILE_ROWS",
+           "block_grid"]
 
+#: rows per attention tile (query block x key block) of the kernels (``ops.attention.DEFAULT_BLOCK_SIZE``
+#: and FlexAttention's block): the unit of work the cost model counts
+TILE_ROWS = 128
 #: the default grid aims at this many chunks per CP rank ...
 CHUNKS_PER_RANK = 16
 #: ... and at least this many chunks in all (small CP sizes still get a fine grid) ...
 MIN_CHUNKS = 64
 #: ... and at most this many (planning cost grows with the number of non-zero chunk pairs).
 MAX_CHUNKS = 1024
+
+
+def _merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sorted union of two sorted int arrays (a stable sort of the concatenation finds the two runs
+    and merges them in linear time; cheaper than ``np.union1d``'s generic unique)."""
+    m = np.sort(np.concatenate([a, b]), kind="stable")
+    if len(m) > 1:
+        m = m[np.concatenate([[True], m[1:] != m[:-1]])]
+    return m
 
 
 def default_num_chunks(num_rows: int, cp_size: int) -> int:
@@ -169,6 +189,16 @@ def chunk_grid(num_rows: int, chunk_size: int, starts: np.ndarray | None = None)
     return ChunkGrid(int(num_rows), int(chunk_size), starts)
 
 
+def block_grid(num_rows: int, num_chunks: int, tile_rows: int = TILE_ROWS) -> ChunkGrid:
+    """``num_chunks`` chunks of whole ``tile_rows`` blocks, near-equal in blocks (the last chunk may
+    end short with the rows). Every set of such chunks concatenates into whole blocks, so the tiles
+    `tile_counts` gives a rank's local stage are exactly the kernel's."""
+    nb = -(-int(num_rows) // int(tile_rows))
+    M = max(1, min(int(num_chunks), nb))
+    starts = (np.arange(M, dtype=np.int64) * nb // M) * int(tile_rows)
+    return chunk_grid(int(num_rows), -(-nb // M) * int(tile_rows), np.unique(starts))
+
+
 def snapped_grid(la: "LayoutArrays", *, num_chunks: int | None = None, chunk_size: int | None = None) -> ChunkGrid:
     """A grid of ``num_chunks`` near-equal chunks (or chunks of ``chunk_size`` rows) whose bounds
     sit on tree bounds where possible.
@@ -235,7 +265,7 @@ class _Pieces:
         N, M = grid.num_rows, grid.num_chunks
         self.N, self.M, self.n_real, self.grid = N, M, la.num_real, grid
         real = la.num_real
-        bounds = np.union1d(la.offsets[:-1], grid.starts)
+        bounds = _merge_sorted(la.offsets[:-1], grid.starts)
         bounds = bounds[bounds < real]
         ends = np.append(bounds[1:], real)
         seg = np.searchsorted(la.offsets, bounds, side="right") - 1
@@ -303,6 +333,10 @@ class PairMatrix:
                     entries may hold 0 pairs)
     pairs [P]       int64 visible pairs (window applied when ``window`` is set)
     pairs_nowin [P] int64 visible pairs without the window
+    full_tiles [P], part_tiles [P]  float64 attention tiles the kernels compute (`tile_counts`):
+                    ``tile_rows`` x ``tile_rows`` tiles with every pair visible / with some pair
+                    visible but not all (masked); with a window both are scaled by the entry's
+                    share of pairs the window keeps (an estimate)
     rowptr [M+1]    CSR pointer: entries of query chunk i are ``rowptr[i]:rowptr[i+1]``
     window          the depth window (None: none)
 
@@ -315,8 +349,11 @@ class PairMatrix:
     k: np.ndarray
     pairs: np.ndarray
     pairs_nowin: np.ndarray
+    full_tiles: np.ndarray
+    part_tiles: np.ndarray
     rowptr: np.ndarray
     window: int | None
+    tile_rows: int
     _pieces: _Pieces
 
     @property
@@ -326,6 +363,11 @@ class PairMatrix:
     @property
     def nnz(self) -> int:
         return int(self.q.shape[0])
+
+    @cached_property
+    def work(self) -> np.ndarray:
+        """[3, P] float64 work of every entry: visible pairs, full tiles, partial tiles."""
+        return np.stack([self.pairs.astype(np.float64), self.full_tiles, self.part_tiles])
 
     @cached_property
     def row_sums(self) -> np.ndarray:
@@ -387,7 +429,8 @@ def count_entries(la: LayoutArrays, grid: ChunkGrid) -> int:
     return int((last - np.arange(grid.num_chunks) + 1).sum())
 
 
-def visible_pairs(la: LayoutArrays, grid: ChunkGrid, *, window: int | None = None) -> PairMatrix:
+def visible_pairs(la: LayoutArrays, grid: ChunkGrid, *, window: int | None = None,
+                  tile_rows: int = TILE_ROWS) -> PairMatrix:
     """The `PairMatrix` of a layout on a chunk grid (see module doc). No N x N object is formed.
 
     Cost: O((S + M) log + P) without window (S segments, M chunks, P non-zero chunk pairs); with a
@@ -418,8 +461,92 @@ def visible_pairs(la: LayoutArrays, grid: ChunkGrid, *, window: int | None = Non
             ent = np.repeat(rowptr[run_chunk] - (np.cumsum(nnz_row) - nnz_row), nnz_row) + np.arange(tot)
             lost = pieces.overlap(k[ent], run_a[rep], run_b[rep])
             pairs = pairs - np.bincount(ent, weights=lost, minlength=len(q)).astype(np.int64)
-    return PairMatrix(grid=grid, q=q, k=k, pairs=pairs, pairs_nowin=pairs_nowin, rowptr=rowptr,
-                      window=None if window is None else int(window), _pieces=pieces)
+    full, rel = tile_counts(la, grid, q, k, tile_rows)
+    part = rel - full
+    if window is not None:  # the window keeps a share of each entry's pairs: keep that share of its tiles
+        keep = pairs / np.maximum(pairs_nowin, 1)
+        full, part = full * keep, part * keep
+    return PairMatrix(grid=grid, q=q, k=k, pairs=pairs, pairs_nowin=pairs_nowin, full_tiles=full.astype(np.float64),
+                      part_tiles=part.astype(np.float64), rowptr=rowptr, window=None if window is None else int(window),
+                      tile_rows=int(tile_rows), _pieces=pieces)
+
+
+def tile_units(grid: ChunkGrid, tile_rows: int = TILE_ROWS):
+    """Blocks of ``tile_rows`` rows counted from each chunk's start (the last block of a chunk may be
+    short): the tiles of a rank's concatenated rows when its chunks are multiples of the block,
+    and close to them otherwise. Returns (start [U], end [U], chunk [U], first [M+1]) with chunk
+    c's units ``first[c]:first[c+1]``."""
+    B = int(tile_rows)
+    per = -(-grid.rows // B)
+    first = np.concatenate([[0], np.cumsum(per)])
+    U = int(first[-1])
+    chunk = np.repeat(np.arange(grid.num_chunks), per)
+    start = grid.starts[chunk] + (np.arange(U) - first[chunk]) * B
+    end = np.minimum(start + B, grid.ends[chunk])
+    return start, end, chunk, first
+
+
+class _RangeSums:
+    """``sum over items u of group j of |[lo_u, hi_u) ∩ [a, b)|`` for vectors (j, a, b), lo <= hi.
+
+    |[lo, hi) ∩ [a, b)| = clip(hi - a, 0, L) - clip(lo - a, 0, L) with L = b - a, and
+    sum_u clip(v_u - a, 0, L) needs, per group, the values sorted with prefix sums: two lookups.
+    """
+
+    def __init__(self, group: np.ndarray, lo: np.ndarray, hi: np.ndarray, span: int):
+        self.span = int(span)
+        self.lo = self._sorted(group, lo)
+        self.hi = self._sorted(group, hi)
+
+    def _sorted(self, group, v):
+        key = group * self.span + v
+        order = np.argsort(key, kind="stable")
+        return key[order], np.concatenate([[0], np.cumsum(v[order])]), self.span
+
+    @staticmethod
+    def _clip_sum(tab, j, a, L):
+        key, csum, span = tab
+        lo = np.searchsorted(key, j * span + a, side="right")  # v > a
+        hi = np.searchsorted(key, j * span + a + L, side="left")  # v < a + L
+        end = np.searchsorted(key, (j + 1) * span, side="left")
+        return (csum[hi] - csum[lo]) - a * (hi - lo) + L * (end - hi)
+
+    def __call__(self, j, a, b):
+        L = np.maximum(b - a, 0)
+        return self._clip_sum(self.hi, j, a, L) - self._clip_sum(self.lo, j, a, L)
+
+
+def tile_counts(la: LayoutArrays, grid: ChunkGrid, q: np.ndarray, k: np.ndarray, tile_rows: int = TILE_ROWS):
+    """(full [P], relevant [P]) tiles between query chunk ``q[p]`` and key chunk ``k[p]`` (no window).
+
+    Tiles are pairs of `tile_units` (blocks counted from each chunk's start). A tile is relevant when
+    some query of its query block sees some key of its key block: query block qu sees key block ku
+    iff ``ku <= qu`` and ``max vu(ku) > start(qu)``, so ku's relevant query blocks are the range
+    ``[ku, unit of (max vu(ku) - 1)]``. It is full (no mask) when both blocks have ``tile_rows``
+    rows and every query sees every key: ``ku < qu`` and ``min vu(ku) >= end(qu)``, a range again.
+    Per entry both are range-overlap sums (`_RangeSums`): O((U + P) log U) for U blocks. On a grid
+    of block multiples this is exactly what ``ops.blocks.block_pairs`` finds for a rank's rows.
+    """
+    B = int(tile_rows)
+    us, ue, uc, first = tile_units(grid, B)
+    U = len(us)
+    if U == 0 or len(q) == 0:
+        z = np.zeros(len(q), np.int64)
+        return z, z
+    vu = la.visible_until
+    maxvu = np.maximum.reduceat(vu, us)
+    minvu = np.minimum.reduceat(vu, us)
+    idx = np.arange(U)
+    last_rel = np.searchsorted(us, maxvu - 1, side="right") - 1  # >= idx (a row sees itself)
+    rel = _RangeSums(uc, idx, last_rel + 1, U + 2)
+    complete = (ue - us) == B
+    last_full = np.searchsorted(ue, minvu, side="right") - 1  # last block ending at or before min vu
+    hi_full = np.maximum(last_full + 1, idx + 1)
+    cu = np.nonzero(complete)[0]
+    full = _RangeSums(uc[cu], idx[cu] + 1, hi_full[cu], U + 2)
+    a, b = first[q], first[q + 1]
+    b_complete = a + grid.rows[q] // B  # a chunk's complete blocks are its leading ones
+    return full(k, a, b_complete).astype(np.int64), rel(k, a, b).astype(np.int64)
 
 
 def _window_runs(la: LayoutArrays, grid: ChunkGrid, w: int):
@@ -434,7 +561,7 @@ def _window_runs(la: LayoutArrays, grid: ChunkGrid, w: int):
     if real == 0:
         z = np.zeros(0, np.int64)
         return z, z, z
-    bounds = np.union1d(la.offsets[:-1], grid.starts)
+    bounds = _merge_sorted(la.offsets[:-1], grid.starts)
     bounds = bounds[bounds < real]
     ends = np.append(bounds[1:], real)
     seg = np.searchsorted(la.offsets, bounds, side="right") - 1

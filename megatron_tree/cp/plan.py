@@ -38,9 +38,13 @@ class CPPlan:
     position_ids   [N] int64, the layout's depths (sliding windows are measured in depth)
     num_waves      remote KV waves per attention layer (>= 1)
     chunk_size     rows per planning chunk (ownership is constant on chunks, except that the
-                   last chunk may be short)
+                   last chunk may be short); with ``chunk_starts`` set, the chunks' nominal size
     predicted_ms   [cp_size] float64, predicted time per rank (cost model), or all zeros
     stats          free-form planner figures (search steps, planning time, model-neutral balance)
+    chunk_starts   optional [M] int64 first row of each planning chunk when the chunks are not
+                   uniform (the balanced planner cuts near-equal chunks of whole 128-row tiles, or
+                   for small microbatches sub-tile chunks snapped to tree starts): ownership is
+                   constant on ``[chunk_starts[c], chunk_starts[c+1])``
     """
 
     cp_size: int

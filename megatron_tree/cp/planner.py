@@ -14,21 +14,23 @@ All three are priced by the same cost model (`cost_model`) and get the best wave
 ``WAVE_CHOICES``, so their ``predicted_ms`` compare like for like.
 
 The balanced search (bounded, deterministic; on at every CP size)
-  1. Rows are cut into chunks (`pairs.default_num_chunks`: about 16 per rank, at least 64 and at
-     most 1024 in all, a multiple of 2·cp, near-equal rows), whose bounds are snapped to tree and
-     segment starts (`pairs.snapped_grid`); when the visible-pair matrix W between chunks would
-     hold more than ``MAX_ENTRIES`` entries (long chains: W is dense), the chunk count is halved
-     while every rank keeps ``MIN_CHUNKS_PER_RANK``. W comes in closed form (`pairs.visible_pairs`).
-  2. Each chunk gets an additive *proxy* cost: token-local work of its rows plus the attention
-     work of its queries (row sums of W) at the cost model's per-pair rates.
+  1. Rows are cut into chunks of whole 128-row tiles (`pairs.block_grid`: about 16 per rank, at
+     least 64 and at most 1024 in all, a multiple of 2·cp, near-equal), so the tiles a rank's local
+     stage computes are known exactly whatever chunks it owns; microbatches with too few tiles get
+     sub-tile chunks snapped to tree starts (`pairs.snapped_grid`). When the chunk pair matrix W
+     would hold more than ``MAX_ENTRIES`` entries (long chains: W is dense), the chunk count is
+     halved while every rank keeps ``MIN_CHUNKS_PER_RANK``. W (visible pairs, full and partial
+     tiles per chunk pair) comes in closed form (`pairs.visible_pairs`).
+  2. Each chunk gets an additive *proxy* cost: token-local work of its rows plus the tiles of its
+     queries at the cost model's rates.
   3. Starts: contiguous ranges of equal proxy cost (few remote K/V rows), the 2·cp fold of equal
      rows (balances a causal chain in rows and pairs at once), the 2·cp fold of equal proxy cost,
      longest-processing-time greedy (chunks by decreasing cost to the least loaded rank), and the
-     same greedy over whole trees (chunk bounds are snapped to tree starts, so a group of chunks
-     between two tree starts holds whole trees; a tree above a rank's share goes chunk by chunk).
+     same greedy over groups of chunks holding whole trees (chunk bounds that are tree starts
+     separate groups; a group above a rank's share goes chunk by chunk).
      Each is refined on the proxy by moves and swaps of chunks out of the most loaded rank.
-  4. Every refined start is simulated (`evaluate.rank_loads` + `cost_model.simulate`: remote K/V
-     rows and sends, waves, overlap) for every wave count; the best one is then improved by local
+  4. Every refined start is simulated (`evaluate.rank_loads` + `cost_model.simulate`: tiles,
+     remote K/V rows and sends, waves, overlap) with one wave; the best one is then improved by local
      search under the full model: moves and swaps of chunks between the slowest rank and the
      fastest ones, screened on the proxy, simulated in that order (only the two ranks involved
      are recomputed), the first that lowers the objective taken. The objective is the slowest
@@ -36,10 +38,12 @@ The balanced search (bounded, deterministic; on at every CP size)
      ``NEUTRAL_SLACK``), so the plan also holds when the model's attention / token-local split
      is off. The search stops at no gain or when its evaluation budget is spent. The budget is a
      number of evaluations sized from the problem, never wall-clock time: a clock would let two
-     ranks stop at different steps and disagree on the plan.
+     ranks stop at different steps and disagree on the plan. The wave count is then chosen for the
+     final ownership from ``WAVE_CHOICES`` (ties: fewer waves).
   5. The result is compared with the zigzag and contiguous plans; when one of them predicts
-     faster (rare: a coarse two-piece fold of a pure chain), that ownership is returned
-     (``stats["fallback"]``), so balanced is never predicted slower than either.
+     faster (e.g. identical trees that divide evenly over the ranks, so contiguous ranges hold
+     whole trees), that ownership is returned (``stats["fallback"]``), so balanced is never
+     predicted slower than either.
 """
 from __future__ import annotations
 
@@ -52,9 +56,9 @@ from collections import OrderedDict
 import numpy as np
 
 from .cost_model import CostModel, RankLoads, default_cost_model, simulate
-from .evaluate import move_rows, rank_key_pairs, rank_loads, rank_waves, remote_needs, wave_sends
-from .pairs import (LayoutArrays, PairMatrix, chunk_grid, count_entries, default_num_chunks, layout_arrays,
-                    snapped_grid, visible_pairs)
+from .evaluate import make_loads, move_rows, rank_key_work, rank_loads, rank_waves, remote_needs, wave_sends
+from .pairs import (LayoutArrays, PairMatrix, block_grid, chunk_grid, count_entries, default_num_chunks,
+                    layout_arrays, snapped_grid, visible_pairs)
 from .plan import CPPlan
 
 __all__ = ["plan_context_parallel", "STRATEGIES", "WAVE_CHOICES", "PlanCache", "make_plan_fn", "layout_key",
@@ -65,7 +69,7 @@ STRATEGIES = ("balanced", "zigzag", "contiguous")
 WAVE_CHOICES = (1, 2, 4, 8)
 #: simulated candidates the local search may spend (each costs O(M + remote flows)), scaled down
 #: for large grids so planning stays fast: budget = clip(EVAL_WORK // M, MIN_EVALS, MAX_EVALS)
-EVAL_WORK = 40_000
+EVAL_WORK = 10_000
 MIN_EVALS, MAX_EVALS = 12, 200
 #: the default grid is coarsened while W would store more entries than this (and every rank
 #: would still get at least MIN_CHUNKS_PER_RANK chunks)
@@ -109,7 +113,7 @@ def plan_context_parallel(layout, cp_size: int, *, strategy: str = "balanced", c
     Returns a `CPPlan` (owner per row, predicted ms per rank, ``stats``: see `plan_summary`).
     Raises ValueError for an unknown strategy, cp_size < 1, chunk_size < 1, window < 1.
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown CP strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     cp = int(cp_size)
@@ -128,7 +132,9 @@ def plan_context_parallel(layout, cp_size: int, *, strategy: str = "balanced", c
         best = _balanced(la, cp, cm, chunk_size, window, waves)
     else:
         best = _baseline(la, cp, cm, strategy, window, waves)
-    return _make_plan(la, cp, strategy, best, cm, (time.perf_counter() - t0) * 1e3)
+    plan = _make_plan(la, cp, strategy, best, cm, (time.perf_counter() - t0) * 1e3)
+    plan.stats["planning_cpu_ms"] = (time.thread_time() - c0) * 1e3  # this thread's CPU time: immune to load
+    return plan
 
 
 def evaluate_ownership(layout, row_owner: np.ndarray, cp_size: int, *, cost_model: CostModel | None = None,
@@ -143,7 +149,7 @@ def evaluate_ownership(layout, row_owner: np.ndarray, cp_size: int, *, cost_mode
     co = np.asarray(row_owner)[grid.starts].astype(np.int64)
     if not np.array_equal(grid.row_owner(co), np.asarray(row_owner)):
         raise ValueError("row_owner is not constant on the given chunks")
-    W = visible_pairs(la, grid, window=window)
+    W = visible_pairs(la, grid, window=window, tile_rows=cm.tile_rows)
     loads = rank_loads(W, co, cp_size, num_waves)
     return simulate(cm, loads), loads
 
@@ -167,9 +173,10 @@ def plan_summary(plan: CPPlan) -> str:
 class _Candidate:
     """One evaluated ownership on one grid, with the per-rank state a move updates incrementally.
 
-    co [M] chunk owners, A [cp, M] pairs of each rank's queries per key chunk, waves; per rank:
-    local pairs, wave rows / pairs; ``flows`` (receiver, chunk, wave, rows) of every remote row
-    movement; the assembled `RankLoads`, simulated `RankTimes` and the objective.
+    co [M] chunk owners, A [3, cp, M] work (pairs, full tiles, partial tiles) of each rank's queries
+    per key chunk, waves; per rank: local work [3, cp], wave rows [cp, W] and work [3, cp, W];
+    ``flows`` (receiver, chunk, wave, rows) of every remote row movement; the assembled
+    `RankLoads`, simulated `RankTimes` and the objective.
 
     ``obj = (J, mean)``: ``J`` is the slowest rank's predicted time plus the robustness penalty
     ``NEUTRAL_WEIGHT * mean * max(0, neutral - NEUTRAL_SLACK)``, where ``neutral`` is the worse of
@@ -177,14 +184,13 @@ class _Candidate:
     stays balanced when the cost model's split between attention and token-local work is off.
     """
 
-    def __init__(self, W, co, A, waves, local, wave_rows, wave_pairs, flows, cm, label):
-        cp = A.shape[0]
+    def __init__(self, W, co, A, waves, local, wave_rows, wave_work, flows, cm, label):
+        cp = A.shape[1]
         self.W, self.co, self.A, self.waves, self.label = W, co, A, waves, label
-        self.local, self.wave_rows, self.wave_pairs, self.flows = local, wave_rows, wave_pairs, flows
+        self.local, self.wave_rows, self.wave_work, self.flows = local, wave_rows, wave_work, flows
         rows = np.bincount(co, weights=W.grid.rows, minlength=cp).astype(np.int64)
         send = wave_sends(co, cp, waves, flows[1], flows[2], flows[3])
-        self.loads = RankLoads(rows=rows, local_pairs=local, wave_rows=wave_rows, wave_pairs=wave_pairs,
-                               send_rows=send)
+        self.loads = make_loads(rows, local, wave_rows, wave_work, send)
         self.times = simulate(cm, self.loads)
         tot = self.times.total
         self.max_ms = float(tot.max()) if len(tot) else 0.0
@@ -199,7 +205,7 @@ class _Candidate:
     def moved(self, a: int, b: int, r: int, s: int, cm: CostModel) -> "_Candidate":
         """The candidate after chunk ``a`` moves r -> s (and, with ``b >= 0``, chunk b moves s -> r):
         only ranks r and s are recomputed (O(M + flows) instead of O(cp * M))."""
-        W, cp, nw = self.W, self.A.shape[0], self.waves
+        W, cp, nw = self.W, self.A.shape[1], self.waves
         co, A = self.co.copy(), self.A.copy()
         co[a] = s
         move_rows(W, A, a, r, s)
@@ -208,14 +214,14 @@ class _Candidate:
             move_rows(W, A, b, s, r)
         ranks = np.array([r, s])
         nd = remote_needs(W, co, cp, A, ranks)
-        wr, wp, (dst, chunk, wave, rows) = rank_waves(nd, 2, nw)
-        local, wave_rows, wave_pairs = self.local.copy(), self.wave_rows.copy(), self.wave_pairs.copy()
-        local[ranks], wave_rows[ranks], wave_pairs[ranks] = nd.local_pairs, wr, wp
+        wr, ww, (dst, chunk, wave, rows) = rank_waves(nd, 2, nw)
+        local, wave_rows, wave_work = self.local.copy(), self.wave_rows.copy(), self.wave_work.copy()
+        local[:, ranks], wave_rows[ranks], wave_work[:, ranks] = nd.local, wr, ww
         fd, fc, fw, fr = self.flows
         keep = (fd != r) & (fd != s)
         flows = (np.concatenate([fd[keep], ranks[dst]]), np.concatenate([fc[keep], chunk]),
                  np.concatenate([fw[keep], wave]), np.concatenate([fr[keep], rows]))
-        return _Candidate(W, co, A, nw, local, wave_rows, wave_pairs, flows, cm, self.label)
+        return _Candidate(W, co, A, nw, local, wave_rows, wave_work, flows, cm, self.label)
 
 
 def _balance(x: np.ndarray) -> float:
@@ -234,14 +240,14 @@ def _evaluate(W: PairMatrix, co: np.ndarray, cp: int, cm: CostModel, waves, labe
               A: np.ndarray | None = None) -> _Candidate:
     """Simulate ``co`` for each wave count of ``waves``; keep the best (ties: fewer waves). With
     ``cm.max_remote_kv_rows``, wave counts over the cap are skipped (the largest is kept if none fits).
-    ``A`` is `rank_key_pairs` of ``co`` when the caller has it (built here otherwise)."""
+    ``A`` is `rank_key_work` of ``co`` when the caller has it (built here otherwise)."""
     if A is None:
-        A = rank_key_pairs(W, co, cp)
+        A = rank_key_work(W, co, cp)
     needs = remote_needs(W, co, cp, A)
     best = None
     for nw in waves:
-        wr, wp, flows = rank_waves(needs, cp, nw)
-        cand = _Candidate(W, co, A, nw, needs.local_pairs, wr, wp, flows, cm, label)
+        wr, ww, flows = rank_waves(needs, cp, nw)
+        cand = _Candidate(W, co, A, nw, needs.local, wr, ww, flows, cm, label)
         if cm.max_remote_kv_rows is not None and nw != waves[-1] and _peak_rows(cand.loads, cm) > cm.max_remote_kv_rows:
             continue
         if best is None or _better(cand.obj, best.obj):
@@ -252,12 +258,17 @@ def _evaluate(W: PairMatrix, co: np.ndarray, cp: int, cm: CostModel, waves, labe
 
 
 def _peak_rows(loads: RankLoads, cm: CostModel) -> float:
-    """Remote K/V rows a rank holds at once: the current wave plus the prefetched next one."""
+    """Remote K/V rows a rank holds at once. When backward refetches (the executor's recompute
+    mode): the current wave plus the prefetched next one; otherwise every stage keeps its graph
+    until backward, so all fetched rows are held."""
     wr = loads.wave_rows
+    if not wr.size:
+        return 0.0
+    if not cm.bwd_refetch:
+        return float(wr.sum(1).max())
     if wr.shape[1] > 1 and cm.overlap > 0:
-        held = wr[:, :-1] + wr[:, 1:]
-        return float(held.max()) if held.size else 0.0
-    return float(wr.max()) if wr.size else 0.0
+        return float((wr[:, :-1] + wr[:, 1:]).max())
+    return float(wr.max())
 
 
 def _baseline(la: LayoutArrays, cp: int, cm: CostModel, strategy: str, window, waves) -> _Candidate:
@@ -267,25 +278,25 @@ def _baseline(la: LayoutArrays, cp: int, cm: CostModel, strategy: str, window, w
     grid = chunk_grid(N, C)
     c = np.arange(grid.num_chunks)
     co = np.where(c < cp, c, 2 * cp - 1 - c) if strategy == "zigzag" else c
-    W = visible_pairs(la, grid, window=window)
+    W = visible_pairs(la, grid, window=window, tile_rows=cm.tile_rows)
     return _evaluate(W, co.astype(np.int64), cp, cm, waves, strategy)
 
 
 def _proxy(W: PairMatrix, cp: int, cm: CostModel) -> tuple[np.ndarray, np.ndarray]:
     """Additive per-chunk estimates: ``cost`` [M] (ms-like: its rows' token-local and stage-row work
-    plus its queries' pairs at the cost model's rates, a ``1 - 1/cp`` share of pairs priced as
-    remote) and ``comp`` [M, 3], the chunk's share of the three balanced quantities: cost, rows and
-    pairs, each divided by its per-rank mean (the rows and pairs columns scaled by
-    ``1 / NEUTRAL_SLACK``, so they only bind past that balance)."""
-    remote_frac = 1.0 - 1.0 / cp
-    per_pair = ((1 - remote_frac) * (cm.fwd_local_ms_per_pair + cm.bwd_local_ms_per_pair)
-                + remote_frac * (cm.fwd_remote_ms_per_pair + cm.bwd_remote_ms_per_pair))
+    plus its queries' tiles at the cost model's rates) and ``comp`` [M, 3], the chunk's share of the
+    three balanced quantities: cost, rows and visible pairs, each divided by its per-rank mean (the
+    rows and pairs columns scaled by ``1 / NEUTRAL_SLACK``, so they only bind past that balance)."""
     per_row = cm.tok_fwd_ms_per_row + cm.tok_bwd_ms_per_row + 4 * cm.stage_row_ms
     if cp > 1:
         per_row += cm.merge_fwd_ms_per_row + cm.merge_bwd_ms_per_row
+    M = W.num_chunks
     rows = W.grid.rows.astype(np.float64)
     pairs = W.row_sums.astype(np.float64)
-    cost = rows * per_row + pairs * per_pair
+    full = np.bincount(W.q, weights=W.full_tiles, minlength=M)
+    part = np.bincount(W.q, weights=W.part_tiles, minlength=M)
+    cost = (rows * per_row + full * (cm.fwd_full_tile_ms + cm.bwd_full_tile_ms)
+            + part * (cm.fwd_part_tile_ms + cm.bwd_part_tile_ms))
     norm = lambda x: x * cp / x.sum() if x.sum() > 0 else np.zeros_like(x)
     comp = np.stack([norm(cost), norm(rows) / NEUTRAL_SLACK, norm(pairs) / NEUTRAL_SLACK], axis=1)
     return cost, comp
@@ -367,8 +378,10 @@ def _refine_proxy(co: np.ndarray, comp: np.ndarray, cp: int, max_steps: int) -> 
         best_val, best = f[r] * (1 - 1e-12), None
         if mv[a_i, s_i] < best_val:
             best_val, best = mv[a_i, s_i], (int(mine[a_i]), -1, int(s_i))
-        light = np.argsort(f, kind="stable")[:SWAP_RANKS]
-        others = np.nonzero(np.isin(co, light[light != r]))[0]
+        light = np.zeros(cp, bool)
+        light[np.argsort(f, kind="stable")[:SWAP_RANKS]] = True
+        light[r] = False
+        others = np.nonzero(light[co])[0]
         if len(others):
             d = ca[:, None, :] - comp[others][None, :, :]  # [A, B, 3] load leaving r
             sw = np.maximum(_max3(load[r][None, None, :] - d), _max3(load[co[others]][None, :, :] + d))
@@ -391,7 +404,6 @@ def _refine_proxy(co: np.ndarray, comp: np.ndarray, cp: int, max_steps: int) -> 
 def _local_search(best: _Candidate, cost: np.ndarray, cp: int, cm: CostModel, budget: int) -> _Candidate:
     """Moves / swaps of chunks between the slowest rank and the fastest ones, simulated with the
     current wave count; candidates screened on the proxy, the first one that improves is taken."""
-    W = best.W
     evals = steps = 0
     while evals < budget:
         tot = best.times.total
@@ -440,17 +452,21 @@ def _local_search(best: _Candidate, cost: np.ndarray, cp: int, cm: CostModel, bu
 
 def _balanced(la: LayoutArrays, cp: int, cm: CostModel, chunk_size, window, waves) -> _Candidate:
     N = la.num_rows
+    B = cm.tile_rows
     if chunk_size is not None:
         grid = snapped_grid(la, chunk_size=int(chunk_size))
-    else:
+    elif -(-N // B) >= MIN_CHUNKS_PER_RANK * cp:
+        # chunks of whole tiles: tile counts of every rank's local stage are then exact
         m = default_num_chunks(N, cp)
-        grid = snapped_grid(la, num_chunks=m)
+        grid = block_grid(N, m, B)
         # a dense W (long chains) makes every evaluation dearer: halve the chunk count (keeping a
         # multiple of 2 * cp) while W has too many entries and every rank keeps several chunks
         while count_entries(la, grid) > MAX_ENTRIES and m % (4 * cp) == 0 and m // 2 >= MIN_CHUNKS_PER_RANK * cp:
             m //= 2
-            grid = snapped_grid(la, num_chunks=m)
-    W = visible_pairs(la, grid, window=window)
+            grid = block_grid(N, m, B)
+    else:  # fewer tiles than ranks want chunks: sub-tile chunks, bounds snapped to tree starts
+        grid = snapped_grid(la, num_chunks=default_num_chunks(N, cp))
+    W = visible_pairs(la, grid, window=window, tile_rows=B)
     M = grid.num_chunks
     if cp == 1 or M == 0:
         return _evaluate(W, np.zeros(M, np.int64), cp, cm, waves, "single")
@@ -463,13 +479,16 @@ def _balanced(la: LayoutArrays, cp: int, cm: CostModel, chunk_size, window, wave
         "lpt_trees": _lpt_groups(cost, _tree_groups(la, grid), cp),
     }
     # every start gets a short proxy refinement and a simulation; the best one a long refinement
+    # starts and search are simulated with one wave count (the first choice); the wave count is
+    # chosen for the final ownership
+    w0 = waves[:1]
     cand, tried = None, {}
     for name, co in starts.items():
-        c = _evaluate(W, _refine_proxy(co, comp, cp, SHORT_REFINE + 2 * cp), cp, cm, waves, name)
+        c = _evaluate(W, _refine_proxy(co, comp, cp, SHORT_REFINE + 2 * cp), cp, cm, w0, name)
         tried[name] = c.max_ms
         if cand is None or _better(c.obj, cand.obj):
             cand = c
-    c = _evaluate(W, _refine_proxy(cand.co, comp, cp, 4 * M), cp, cm, waves, cand.label)
+    c = _evaluate(W, _refine_proxy(cand.co, comp, cp, 4 * M), cp, cm, w0, cand.label)
     if _better(c.obj, cand.obj):
         cand = c
     budget = int(np.clip(EVAL_WORK // max(M, 1), MIN_EVALS, MAX_EVALS))
@@ -515,6 +534,10 @@ def _make_plan(la: LayoutArrays, cp: int, strategy: str, c: _Candidate, cm: Cost
         "objective": float(c.obj[0]),
         "row_balance": bal(rows),
         "neutral_balance": max(bal(qp), bal(rows)),
+        "tiles_per_rank": (loads.local_tiles.sum(1) + loads.wave_tiles.sum((1, 2))).tolist(),
+        "partial_tile_share": float(
+            (loads.local_tiles[:, 1].sum() + loads.wave_tiles[..., 1].sum())
+            / max(loads.local_tiles.sum() + loads.wave_tiles.sum(), 1e-30)),
         "remote_kv_rows": int(round(remote)),
         "remote_kv_bytes": int(round(remote * cm.kv_bytes_per_row)),
         "remote_kv_rows_per_rank": loads.wave_rows.sum(1).round().astype(np.int64).tolist(),

@@ -1,0 +1,139 @@
+"""``megatron-tree plan``: dry-run CP capacity planning for a preset or a data file.
+
+    megatron-tree plan --preset dominant_14745_16x921 --cp 1,2,4,8,16,32
+    megatron-tree plan --data rollouts.jsonl --cp 2,4,8 --strategy balanced,zigzag --plot plan.png
+
+Reads the samples (a synthetic preset or JSONL / Parquet files), packs them into microbatches of
+``--max-tokens-per-mb`` rows (default: the largest prefix tree, so no tree is cut), takes the
+largest microbatch (the one that decides whether a CP size fits) and prints, per CP size, what
+`megatron_tree.cp.capacity.capacity_report` finds: rows per rank, predicted ms per rank (max /
+mean), the imbalance of every strategy, the model-neutral balance, remote K/V rows and bytes, the
+peak remote K/V held at once, waves and planning time. ``--plot`` draws the ownership over the
+tree and the chunk pair matrix for the largest CP size.
+
+`add_plan_args(parser)` adds the options to a parser; `run_plan(argv_or_args)` runs them (an argv
+list, or the parsed namespace) and returns an exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["add_plan_args", "run_plan", "build_plan_parser"]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"CP sizes must be positive integers, got {text!r}")
+    return out
+
+
+def _strategies(text: str) -> list[str]:
+    from ..cp.planner import STRATEGIES
+
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in STRATEGIES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown strategy {bad[0] if bad else text!r}; choose from "
+                                         f"{', '.join(STRATEGIES)} (comma-separated)")
+    return out
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``megatron-tree plan``."""
+    from ..data.synthetic import PRESETS
+
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=PRESETS, help="a synthetic workload (megatron_tree.data.synthetic)")
+    src.add_argument("--data", nargs="+", metavar="FILE", help="JSONL / Parquet files or directories of samples")
+    parser.add_argument("--seed", type=int, default=0, help="preset seed (default 0)")
+    parser.add_argument("--scale", type=float, default=1.0, help="preset length scale (default 1.0)")
+    parser.add_argument("--cp", type=_int_list, default=[1, 2, 4, 8, 16, 32], metavar="N,N,...",
+                        help="CP sizes to plan (default 1,2,4,8,16,32)")
+    parser.add_argument("--strategy", type=_strategies, default=["balanced", "zigzag", "contiguous"],
+                        metavar="S,S,...", help="strategies to compare (default balanced,zigzag,contiguous)")
+    parser.add_argument("--max-tokens-per-mb", type=int, default=None, metavar="N",
+                        help="rows per microbatch (default: the largest prefix tree, so no tree is cut)")
+    parser.add_argument("--window", type=int, default=None, help="sliding window (depth) of the attention layers")
+    parser.add_argument("--cost-model", default=None, metavar="gpu|cpu|FILE.json",
+                        help="cost model: the built-in GPU profile, the shipped CPU profile or a calibrated JSON "
+                             "(tools/calibrate_cp.py); default: gpu with CUDA, else cpu")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="ownership and W heat map of the largest CP size")
+    return parser
+
+
+def build_plan_parser(prog: str = "megatron-tree plan") -> argparse.ArgumentParser:
+    return add_plan_args(argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0]))
+
+
+def _cost_model(spec):
+    from ..cp.cost_model import CostModel, default_cost_model
+
+    if spec is None:
+        return default_cost_model()
+    if spec == "gpu":
+        return CostModel.gpu()
+    if spec == "cpu":
+        return CostModel.cpu()
+    if not os.path.exists(spec):
+        raise ValueError(f"--cost-model: no such file {spec!r} (use gpu, cpu or a JSON from tools/calibrate_cp.py)")
+    return CostModel.from_json(spec)
+
+
+def run_plan(argv_or_args=None) -> int:
+    """Run ``megatron-tree plan`` on an argv list (or a parsed namespace); returns the exit status."""
+    from ..cp.capacity import capacity_report, format_capacity, plot_plan
+    from ..data.pipeline import read_samples
+    from ..data.synthetic import make_preset
+    from ..tree import pack
+    from ..tree.packing import PrefixPlan
+
+    if argv_or_args is None or isinstance(argv_or_args, (list, tuple)):
+        args = build_plan_parser().parse_args(argv_or_args)
+    else:
+        args = argv_or_args
+    try:
+        cm = _cost_model(args.cost_model)
+        if args.preset:
+            samples = make_preset(args.preset, seed=args.seed, scale=args.scale)
+            what = f"preset {args.preset} (seed {args.seed}, scale {args.scale})"
+        else:
+            samples = read_samples(args.data)
+            what = ", ".join(args.data)
+        if not samples:
+            raise ValueError(f"{what}: no samples")
+        toks = [s.tokens for s in samples]
+        budget = args.max_tokens_per_mb
+        if budget is None:
+            budget = max(int(PrefixPlan(toks).tree_rows().max()), max(len(t) for t in toks))
+        mbs = pack(samples, budget)
+        mb = max(mbs, key=lambda m: (m.num_rows, m.stats.tree_attention_pairs))
+        rows = capacity_report(mb.layout, args.cp, strategies=args.strategy, cost_model=cm, window=args.window)
+    except ValueError as e:
+        print(f"megatron-tree plan: error: {e}", file=sys.stderr)
+        return 2
+    title = (f"CP capacity plan: {what}\n"
+             f"{len(samples)} samples -> {len(mbs)} microbatch(es) of <= {budget:,} rows; planned: the largest, "
+             f"{mb.num_rows:,} rows, {mb.stats.num_trees} tree(s), {mb.stats.tree_attention_pairs:,} visible pairs"
+             + (f", window {args.window}" if args.window else ""))
+    print(format_capacity(rows, title=title, cost_model=cm))
+    fb = sorted({(r["cp"], r["fallback"]) for r in rows if r["strategy"] == "balanced" and r["fallback"]})
+    if fb:
+        print("balanced fell back to a fold where it predicted faster: "
+              + ", ".join(f"CP{cp} -> {f}" for cp, f in fb))
+    if args.plot:
+        cp = max(args.cp)
+        pick = [r for r in rows if r["cp"] == cp]
+        plan = next((r["plan"] for r in pick if r["strategy"] == "balanced"), pick[0]["plan"])
+        out = plot_plan(mb.layout, plan, args.plot, window=args.window)
+        print(f"plot of CP{cp} ({plan.strategy}) written to {out}" if out else "matplotlib missing: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_plan(sys.argv[1:]))

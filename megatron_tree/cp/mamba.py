@@ -1,0 +1,368 @@
+"""Mamba-2 over a context-parallel group: `tree_mamba_cp`, a transpose from token shards to head shards.
+
+Mamba's heads are independent recurrences, so instead of splitting a head's recurrence over ranks
+(what Gated DeltaNet's state summaries do) each CP rank runs the whole tree for ``H / cp`` of this
+TP rank's heads:
+
+1. **token-local** (caller): ``in_proj`` on the rows a rank owns gives, per row, the channels
+   ``[z | x (H*P) | B (G*S) | C (G*S) | dt (H)]``; ``z`` (the gate) never leaves its owner.
+2. **forward transpose** (one ``all_to_all_single``): owner ``s`` sends rank ``j`` its rows'
+   channels of ``j``'s heads: their ``x`` channels, their ``dt`` and the ``B`` / ``C`` groups they
+   read. Rank ``j`` places the rows by global row id and holds every row of the tree, in global
+   order, for its heads. When fewer groups than ranks exist (or a head shard straddles a group
+   boundary) a group goes to every rank that reads it; the transpose of that replication is a sum,
+   which autograd of the sender's channel gather performs (``index_select`` backward adds).
+3. **local**: the tree causal conv over this rank's ``xBC`` channels (``x`` of its heads + its
+   groups' ``B`` / ``C``: Mamba's depthwise conv runs on the concatenated channels, so the conv
+   weight is sliced with exactly the same channel indices), SiLU, ``dt = softplus(dt + dt_bias)``,
+   `tree_ssd` with the whole layout, the ``D`` skip. Everything here is exact per head: no state
+   crosses a rank.
+4. **inverse transpose** (one ``all_to_all_single``): every row's ``y`` of rank ``j``'s heads
+   returns to the row's owner, which concatenates the head slices; gate and norm follow there.
+
+Autograd: both moves are one small `torch.autograd.Function` each whose backward is the inverse
+exchange, so backward runs exactly two collectives per layer, in the reverse order (the second
+transpose's backward, then the first's), on every rank, also on ranks that own no rows: a rank
+with nothing to send still enters each collective with zero-length splits, and a rank that owns no
+rows still computes its heads over the whole tree.
+
+Parameters: the caller passes this TP rank's *whole* conv weight / bias, ``dt_bias``, ``A`` and
+``D``; each rank reads (and gives gradient to) only its heads' slice. Summing parameter gradients
+over the CP group (Megatron reduces over DP x CP) gives the full gradient.
+
+Plans where one rank owns every row need no exchange at all: that rank runs every head locally
+and the others return empty outputs (still attached to the parameters' graph). This keeps
+``verify``'s per-sample side (all rows on CP rank 0) free of cross-rank code.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..ops.causal_conv1d import tree_causal_conv1d
+from ..ops.ssd import CHUNK_SIZE, tree_ssd
+from ..tree.layout import TreeLayout
+from .comm import group_rank, start_exchange
+from .plan import CPPlan
+from .schedule import _cache_get
+
+__all__ = ["tree_mamba_cp", "mamba_head_shards", "MambaHeadShards", "mamba_exchange_figures"]
+
+#: TEST-ONLY fault switch for the sensitivity tests (tests/test_cp_mamba.py). Always None in real
+#: use. Each value plants one known executor bug the equivalence tests must catch:
+#: "no_bc_grad_sum" (a B/C group replicated to several ranks gets only its first copy's gradient),
+#: "y_wrong_rows" (y returns to its owners with the rows permuted), "param_slice" (every rank
+#: reads rank 0's slice of dt_bias / A). Collectives still run.
+_FAULT: str | None = None
+
+
+# --------------------------------------------------------------------------------------- channels
+@dataclass(frozen=True, eq=False)
+class MambaHeadShards:
+    """Which channels of one token row each CP rank receives (numpy int64, per rank ``j``).
+
+    The row layout is ``xBCdt = [x (H*P) | B (G*S) | C (G*S) | dt (H)]`` of one TP rank (``H``
+    heads of head dim ``P``, ``G`` groups of state size ``S``); rank ``j`` owns heads
+    ``heads[j] = (j*H/cp, (j+1)*H/cp)`` and reads groups ``groups[j] = (g0, g1)`` (half-open).
+
+    channels[j]      [F_j] indices into the row: ``x`` of its heads, ``B`` then ``C`` of its groups,
+                     then ``dt`` of its heads; the first ``conv_width[j]`` are the conv channels
+                     (also the rows of the conv weight / bias to use)
+    head_group[j]    [H/cp] local group (in ``0..g1-g0``) each local head reads
+    expand[j]        True when ``head_group[j]`` is not mamba's ``h // (H_local / G_local)``: the
+                     shard's ``B`` / ``C`` are expanded to one group per head before `tree_ssd`
+    """
+
+    cp_size: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    d_state: int
+    heads: tuple
+    groups: tuple
+    channels: tuple
+    conv_width: tuple
+    head_group: tuple
+    expand: tuple
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.cp_size
+
+    @property
+    def row_width(self) -> int:
+        """Channels of one ``xBCdt`` row: ``H*P + 2*G*S + H``."""
+        return self.num_heads * self.head_dim + 2 * self.num_groups * self.d_state + self.num_heads
+
+
+@lru_cache(maxsize=64)
+def mamba_head_shards(num_heads: int, head_dim: int, num_groups: int, d_state: int, cp_size: int) -> MambaHeadShards:
+    """The head / group / channel split of one TP rank's Mamba heads over ``cp_size`` CP ranks.
+
+    Heads split in contiguous equal blocks (rank ``j`` gets ``H/cp`` heads); a rank reads every
+    group one of its heads reads (head ``h`` reads group ``h // (H/G)``), so with ``G < cp`` a
+    group is replicated to several ranks. Raises ValueError when ``cp_size`` does not divide the
+    head count or the groups do not divide the heads.
+    """
+    H, P, G, S, cp = int(num_heads), int(head_dim), int(num_groups), int(d_state), int(cp_size)
+    if cp < 1 or H < 1 or G < 1 or P < 1 or S < 1:
+        raise ValueError(f"Mamba CP: cp_size ({cp}), heads ({H}), head dim ({P}), groups ({G}) and state size ({S}) "
+                         "must all be >= 1")
+    if H % cp:
+        raise ValueError(f"Mamba context parallelism splits heads over the CP ranks: the CP size {cp} must divide the "
+                         f"number of Mamba heads on this tensor-parallel rank, {H}")
+    if H % G:
+        raise ValueError(f"the number of Mamba heads {H} must be a multiple of the number of B/C groups {G}")
+    Hc, R = H // cp, H // G
+    x0, b0, c0, d0 = 0, H * P, H * P + G * S, H * P + 2 * G * S
+    heads, groups, channels, conv_width, head_group, expand = [], [], [], [], [], []
+    for j in range(cp):
+        h0, h1 = j * Hc, (j + 1) * Hc
+        g0, g1 = h0 // R, (h1 - 1) // R + 1
+        hg = np.arange(h0, h1) // R - g0
+        gl = g1 - g0
+        uniform = Hc % gl == 0 and np.array_equal(hg, np.arange(Hc) // (Hc // gl))
+        ch = np.concatenate([np.arange(x0 + h0 * P, x0 + h1 * P), np.arange(b0 + g0 * S, b0 + g1 * S),
+                             np.arange(c0 + g0 * S, c0 + g1 * S), np.arange(d0 + h0, d0 + h1)]).astype(np.int64)
+        heads.append((h0, h1))
+        groups.append((g0, g1))
+        channels.append(ch)
+        conv_width.append(Hc * P + 2 * gl * S)
+        head_group.append(hg.astype(np.int64))
+        expand.append(not uniform)
+    return MambaHeadShards(cp, H, P, G, S, tuple(heads), tuple(groups), tuple(channels), tuple(conv_width),
+                           tuple(head_group), tuple(expand))
+
+
+def mamba_exchange_figures(plan: CPPlan, num_heads: int, head_dim: int, num_groups: int, d_state: int) -> dict:
+    """Elements each rank sends to *other* ranks per Mamba layer (analytic, from the plan).
+
+    Returns ``{"forward_sent": [cp], "backward_sent": [cp], "forward_total": int,
+    "backward_total": int}`` in elements (multiply by the element size for bytes). Forward: the
+    transpose of ``x``/``B``/``C``/``dt`` (rank ``s`` sends ``n_s * F_j`` to each ``j != s``) plus
+    the return of ``y`` (rank ``j`` sends ``n_s * H/cp * P`` to each owner ``s != j``). Backward
+    moves the same volumes the other way (the gradients), so ``backward_sent[r]`` is what ``r``
+    receives in forward. Zero for a single-owner plan (no exchange).
+    """
+    cp = plan.cp_size
+    sh = mamba_head_shards(num_heads, head_dim, num_groups, d_state, cp)
+    n = plan.rows_per_rank()
+    if cp == 1 or n.max() == plan.num_rows:
+        z = np.zeros(cp, np.int64)
+        return {"forward_sent": z, "backward_sent": z.copy(), "forward_total": 0, "backward_total": 0}
+    width = np.array([c.shape[0] for c in sh.channels], np.int64)     # F_j
+    yw = sh.heads_per_rank * head_dim
+    # forward: s -> j (j != s): n_s * F_j channels in, then j -> s: n_s * yw of y
+    fwd = n * (width.sum() - width) + (n.sum() - n) * yw
+    # backward: the transposes of both moves: what each rank received in forward
+    bwd = width * (n.sum() - n) + n * (cp - 1) * yw
+    return {"forward_sent": fwd, "backward_sent": bwd, "forward_total": int(fwd.sum()),
+            "backward_total": int(bwd.sum())}
+
+
+# --------------------------------------------------------------------------------------- rows
+# Plans are immutable and identified by their hash (`schedule._cache_get` bounds these caches):
+# every Mamba layer of a microbatch reuses one plan's row order and its device copies.
+_ROWS_CACHE: OrderedDict = OrderedDict()
+_DEV_CACHE: OrderedDict = OrderedDict()
+
+
+def _row_order(plan: CPPlan, device) -> tuple:
+    """(by_owner [N], to_global [N], counts [cp]) for ``plan``: ``by_owner`` lists global rows grouped
+    by owner rank (ascending within: each rank's local order), so the concatenation of what ranks
+    send is ``by_owner``; ``to_global`` is its inverse (``buf[to_global]`` is in global row order)."""
+    def make():
+        by_owner = np.argsort(plan.owner, kind="stable").astype(np.int64)
+        to_global = np.empty_like(by_owner)
+        to_global[by_owner] = np.arange(by_owner.shape[0], dtype=np.int64)
+        return by_owner, to_global, plan.rows_per_rank()
+
+    by_owner, to_global, counts = _cache_get(_ROWS_CACHE, plan.hash, make)
+    return (_on(by_owner, device, ("rows", plan.hash, 0)), _on(to_global, device, ("rows", plan.hash, 1)), counts)
+
+
+@lru_cache(maxsize=64)
+def _shard_index(H: int, P: int, G: int, S: int, cp: int, device: torch.device) -> tuple:
+    """Per rank ``(channels, conv channels, head_group)`` of `mamba_head_shards` as int64 tensors on
+    ``device`` (a handful of shapes per model: cached without eviction pressure from plans)."""
+    sh = mamba_head_shards(H, P, G, S, cp)
+
+    def dev(a):
+        return torch.from_numpy(a).to(device)
+
+    return tuple((dev(sh.channels[j]), dev(sh.channels[j][:sh.conv_width[j]]), dev(sh.head_group[j]))
+                 for j in range(cp))
+
+
+def _index(sh: MambaHeadShards, j: int, device) -> tuple:
+    return _shard_index(sh.num_heads, sh.head_dim, sh.num_groups, sh.d_state, sh.cp_size, torch.device(device))[j]
+
+
+def _on(a: np.ndarray, device, key) -> torch.Tensor:
+    """The int64 numpy array ``a`` on ``device`` (cached: the same plan serves every Mamba layer)."""
+    return _cache_get(_DEV_CACHE, key + (str(device),), lambda: torch.from_numpy(a).to(device))
+
+
+# --------------------------------------------------------------------------------------- exchange
+class _Transpose(torch.autograd.Function):
+    """``all_to_all_single`` of a flat buffer with element splits; backward is the inverse move."""
+
+    @staticmethod
+    def forward(ctx, send, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return start_exchange(send, send_splits, recv_splits, group, async_op=False).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        back = start_exchange(grad.contiguous(), recv_splits, send_splits, ctx.group, async_op=False).wait()
+        return back, None, None, None
+
+
+def _transpose(send: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
+    return _Transpose.apply(send, tuple(int(s) for s in send_splits), tuple(int(s) for s in recv_splits), group)
+
+
+# --------------------------------------------------------------------------------------- local math
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 like the mamba-ssm kernels (the stock layer's `.float()`), fp64 for a float64 model:
+    # the same rule as TreeMambaMixer's single-device path, so CP and CP1 round alike.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _head_shard_ssm(xBCdt, j, sh: MambaHeadShards, conv_weight, conv_bias, dt_bias, A, D, layout, backend,
+                    chunk_size, slice_rank=None):
+    """Conv + SSD + D skip of rank ``j``'s heads over every row of ``layout``.
+
+    xBCdt [N, F_j] (the channels ``sh.channels[j]``, rows in global order); conv_weight [H*P+2*G*S, W],
+    conv_bias, dt_bias [H], A [H], D [H] / [H*P] / None: the TP rank's whole parameters, sliced
+    here. Returns y [N, H/cp, P] in the conv output's dtype.
+    """
+    N = xBCdt.shape[0]
+    Hc, P, S = sh.heads_per_rank, sh.head_dim, sh.d_state
+    cw = sh.conv_width[j]
+    dev = xBCdt.device
+    conv_idx = _index(sh, j, dev)[1]
+    h0, h1 = sh.heads[slice_rank if slice_rank is not None else j]
+    gl = sh.groups[j][1] - sh.groups[j][0]
+    xBC = tree_causal_conv1d(xBCdt[:, :cw], conv_weight.index_select(0, conv_idx),
+                             None if conv_bias is None else conv_bias.index_select(0, conv_idx), layout,
+                             activation="silu")
+    x, B, C = torch.split(xBC, [Hc * P, gl * S, gl * S], dim=-1)
+    x, B, C = x.reshape(N, Hc, P), B.reshape(N, gl, S), C.reshape(N, gl, S)
+    if sh.expand[j]:  # the shard straddles a group boundary unevenly: one group per head
+        hg = _index(sh, j, dev)[2]
+        B, C = B.index_select(1, hg), C.index_select(1, hg)
+    cdt = _compute_dtype(x.dtype)
+    dt = F.softplus(xBCdt[:, cw:].to(cdt) + dt_bias[h0:h1].to(cdt))
+    A_j = A[h0:h1]
+    hj0, hj1 = sh.heads[j]
+    if D is not None and D.shape[0] == sh.num_heads * P:  # D_has_hdim: added after the scan, like the module
+        y = tree_ssd(x, dt, A_j, B, C, layout, backend=backend, chunk_size=chunk_size)
+        y = (y.to(cdt) + x.to(cdt) * D[hj0 * P:hj1 * P].to(cdt).reshape(Hc, P)).to(x.dtype)
+    else:
+        y = tree_ssd(x, dt, A_j, B, C, layout, D=None if D is None else D[hj0:hj1], backend=backend,
+                     chunk_size=chunk_size)
+    return y
+
+
+def _check_args(xBCdt, conv_weight, conv_bias, dt_bias, A, D, layout, plan, sh, n_local, rank):
+    if xBCdt.dim() != 2 or xBCdt.shape[1] != sh.row_width:
+        raise ValueError(f"xBCdt must be [n_local, H*P + 2*G*S + H] = [n_local, {sh.row_width}] (H={sh.num_heads}, "
+                         f"P={sh.head_dim}, G={sh.num_groups}, S={sh.d_state}); got {tuple(xBCdt.shape)}")
+    if xBCdt.shape[0] != n_local:
+        raise ValueError(f"rank {rank} owns {n_local} rows under plan {plan.hash}, but xBCdt has {xBCdt.shape[0]} "
+                         "rows (they must be plan.owner_rows(rank), in order)")
+    conv_dim = sh.row_width - sh.num_heads
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != conv_dim:
+        raise ValueError(f"conv_weight must be [H*P + 2*G*S, W] = [{conv_dim}, W]; got {tuple(conv_weight.shape)}")
+    if conv_bias is not None and conv_bias.shape != (conv_dim,):
+        raise ValueError(f"conv_bias must be [{conv_dim}], got {tuple(conv_bias.shape)}")
+    H = sh.num_heads
+    if dt_bias.shape != (H,) or A.shape != (H,):
+        raise ValueError(f"dt_bias and A must be [H] = [{H}]; got {tuple(dt_bias.shape)}, {tuple(A.shape)}")
+    if D is not None and D.shape not in ((H,), (H * sh.head_dim,)):
+        raise ValueError(f"D must be [H] = [{H}] or [H*P] = [{H * sh.head_dim}], got {tuple(D.shape)}")
+    if layout.num_rows != plan.num_rows:
+        raise ValueError(f"the CP plan covers {plan.num_rows} rows but the layout has {layout.num_rows}")
+
+
+def tree_mamba_cp(xBCdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                  dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None, layout: TreeLayout, plan: CPPlan,
+                  group=None, *, head_dim: int, num_groups: int, d_state: int, backend: str = "auto",
+                  chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """Mamba-2's conv + SSD of this rank's owned rows over the CP ``group`` under ``plan`` (autograd).
+
+    xBCdt [n_local, H*P + 2*G*S + H]: the ``in_proj`` output without ``z`` (channels
+    ``[x | B | C | dt]``, ``dt`` before bias and softplus) of rows ``plan.owner_rows(rank)``, in
+    that order (``rank`` = this process's rank in ``group``; None is the default group).
+    conv_weight [H*P + 2*G*S, W], conv_bias [H*P + 2*G*S] or None, dt_bias [H], A [H] (negative),
+    D [H] (per-head skip, inside `tree_ssd`) or [H*P] (per channel, added after it) or None: the
+    whole parameters of this TP rank (``H`` heads, ``G`` groups); each rank uses its heads' slice.
+
+    Returns y [n_local, H, P] in the conv output's dtype: rows ``owner_rows(rank)`` of the
+    single-device ``tree_ssd(silu(tree_causal_conv1d(xBC)), softplus(dt + dt_bias), A, B, C) + D x``
+    on the whole layout (computed in fp32, fp64 for fp64 inputs), before the gate and norm.
+
+    Raises ValueError, before any collective and identically on every rank, when the CP size does
+    not divide ``H`` (naming both) or shapes disagree. Every rank of the group must call this with
+    the same plan and shapes apart from n_local, and must backpropagate through its output whenever
+    any rank does (the backward runs two collectives), including ranks that own no rows.
+    """
+    if not isinstance(plan, CPPlan):
+        raise TypeError(f"plan must be a CPPlan, got {type(plan).__name__}")
+    rank = group_rank(plan, group, "tree_mamba_cp")
+    cp = plan.cp_size
+    if A.dim() != 1:
+        raise ValueError(f"A must be [H] (one decay per head of this TP rank), got {tuple(A.shape)}")
+    H = int(A.shape[0])
+    sh = mamba_head_shards(H, head_dim, num_groups, d_state, cp)
+    by_owner, to_global, counts = _row_order(plan, xBCdt.device)
+    _check_args(xBCdt, conv_weight, conv_bias, dt_bias, A, D, layout, plan, sh, int(counts[rank]), rank)
+    layout = layout.to(xBCdt.device) if layout.device != xBCdt.device else layout
+    N, P = plan.num_rows, head_dim
+    fault = _FAULT
+
+    if cp == 1 or int(counts.max()) == N:
+        # One rank owns every row: it runs all heads itself, nothing moves. The others return an
+        # empty result that still reaches every parameter (their gradients exist, as zeros).
+        if int(counts[rank]) == N:
+            one = mamba_head_shards(H, head_dim, num_groups, d_state, 1)
+            return _head_shard_ssm(xBCdt, 0, one, conv_weight, conv_bias, dt_bias, A, D, layout, backend,
+                                   chunk_size).reshape(N, H, P)
+        touch = xBCdt.sum() + conv_weight.sum() + dt_bias.sum() + A.sum()
+        touch = touch + (0 if conv_bias is None else conv_bias.sum()) + (0 if D is None else D.sum())
+        return xBCdt.new_zeros(0, H, P) + 0 * touch
+
+    dev = xBCdt.device
+    n = int(counts[rank])
+    width = [int(c.shape[0]) for c in sh.channels]
+    # forward transpose: my rows' channels of rank j's heads, grouped by destination, flat (widths
+    # differ per destination when a shard straddles groups unevenly)
+    blocks = []
+    for j in range(cp):
+        blk = xBCdt.index_select(1, _index(sh, j, dev)[0])
+        if fault == "no_bc_grad_sum" and sh.groups[j][0] < (sh.groups[j - 1][1] if j else 0):
+            # planted bug: the replicated B/C copy carries no gradient back
+            bc = torch.zeros(width[j], dtype=torch.bool, device=dev)
+            bc[sh.heads_per_rank * P: sh.conv_width[j]] = True
+            blk = torch.where(bc, blk.detach(), blk)
+        blocks.append(blk.reshape(-1))
+    recv = _transpose(torch.cat(blocks), [n * w for w in width], [int(c) * width[rank] for c in counts], group)
+    mine = recv.reshape(N, width[rank]).index_select(0, to_global)     # every row, global order
+
+    slice_rank = 0 if fault == "param_slice" else None
+    y = _head_shard_ssm(mine, rank, sh, conv_weight, conv_bias, dt_bias, A, D, layout, backend, chunk_size,
+                        slice_rank)                                     # [N, H/cp, P]
+    Hc = sh.heads_per_rank
+    # inverse transpose: each owner's rows (in its local order) of my heads go back to it
+    send_rows = by_owner.flip(0) if fault == "y_wrong_rows" else by_owner
+    back = _transpose(y.reshape(N, Hc * P).index_select(0, send_rows).reshape(-1),
+                      [int(c) * Hc * P for c in counts], [n * Hc * P] * cp, group)
+    # [cp (head shard), n, Hc, P] -> [n, H, P]: head shards in rank order are heads in order
+    return back.reshape(cp, n, Hc, P).permute(1, 0, 2, 3).reshape(n, H, P)

@@ -46,7 +46,9 @@ __all__ = [
 
 _OP = "tree_gated_delta_rule"
 _GPU_BACKENDS = {"fla": "fla.ops.gated_delta_rule"}
-_FLA_DTYPES = (torch.bfloat16, torch.float16)  # FLA's chunk kernel asserts on float32 inputs
+# FLA >= 0.6 accepts float32 in chunk_gated_delta_rule (the kernel tier runs its real kernels on
+# float32 CPU tensors through Triton's interpreter: tests/kernels); float64 stays with the torch backend.
+_FLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -253,8 +255,8 @@ def tree_gated_delta_rule(q, k, v, g, beta, layout: TreeLayout, *, scale=None, b
     one-row roots and get that same (closed-form) value.
 
     backend: "torch" (chunked, runs anywhere, exact in float64), "fla" (FLA Triton kernel per level,
-    CUDA with bf16/fp16 inputs), or "auto" (FLA for CUDA bf16/fp16 tensors when it imports, else
-    torch).
+    CUDA with bf16/fp16/fp32 inputs), or "auto" (FLA for CUDA bf16/fp16/fp32 tensors when it imports,
+    else torch; float32 included since FLA 0.6 accepts it, its matmuls may then run in TF32 on GPU).
     """
     N = layout.num_rows
     H, K, HV, V = _check_shapes(q, k, v, g, beta, (N,))
@@ -263,7 +265,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, layout: TreeLayout, *, scale=None, b
         if backend == "auto":
             name = "torch"  # auto never picks a kernel that would refuse the inputs
         else:
-            raise ValueError(f"{_OP}: backend 'fla' needs bfloat16/float16 q, k, v; got {q.dtype}")
+            raise ValueError(f"{_OP}: backend 'fla' needs bfloat16/float16/float32 q, k, v; got {q.dtype}")
     scale = K ** -0.5 if scale is None else float(scale)
     if N == 0:
         return v.new_zeros(0, HV, V, dtype=q.dtype)
@@ -381,3 +383,176 @@ def _tree_fla(q, k, v, g, beta, layout, scale):
         rows_out.append(torch.arange(N - layout.num_padding, N, device=dev))
         o_out.append(_padding_output(q, k, v, g, beta, layout, scale, torch.float32).to(q.dtype))
     return _assemble(rows_out, o_out, N)
+
+
+# ------------------------------------------------------------------- explicit forests (for CP)
+# Context parallelism runs the recurrence on the pieces of the tree one rank owns. Those pieces are
+# a forest that is not a `TreeLayout` (a rank's pieces need not be in DFS preorder: a remote piece
+# between a parent and its child cuts that edge) and whose roots may start from a state computed
+# elsewhere. These two ops take the forest explicitly.
+__all__ += ["gated_delta_rule_forest", "gated_delta_rule_summary"]
+
+
+def _host_i64(x, name: str):
+    import numpy as np
+
+    a = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D; got shape {tuple(a.shape)}")
+    return a.astype(np.int64, copy=False)
+
+
+def _check_forest(n: int, seg_start, seg_len, seg_parent):
+    """Host copies of the forest description, validated. Returns (start, length, parent, level)."""
+    import numpy as np
+
+    from ..tree.layout import _levels
+
+    start, length, parent = (_host_i64(x, nm) for x, nm in
+                             ((seg_start, "seg_start"), (seg_len, "seg_len"), (seg_parent, "seg_parent")))
+    S = start.shape[0]
+    if length.shape != (S,) or parent.shape != (S,):
+        raise ValueError(f"seg_start, seg_len and seg_parent must have one length; got {S}, {length.shape[0]}, "
+                         f"{parent.shape[0]}")
+    if S and ((length < 1).any() or (start < 0).any() or (start + length > n).any()):
+        raise ValueError(f"every segment needs >= 1 row inside the {n} input rows")
+    if S and ((parent >= np.arange(S)) | (parent < -1)).any():
+        raise ValueError("seg_parent[s] must be -1 or an earlier segment (< s)")
+    order = np.argsort(start, kind="stable")
+    if S > 1 and (start[order][1:] < (start + length)[order][:-1]).any():
+        raise ValueError("segments must not overlap")
+    return start, length, parent, _levels(parent)
+
+
+def gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, *, initial_state=None,
+                            initial_index=None, final_segments=None, scale=None, chunk_size: int = 64):
+    """Gated delta rule over an explicitly described forest of row runs (torch, differentiable).
+
+    q, k [n,H,K]; v [n,HV,V]; g, beta [n,HV]  (the op's conventions: ``tree_gated_delta_rule``).
+    seg_start, seg_len, seg_parent [S] (host or device ints): segment ``s`` is the rows
+    ``seg_start[s] : seg_start[s] + seg_len[s]`` in order; segments are disjoint; ``seg_parent[s]``
+    is ``-1`` (a root) or an earlier segment whose final state ``s`` starts from.
+    initial_state [B,HV,K,V] and initial_index [S]: a root ``s`` with ``initial_index[s] >= 0``
+    starts from ``initial_state[initial_index[s]]`` (several roots may share one), every other root
+    from zero; non-roots ignore it. final_segments [F]: segments whose final state is returned.
+
+    Returns ``(o [n,HV,V] in q's dtype, final [F,HV,K,V] or None)``; rows no segment covers get 0;
+    states are float64 for float64 inputs, float32 otherwise. Gradients reach every input,
+    ``initial_state`` included (summed over the roots that share a state).
+    """
+    import numpy as np
+
+    n = int(q.shape[0])
+    H, K, HV, V = _check_shapes(q, k, v, g, beta, (n,))
+    start, length, parent, level = _check_forest(n, seg_start, seg_len, seg_parent)
+    S = start.shape[0]
+    scale = K ** -0.5 if scale is None else float(scale)
+    cdt = _compute_dtype(q.dtype)
+    dev = q.device
+    fin = None if final_segments is None else _host_i64(final_segments, "final_segments")
+    if fin is not None and fin.size and ((fin < 0) | (fin >= S)).any():
+        raise ValueError(f"final_segments must index the {S} segments")
+    idx0 = np.full(S, -1, np.int64) if initial_index is None else _host_i64(initial_index, "initial_index")
+    if idx0.shape != (S,):
+        raise ValueError(f"initial_index must have shape [{S}]; got {tuple(idx0.shape)}")
+    if initial_state is not None:
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, K, V):
+            raise ValueError(f"initial_state must have shape [B,{HV},{K},{V}]; got {tuple(initial_state.shape)}")
+        init = torch.cat([initial_state.to(cdt), initial_state.new_zeros((1, HV, K, V), dtype=cdt)])
+        if (idx0 >= initial_state.shape[0]).any():
+            raise ValueError("initial_index points past initial_state")
+    else:
+        if (idx0 >= 0).any():
+            raise ValueError("initial_index is set but initial_state is None")
+        init = q.new_zeros((1, HV, K, V), dtype=cdt)
+    B = init.shape[0] - 1
+    o = v.new_zeros((n, HV, V), dtype=cdt)
+    if S == 0:
+        final = init.new_zeros((0 if fin is None else fin.size, HV, K, V))
+        return o.to(q.dtype), (None if fin is None else final)
+    # One extra zero row (index n): padded chunk steps read it and leave the state unchanged.
+    ext = [torch.cat([x.to(cdt), x.new_zeros((1,) + tuple(x.shape[1:]), dtype=cdt)]) for x in (q, k, v, g, beta)]
+    want = np.zeros(S, bool)
+    if fin is not None:
+        want[fin] = True
+    pos = np.full(S, -1, np.int64)  # index of a segment among its level's final states
+    prev_final = None
+    rows_out, o_out, fin_segs, fin_states = [], [], [], []
+    for lv in range(int(level.max()) + 1):
+        # A level mixes long pieces and short ones (a CP rank's level 0 holds both its roots and the
+        # children of remote parents): one chunk size for all would pad every short segment to it.
+        # Segments are bucketed by chunk size (a power of two up to chunk_size): padding <= 2x.
+        level_segs = np.flatnonzero(level == lv)
+        bucket = np.minimum(chunk_size, 1 << np.ceil(np.log2(length[level_segs])).astype(np.int64))
+        finals, done = [], 0
+        for C in np.unique(bucket)[::-1]:
+            segs = level_segs[bucket == C]
+            lens = length[segs]
+            C = int(min(C, int(lens.max())))
+            nch = -(-lens // C)
+            order = np.argsort(-nch, kind="stable")  # longest first: running sequences are a prefix
+            segs, lens, nch = segs[order], lens[order], nch[order]
+            if lv == 0:
+                sel = np.where(idx0[segs] >= 0, idx0[segs], B)
+                S0 = init.index_select(0, torch.as_tensor(sel, device=dev))
+            else:
+                S0 = prev_final.index_select(0, torch.as_tensor(pos[parent[segs]], device=dev))
+            steps = [int(x) for x in (nch[None, :] > np.arange(int(nch[0]))[:, None]).sum(1)]
+            st = np.asarray(steps)
+            j_of = np.repeat(np.arange(st.size), st)
+            i_of = np.arange(j_of.size) - (np.cumsum(st) - st)[j_of]
+            t_in = j_of[:, None] * C + np.arange(C)
+            valid = t_in < lens[i_of][:, None]
+            rows = np.where(valid, start[segs][i_of][:, None] + t_in, n)
+            flat = torch.as_tensor(rows.reshape(-1), device=dev)
+            oc, fin_c = _chunk_scan(*(x.index_select(0, flat).unflatten(0, rows.shape) for x in ext), S0, steps,
+                                    scale)
+            keep = torch.as_tensor(np.flatnonzero(valid.reshape(-1)), device=dev)
+            rows_out.append(flat.index_select(0, keep))
+            o_out.append(oc.flatten(0, 1).index_select(0, keep))
+            w = np.flatnonzero(want[segs])
+            if w.size:
+                fin_segs.append(segs[w])
+                fin_states.append(fin_c.index_select(0, torch.as_tensor(w, device=dev)))
+            finals.append(fin_c)
+            pos[segs] = done + np.arange(segs.size)
+            done += segs.size
+        prev_final = finals[0] if len(finals) == 1 else torch.cat(finals)
+    o = o.index_copy(0, torch.cat(rows_out), torch.cat(o_out))
+    if fin is None:
+        return o.to(q.dtype), None
+    if not fin.size:
+        return o.to(q.dtype), init.new_zeros((0, HV, K, V))
+    got = np.concatenate(fin_segs)
+    where = np.empty(S, np.int64)
+    where[got] = np.arange(got.size)
+    final = torch.cat(fin_states).index_select(0, torch.as_tensor(where[fin], device=dev))
+    return o.to(q.dtype), final
+
+
+def gated_delta_rule_summary(k, v, g, beta, seg_start, seg_len, seg_parent, summary_segments, *,
+                             chunk_size: int = 64):
+    """Affine summaries ``S_out[f] = M[f] @ S_in + E[f]`` over an explicit forest (torch, differentiable).
+
+    Inputs as `gated_delta_rule_forest` (no q: summaries have no outputs). ``S_in`` is the unknown
+    state entering the root of ``summary_segments[f]``'s tree; ``S_out[f]`` is that segment's final
+    state. Returns ``M [F,HV,K,K]`` and ``E [F,HV,K,V]`` (float64 for float64 inputs, else float32):
+    ``M`` is how the path transforms any incoming state, ``E`` what it writes from zero. They come
+    from one run: the recurrence acts on each state column alone, so running it from ``[I | 0]``
+    with values ``[0 | v]`` (``K + V`` columns) ends in ``[M | E]``.
+    """
+    n = int(k.shape[0])
+    if k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"k must be [n,H,K] and v [n,HV,V]; got {tuple(k.shape)} and {tuple(v.shape)}")
+    K, HV = int(k.shape[2]), int(v.shape[1])
+    cdt = _compute_dtype(k.dtype)
+    roots = _host_i64(seg_parent, "seg_parent") < 0
+    import numpy as np
+
+    v_aug = torch.cat([v.new_zeros((n, HV, K), dtype=cdt), v.to(cdt)], dim=-1)
+    eye = torch.eye(K, dtype=cdt, device=k.device).expand(1, HV, K, K)
+    S0 = torch.cat([eye, eye.new_zeros((1, HV, K, int(v.shape[2])))], dim=-1)
+    _, final = gated_delta_rule_forest(torch.zeros_like(k, dtype=cdt), k.to(cdt), v_aug, g, beta, seg_start, seg_len,
+                                       seg_parent, initial_state=S0, initial_index=np.where(roots, 0, -1),
+                                       final_segments=summary_segments, chunk_size=chunk_size)
+    return final[..., :K], final[..., K:]

@@ -60,3 +60,51 @@ def flat_copy_weights(layout: TreeLayout, samples) -> torch.Tensor:
     for rows in samples:
         count[rows] += 1
     return count
+
+
+def ownership(kind: str, n: int, cp: int, seed: int = 0, *, chunk: int = 4) -> np.ndarray:
+    """[n] owner rank of every row for CP tests, independent of the planner.
+
+    random      row-level, non-contiguous
+    chunks      random owners of ``chunk``-row runs
+    runs        random owners of runs of random length (unaligned boundaries)
+    cycle       runs of 1-3 rows cycling over the ranks (pieces shorter than a conv window)
+    contiguous  equal contiguous blocks
+    zigzag      2*cp equal blocks, rank r gets blocks r and 2*cp-1-r (Megatron's fold)
+    empty_last  random over every rank but the last, which owns nothing
+    all_on_R    every row on rank R
+    """
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        return rng.integers(0, cp, n)
+    if kind == "chunks":
+        return np.repeat(rng.integers(0, cp, -(-n // chunk)), chunk)[:n]
+    if kind == "runs":
+        cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, max(1, n // 3)), replace=False))
+        runs = np.diff(np.concatenate([[0], cuts, [n]]))
+        return np.repeat(rng.integers(0, cp, runs.size), runs)
+    if kind == "cycle":
+        runs = rng.integers(1, 4, n)
+        return np.repeat(np.arange(runs.size) % cp, runs)[:n]
+    if kind == "contiguous":
+        return (np.arange(n) * cp) // n
+    if kind == "zigzag":
+        block = (np.arange(n) * 2 * cp) // n
+        return np.minimum(block, 2 * cp - 1 - block)
+    if kind == "empty_last":
+        return rng.integers(0, cp - 1, n)
+    if kind.startswith("all_on_"):
+        return np.full(n, int(kind[len("all_on_"):]))
+    raise ValueError(kind)
+
+
+def test_plan(layout: TreeLayout, kind: str, cp: int, seed: int = 0, *, waves: int = 1, chunk: int = 4):
+    """A `CPPlan` with `ownership` ``kind`` over ``layout`` (no planner involved)."""
+    from megatron_tree.cp import CPPlan
+
+    return CPPlan(cp_size=cp, strategy="test", owner=ownership(kind, layout.num_rows, cp, seed, chunk=chunk)
+                  .astype(np.int32), visible_until=layout.visible_until.numpy().astype(np.int64),
+                  position_ids=layout.position_ids.numpy().astype(np.int64), num_waves=waves)
+
+
+test_plan.__test__ = False  # a helper, not a pytest test

@@ -21,10 +21,10 @@ from megatron_tree.tree.layout import TreeLayout
 
 try:
     from tests.dist import run_distributed
-    from tests.forests import random_forest
+    from tests.forests import random_forest, test_plan
 except ImportError:  # run from inside tests/
     from dist import run_distributed
-    from forests import random_forest
+    from forests import random_forest, test_plan
 
 F64 = torch.float64
 
@@ -42,33 +42,9 @@ def _layout(kind: str, seed: int) -> TreeLayout:
     raise ValueError(kind)
 
 
-def _owner(kind: str, n: int, cp: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if kind == "random":  # row-level, non-contiguous
-        return rng.integers(0, cp, n)
-    if kind == "chunks":  # random owners of runs of random length (unaligned boundaries)
-        cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, max(1, n // 3)), replace=False))
-        runs = np.diff(np.concatenate([[0], cuts, [n]]))
-        return np.repeat(rng.integers(0, cp, runs.size), runs)
-    if kind == "cycle":  # runs of 1-3 rows cycling over the ranks: pieces shorter than the conv
-        runs = rng.integers(1, 4, n)
-        return np.repeat(np.arange(runs.size) % cp, runs)[:n]
-    if kind == "contiguous":
-        return (np.arange(n) * cp) // n
-    if kind == "zigzag":
-        chunk = (np.arange(n) * 2 * cp) // n
-        return np.minimum(chunk, 2 * cp - 1 - chunk)
-    if kind == "empty_last":
-        return rng.integers(0, cp - 1, n)
-    if kind.startswith("all_on_"):
-        return np.full(n, int(kind[len("all_on_"):]))
-    raise ValueError(kind)
-
-
 def _plan(layout: TreeLayout, kind: str, cp: int, seed: int = 0) -> CPPlan:
-    return CPPlan(cp_size=cp, strategy="test", owner=_owner(kind, layout.num_rows, cp, seed).astype(np.int32),
-                  visible_until=layout.visible_until.numpy().astype(np.int64),
-                  position_ids=layout.position_ids.numpy().astype(np.int64))
+    # this file's "chunks" are runs of random length (unaligned piece boundaries)
+    return test_plan(layout, "runs" if kind == "chunks" else kind, cp, seed)
 
 
 def _inputs(n, H, HV, K, V, W, seed, bias=True):

@@ -19,35 +19,15 @@ from megatron_tree.cp import CPPlan, mamba_exchange_figures, mamba_head_shards, 
 
 try:
     from tests.dist import run_distributed
-    from tests.forests import random_forest
+    from tests.forests import random_forest, test_plan
 except ImportError:  # run from inside tests/
     from dist import run_distributed
-    from forests import random_forest
+    from forests import random_forest, test_plan
 
 
 # ------------------------------------------------------------------------------ plans and data
-def _owner(kind: str, n: int, cp: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if kind == "random":  # row-level, non-contiguous
-        return rng.integers(0, cp, n)
-    if kind == "chunks":  # random owners of 3-row chunks
-        return np.repeat(rng.integers(0, cp, -(-n // 3)), 3)[:n]
-    if kind == "contiguous":
-        return (np.arange(n) * cp) // n
-    if kind == "zigzag":
-        chunk = (np.arange(n) * 2 * cp) // n
-        return np.minimum(chunk, 2 * cp - 1 - chunk)
-    if kind == "empty_last":  # the last rank owns nothing (it still computes its heads)
-        return rng.integers(0, cp - 1, n)
-    if kind.startswith("all_on_"):
-        return np.full(n, int(kind[len("all_on_"):]))
-    raise ValueError(kind)
-
-
 def _plan(layout, kind: str, cp: int, seed: int = 0) -> CPPlan:
-    return CPPlan(cp_size=cp, strategy="test", owner=_owner(kind, layout.num_rows, cp, seed).astype(np.int32),
-                  visible_until=layout.visible_until.numpy().astype(np.int64),
-                  position_ids=layout.position_ids.numpy().astype(np.int64))
+    return test_plan(layout, kind, cp, seed, chunk=3)
 
 
 def _forest(seed: int):

@@ -8,7 +8,9 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",  # CPU machines: pip install torch==2.13.0 (local CPU build)
-        "megatron-core==0.16.1",
+        # tested: 0.16.1 (requirements-cpu.txt, Python >= 3.10) and 0.19.2 (requirements-latest.txt,
+        # Python >= 3.12); version differences live in megatron_tree/compat/
+        "megatron-core>=0.16.1,<0.20",
         "numpy>=1.24",
         "psutil",  # megatron-core dist_checkpointing
         "einops",  # megatron-core Mamba mixer

@@ -1,7 +1,10 @@
-"""Tree-packed GPT training with Megatron-LM's ``pretrain()`` (Megatron-LM tag core_v0.16.1).
+"""Tree-packed GPT training with Megatron-LM's ``pretrain()`` (Megatron-LM tag core_v0.16.1, or the
+``megatron.training`` inside the megatron-core 0.19.x wheel).
 
-Run from a Megatron-LM checkout (``megatron.training`` is not in the megatron-core wheel), with
-megatron-tree installed or on PYTHONPATH. One node, 8 GPUs, TP 2, PP 2, DP 2:
+With 0.16.1 run from a Megatron-LM checkout (``megatron.training`` is not in that wheel), with
+megatron-tree installed or on PYTHONPATH; with 0.19.x no checkout is needed. ``megatron-tree launch
+[--nproc N] examples/pretrain_tree_gpt.py ...`` runs it on GPUs (torchrun) or on a CPU (see
+examples/README.md). One node, 8 GPUs, TP 2, PP 2, DP 2:
 
     cd /path/to/Megatron-LM && PYTHONPATH=$PWD:/path/to/megatron-tree:$PYTHONPATH \\
     torchrun --nproc-per-node 8 /path/to/megatron-tree/examples/pretrain_tree_gpt.py \\
@@ -20,10 +23,18 @@ megatron-tree installed or on PYTHONPATH. One node, 8 GPUs, TP 2, PP 2, DP 2:
 ``--global-batch-size`` counts *microbatches* (times DP): each rank runs global-batch-size / DP
 tree microbatches per step, holding ``--tree-global-batch-samples`` samples over all ranks.
 Multi-node: examples/slurm/train_tree_gpt.sbatch.
+
+Qwen3-Next family (Gated DeltaNet layers in Megatron's experimental-attention slots, trained as
+`TreeGatedDeltaNet`; checkpoints of the stock model load unchanged): add Megatron-LM's own flags
+``--experimental-attention-variant gated_delta_net --linear-attention-freq 4 --linear-conv-kernel-dim 4
+--linear-key-head-dim 128 --linear-value-head-dim 128 --linear-num-key-heads 16 --linear-num-value-heads 32
+--attention-output-gate --qk-layernorm`` (MoE: ``--moe-shared-expert-intermediate-size N --moe-shared-expert-gate``).
 """
 from megatron.core.enums import ModelType
-from megatron.training import pretrain
 
+# Megatron-LM's pretrain() in its core_v0.16.1 calling form, on a core_v0.16.1 checkout or on a
+# megatron-core 0.19.x wheel (whose pretrain takes a config container): see megatron_tree.compat.lm_api
+from megatron_tree.compat.lm_api import pretrain
 from megatron_tree.training.arguments import add_tree_args
 from megatron_tree.training.megatron_lm import forward_step, model_provider, train_valid_test_datasets_provider
 

@@ -1,9 +1,12 @@
 """Tree-packed hybrid (Mamba-2 / Gated DeltaNet / attention / MLP / MoE) training with Megatron-LM's
-``pretrain()`` (Megatron-LM tag core_v0.16.1).
+``pretrain()`` (Megatron-LM tag core_v0.16.1, or the ``megatron.training`` inside the megatron-core
+0.19.x wheel).
 
 The stack is one layer per letter of ``--tree-hybrid-pattern`` (M Mamba-2, G Gated DeltaNet,
-* attention, - MLP, E MoE); ``--num-layers`` must equal the number of letters. Run from a
-Megatron-LM checkout with megatron-tree on PYTHONPATH. One node, 8 GPUs, TP 2, EP 2, DP 4:
+* attention, - MLP, E MoE); ``--num-layers`` must equal the number of letters. With 0.16.1 run from
+a Megatron-LM checkout with megatron-tree on PYTHONPATH; with 0.19.x no checkout is needed.
+``megatron-tree launch [--nproc N] examples/pretrain_tree_hybrid.py ...`` runs it on GPUs
+(torchrun) or on a CPU (see examples/README.md). One node, 8 GPUs, TP 2, EP 2, DP 4:
 
     cd /path/to/Megatron-LM && PYTHONPATH=$PWD:/path/to/megatron-tree:$PYTHONPATH \\
     torchrun --nproc-per-node 8 /path/to/megatron-tree/examples/pretrain_tree_hybrid.py \\
@@ -25,8 +28,10 @@ Megatron-LM checkout with megatron-tree on PYTHONPATH. One node, 8 GPUs, TP 2, E
 Multi-node: examples/slurm/train_tree_hybrid.sbatch.
 """
 from megatron.core.enums import ModelType
-from megatron.training import pretrain
 
+# Megatron-LM's pretrain() in its core_v0.16.1 calling form, on a core_v0.16.1 checkout or on a
+# megatron-core 0.19.x wheel (whose pretrain takes a config container): see megatron_tree.compat.lm_api
+from megatron_tree.compat.lm_api import pretrain
 from megatron_tree.training.arguments import add_tree_args
 from megatron_tree.training.megatron_lm import forward_step, model_provider, train_valid_test_datasets_provider
 

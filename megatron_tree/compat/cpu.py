@@ -592,6 +592,14 @@ def _apply_core() -> None:
         _set(moe_utils, "te_general_gemm", None,
              "Megatron 0.16.1 reads te_general_gemm in the router GEMM but defines it only when TE imports")
 
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not te_ext.HAVE_TE and getattr(mla, "HAVE_TE", False):
+        # Without TE, Megatron's TE wrappers are MagicMocks and MultiLatentAttention.__init__ raises in
+        # isinstance(linear_proj, TELinear); with the flag down it skips its TE-only (fp8) branches
+        _set(mla, "HAVE_TE", False, "transformer-engine is not installed: MLA's TE-only branches are skipped")
+
     norm_cls = torch_norm.WrappedTorchNorm
     _set(norm_cls, "__new__", _make_norm_new(norm_cls.__new__),
          "accept sequence_parallel; mark params sequence_parallel=True so grads are all-reduced over TP")

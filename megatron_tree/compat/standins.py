@@ -4,7 +4,9 @@
 ``l2norm``); ``megatron.core.ssm.mamba_mixer.MambaMixer`` needs mamba-ssm
 (``mamba_chunk_scan_combined``, ``mamba_split_conv1d_scan_combined``, the gated ``RMSNorm``),
 einops, and imports Triton inference kernels at module import time. None of these import on a
-CPU-only host, so the stock layers refuse to construct.
+CPU-only host, so the stock layers refuse to construct. ``megatron.core.ssm.mamba_block.MambaStack``
+builds its final norm with transformer-engine's ``TENorm`` whatever its spec says; without TE that
+name is pointed at Megatron's torch norm (same parameter names).
 
 :func:`install` (called by ``megatron_tree.compat.cpu.enable(kernels=True)``) sets module
 attributes of those two Megatron modules to the adapters below, which call this project's torch
@@ -203,6 +205,23 @@ def _causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     return y.transpose(1, 2)
 
 
+def fla_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None, **unused):
+    """FLA ``fla.modules.convolution.causal_conv1d`` contract (called by megatron-core 0.19.x's
+    ``GatedDeltaNet.forward``): x [b, L, C], weight [C, W] -> ``(y [b, L, C], final_state)``.
+    With ``cu_seqlens`` (b = 1) the conv restarts at every packed sequence. Initial and final conv
+    states (inference) are not provided by the stand-in."""
+    if initial_state is not None or output_final_state:
+        raise RuntimeError("conv initial/final states (inference) are not provided by the CPU stand-in")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    if cu_seqlens is None:
+        return _causal_depthwise_conv(x, weight, bias, activation), None
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    ys = [_causal_depthwise_conv(x[:, lo:hi], weight, bias, activation) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(ys, dim=1), None
+
+
 def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
                                      initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
                                      return_final_states=False, activation="silu", rmsnorm_weight=None,
@@ -339,12 +358,25 @@ def install(set_attr: Callable) -> None:
     ``set_attr(target, name, value, why)`` records each change (``megatron_tree.compat.cpu``).
     Real kernels are left alone where they imported.
     """
-    gdn = importlib.import_module("megatron.core.ssm.gated_delta_net")
-    if not gdn.HAVE_FLA:
+    from megatron_tree.compat.mixers import gdn_modules  # noqa: PLC0415
+
+    # 0.16.1: one module; 0.19.x: the package and the submodules that bind the FLA names.
+    modules = gdn_modules()
+    if modules[0].HAVE_FLA:  # FLA imported: the real kernels stay
+        modules = []
+    for gdn in modules:
+        # 0.16.1's single module reads names it never bound without FLA: set them all there.
+        names = vars(gdn) if hasattr(gdn, "__path__") or len(modules) > 1 else None
         why = "FLA stand-in calling megatron_tree.ops.gated_delta_rule.chunk_gated_delta_rule_torch"
-        set_attr(gdn, "chunk_gated_delta_rule", chunk_gated_delta_rule, why)
-        set_attr(gdn, "l2norm", l2norm, "FLA l2norm stand-in")
-        set_attr(gdn, "HAVE_FLA", True, "FLA stand-ins installed")
+        if names is None or "chunk_gated_delta_rule" in names:
+            set_attr(gdn, "chunk_gated_delta_rule", chunk_gated_delta_rule, why)
+        if names is None or "l2norm" in names:
+            set_attr(gdn, "l2norm", l2norm, "FLA l2norm stand-in")
+        if names is not None and "causal_conv1d" in names and names["causal_conv1d"] is None:
+            # 0.19.x: FLA's conv is called in the forward (0.16.1 falls back to nn.Conv1d itself)
+            set_attr(gdn, "causal_conv1d", fla_causal_conv1d, "FLA causal_conv1d stand-in (depthwise F.conv1d)")
+        if names is None or "HAVE_FLA" in names:
+            set_attr(gdn, "HAVE_FLA", True, "FLA stand-ins installed")
 
     mixer = importlib.import_module("megatron.core.ssm.mamba_mixer")
     if not mixer.HAVE_MAMBA_SSM:
@@ -355,6 +387,23 @@ def install(set_attr: Callable) -> None:
         # Without mamba-ssm the stock ExtendedRMSNorm is a MagicMock (it subclassed one at import).
         set_attr(mixer, "ExtendedRMSNorm", ExtendedRMSNorm, "gated RMSNorm stand-in with a sharded state dict")
         set_attr(mixer, "HAVE_MAMBA_SSM", True, "mamba-ssm stand-ins installed")
+    # MambaStack builds its final norm with TENorm whatever the spec says; TENorm raises without TE.
+    # Megatron's torch norm has the same parameter names (weight [, bias]) and reads the same
+    # config.normalization, so a MambaModel checkpoint is unchanged by the swap.
+    te_ext = importlib.import_module("megatron.core.extensions.transformer_engine")
+    if not te_ext.HAVE_TE:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: PLC0415
+
+        # 0.16.1: ssm/mamba_block.py defines MambaStack; 0.19.x: it re-exports models/hybrid/hybrid_block.py,
+        # where HybridStack reads TENorm: patch the name where the stack class is defined.
+        for name in ("megatron.core.ssm.mamba_block", "megatron.core.models.hybrid.hybrid_block"):
+            try:
+                block = importlib.import_module(name)
+            except ImportError:
+                continue
+            if "TENorm" in vars(block):
+                set_attr(block, "TENorm", WrappedTorchNorm, "transformer-engine is not installed: the Mamba/hybrid "
+                         "stack's final norm is Megatron's torch norm (same parameter names)")
     mixer_cp = importlib.import_module("megatron.core.ssm.mamba_context_parallel")
     for module in (mixer, mixer_cp):
         if not module.HAVE_EINOPS:

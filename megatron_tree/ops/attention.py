@@ -345,8 +345,11 @@ def tree_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     if name == "flex":
         from .flex_attention import flex_tree_attention_partial
 
+        # compiled on CUDA; on CPU tensors (the kernel tier's switch only) flex's eager path, the one
+        # that returns the LSE there (compiled CPU flex has neither LSE nor a backward)
         o, lse = flex_tree_attention_partial(q, k, v, q_rows, k_rows, k_visible_until, q_positions=q_positions,
-                                             k_positions=k_positions, softmax_scale=scale, window=window)
+                                             k_positions=k_positions, softmax_scale=scale, window=window,
+                                             compiled=q.is_cuda)
     else:
         o, lse = _torch_partial(q, k, v, q_rows, k_rows, k_visible_until, q_positions, k_positions, scale, window,
                                 int(block_size or DEFAULT_BLOCK_SIZE),

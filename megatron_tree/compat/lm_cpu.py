@@ -1,0 +1,245 @@
+"""Megatron-LM's ``megatron.training`` (``pretrain()``) on a CPU-only host with gloo.
+
+Serves the ``megatron.training`` of Megatron-LM tag core_v0.16.1 (a checkout) and of the
+megatron-core 0.19.x wheels. It sits on top of :mod:`megatron_tree.compat.cpu` (Megatron-Core on
+CPU, with the kernel stand-ins), which :func:`enable` applies first. What ``megatron.training``
+adds on a host without CUDA, and what each shim does about it:
+
+* ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda=True``,
+  which ``pretrain`` never passes: the wrapper passes it.
+* ``_initialize_distributed`` and ``_set_random_seed`` skip model-parallel initialisation and the
+  model-parallel RNG seeding when ``torch.cuda.device_count() == 0``: the ``initialize`` module
+  sees one "device" (its ``set_device`` does nothing), and the default process group is created
+  with gloo before Megatron-LM's own call (which then takes its "already initialized" branch).
+* ``get_model`` moves every model chunk with ``module.cuda(torch.cuda.current_device())``: inside
+  it ``Tensor.cuda()`` keeps tensors where they are.
+* Every other ``megatron.training`` module that places tensors with ``device='cuda'`` or calls
+  ``torch.cuda.*`` (timers, loss reduction, memory reports, RNG state in checkpoints) gets a
+  private CPU view of ``torch`` (the one of ``compat.cpu``, plus zero memory statistics), never
+  the global ``torch``.
+* ``validate_args`` reads the GPU architecture (``get_device_properties``: architecture 0 here)
+  and then, with TP or CP > 1, asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (meaningless on a CPU);
+  the launcher sets it (:data:`CPU_ENV`).
+* Fused-kernel builds and TE: the launcher adds the non-TE CPU flags of :data:`CPU_FLAGS`
+  (``--transformer-impl local``, the ``--no-*-fusion`` switches, ``--use-cpu-initialization``,
+  ``--distributed-backend gloo``) unless the command line already sets them.
+
+Nothing happens on import; :func:`enable` is explicit, idempotent, returns False on a CUDA host
+(the real code runs there) and records every change in ``megatron_tree.compat.cpu.applied()``.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib
+import os
+import re
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megatron_tree.compat import cpu as _cpu
+
+__all__ = ["CPU_FLAGS", "CPU_ENV", "add_cpu_flags", "enable", "is_enabled"]
+
+#: Megatron-LM flags a CPU run needs, as (flag, value or None, flags that count as "already set").
+#: No transformer-engine, no CUDA-fused kernels, weights built on the CPU, gloo collectives.
+CPU_FLAGS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
+    ("--transformer-impl", "local", ()),
+    ("--no-rope-fusion", None, ("--rope-fusion",)),
+    ("--no-gradient-accumulation-fusion", None, ("--gradient-accumulation-fusion",)),
+    ("--no-masked-softmax-fusion", None, ("--masked-softmax-fusion",)),
+    ("--no-bias-swiglu-fusion", None, ("--bias-swiglu-fusion",)),
+    ("--no-bias-dropout-fusion", None, ("--bias-dropout-fusion",)),
+    ("--no-persist-layer-norm", None, ("--persist-layer-norm",)),
+    ("--use-cpu-initialization", None, ()),
+    ("--distributed-backend", "gloo", ()),
+)
+
+#: Environment a CPU run needs (set unless already set): Megatron-LM asserts it with TP/CP > 1.
+CPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+_ENABLED = False
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def add_cpu_flags(argv: Sequence[str]) -> list[str]:
+    """``argv`` plus every flag of :data:`CPU_FLAGS` it does not set itself (nor its opposite)."""
+    out = list(argv)
+    for flag, value, opposites in CPU_FLAGS:
+        if _given(argv, flag) or any(_given(argv, o) for o in opposites):
+            continue
+        out += [flag] if value is None else [flag, str(value)]
+    return out
+
+
+def is_enabled() -> bool:
+    """True while the layer is applied (``compat.cpu.disable()`` undoes it with the rest)."""
+    return _ENABLED and _cpu.is_enabled()
+
+
+# ----------------------------------------------------------------------------------------------
+# torch as seen by megatron.training modules
+# ----------------------------------------------------------------------------------------------
+class _TrainingCpuCuda(_cpu._CpuCuda):
+    """``compat.cpu``'s CPU ``torch.cuda`` plus what ``megatron.training`` reads: one "device"
+    (so model-parallel groups and RNG streams get initialised), a no-op ``set_device`` and zero
+    memory statistics. ``is_available()`` stays False, so code that asks takes its CPU branch."""
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return 0
+
+    max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict:
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        return None
+
+    reset_max_memory_allocated = reset_peak_memory_stats
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> "_CpuDeviceProperties":
+        return _CpuDeviceProperties()
+
+
+class _CpuDeviceProperties:
+    """What ``get_device_arch_version()`` & co. read: architecture 0 (no Blackwell-only paths)."""
+
+    name = "cpu"
+    major = 0
+    minor = 0
+    multi_processor_count = 1
+    total_memory = 0
+
+
+class _TrainingCpuTorch(_cpu._CpuTorch):
+    cuda = _TrainingCpuCuda()
+
+    def __repr__(self) -> str:
+        return "<torch (CPU view for megatron.training, megatron_tree.compat.lm_cpu)>"
+
+
+_TRAINING_TORCH = _TrainingCpuTorch()
+_CALL_SITE = re.compile(r"torch\.cuda\.|device\s*=\s*['\"]cuda|\.cuda\(")
+
+
+def _patch_training_module(module: Any) -> bool:
+    namespace = vars(module)
+    if namespace.get("torch") is _TRAINING_TORCH:
+        return True
+    if namespace.get("torch") is not torch:
+        return False
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            if not _CALL_SITE.search(f.read()):
+                return False
+    except OSError:
+        return False
+    _cpu._set(module, "torch", _TRAINING_TORCH,
+              "megatron.training: module-level torch -> CPU view (device='cuda' -> CPU, one device, no-op "
+              "synchronize/set_device, zero memory statistics)")
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+# ----------------------------------------------------------------------------------------------
+def _allow_no_cuda(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return fn(*args, **kwargs)
+
+    initialize_megatron.__doc__ = ("initialize_megatron with allow_no_cuda=True (megatron_tree.compat.lm_cpu; "
+                                   "pretrain() never passes it)")
+    return initialize_megatron
+
+
+def _gloo_first(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def _initialize_distributed(*args, **kwargs):
+        """Create the default process group with gloo (from torchrun's environment), then run
+        Megatron-LM's own initialisation, which finds it initialised."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            from megatron.training import get_args
+
+            margs = get_args()
+            minutes = getattr(margs, "distributed_timeout_minutes", None) or 10
+            dist.init_process_group("gloo", rank=int(os.environ.get("RANK", "0")),
+                                    world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                                    timeout=datetime.timedelta(minutes=minutes))
+        return fn(*args, **kwargs)
+
+    return _initialize_distributed
+
+
+def _replace_everywhere(name: str, original: Any, replacement: Any, why: str) -> None:
+    """Point every loaded megatron.training module that binds ``name`` to ``original`` at ``replacement``."""
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == "megatron.training" or mod_name.startswith("megatron.training.")):
+            continue
+        if vars(module).get(name) is original:
+            _cpu._set(module, name, replacement, why)
+
+
+# ----------------------------------------------------------------------------------------------
+# enable
+# ----------------------------------------------------------------------------------------------
+def enable() -> bool:
+    """Apply the CPU layer for ``megatron.training`` (and ``compat.cpu.enable(kernels=True)``).
+
+    Call it before ``pretrain()``. Returns False on a CUDA host (nothing changes), True otherwise.
+    Raises ImportError when ``megatron.training`` does not import (message from
+    ``compat.lm_api.MISSING_MEGATRON_TRAINING``)."""
+    global _ENABLED
+    if torch.cuda.is_available():
+        return False
+    if _ENABLED and _cpu.is_enabled():
+        return True
+    _cpu.enable(kernels=True)
+    try:
+        training = importlib.import_module("megatron.training")
+        importlib.import_module("megatron.training.training")
+        init = importlib.import_module("megatron.training.initialize")
+    except ImportError as exc:
+        from megatron_tree.compat.lm_api import MISSING_MEGATRON_TRAINING
+
+        raise ImportError(f"{MISSING_MEGATRON_TRAINING} ({exc})") from exc
+    for mod_name, module in list(sys.modules.items()):
+        if module is not None and (mod_name == "megatron.training" or mod_name.startswith("megatron.training.")):
+            _patch_training_module(module)
+    _cpu._patch_loaded_megatron_modules()  # megatron.core modules megatron.training imported
+
+    original_init = init.initialize_megatron
+    _replace_everywhere("initialize_megatron", original_init, _allow_no_cuda(original_init),
+                        "initialize_megatron(allow_no_cuda=True): Megatron-LM asserts CUDA otherwise")
+    _cpu._set(init, "_initialize_distributed", _gloo_first(init._initialize_distributed),
+              "the default process group is created with gloo before Megatron-LM's initialisation")
+    tr = importlib.import_module("megatron.training.training")
+    original_get_model = tr.get_model
+    _replace_everywhere("get_model", original_get_model, _cpu._cuda_method_is_identity(original_get_model),
+                        "get_model: module.cuda() keeps the model on the CPU")
+    _ENABLED = training is not None
+    return True

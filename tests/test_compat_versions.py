@@ -1,0 +1,92 @@
+"""Version shims (`megatron_tree.compat.mixers`): what differs between megatron-core 0.16.1 and 0.19.x
+and broke us on the latest release. Runs on both tiers; each test holds on either version."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from megatron_tree.compat import cpu as compat_cpu
+from megatron_tree.compat.mixers import checkpoint_param_name, gdn_modules, stock_kwargs
+
+from dist import init_megatron  # noqa: F401  (tests/dist.py)
+
+
+def test_stock_kwargs_forwards_name_only_where_the_stock_constructor_takes_it():
+    def old(config, submodules, layer_number=None, pg_collection=None):  # 0.16.1-like
+        pass
+
+    def new(config, submodules, layer_number=None, pg_collection=None, *, name=None, cp_comm_type=None):  # 0.19
+        pass
+
+    assert stock_kwargs(old, name="decoder.layers.0.mixer") == {}
+    assert stock_kwargs(new, name="decoder.layers.0.mixer") == {"name": "decoder.layers.0.mixer"}
+    assert stock_kwargs(old, name=None, other=None) == {}
+    with pytest.raises(TypeError, match="unexpected keyword argument 'other'"):
+        stock_kwargs(old, other=3)
+
+
+def test_checkpoint_param_names_are_version_independent():
+    assert checkpoint_param_name("decoder.layers.0.mixer.conv1d_weight") == "decoder.layers.0.mixer.conv1d.weight"
+    assert checkpoint_param_name("conv1d_bias") == "conv1d.bias"
+    assert checkpoint_param_name("conv1d.weight") == "conv1d.weight"
+    assert checkpoint_param_name("in_proj.weight") == "in_proj.weight"
+
+
+def test_tree_modules_accept_the_name_keyword():
+    """0.19 spec builders pass name= to every mixer (the hybrid stacks failed to build on 0.19.2:
+    "TreeGatedDeltaNet.__init__() got an unexpected keyword argument 'name'")."""
+    from megatron_tree.megatron.attention import TreeDotProductAttention
+    from megatron_tree.megatron.gdn import TreeGatedDeltaNet
+
+    for cls in (TreeGatedDeltaNet, TreeDotProductAttention):
+        assert "name" in inspect.signature(cls.__init__).parameters, cls
+
+
+def _build_named_mixers():
+    """On one rank: a tree GDN / Mamba / attention module built with name=, as 0.19 builders do."""
+    from megatron_tree.megatron.attention import TreeDotProductAttention
+    from megatron_tree.megatron.gdn import tree_gdn_module_spec
+    from megatron_tree.megatron.mamba import tree_mamba_module_spec
+    from megatron_tree.training.models import ModelArgs, make_config
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron.core.transformer.spec_utils import build_module
+
+    init_megatron(tp=1, kernels=True)
+    cfg = make_config(ModelArgs(kind="hybrid", pattern="MG*-", hidden_size=32), dtype=torch.float32)
+    out = {}
+    # build_module with name= is exactly what 0.19's spec builders do
+    out["gdn"] = type(build_module(tree_gdn_module_spec(), config=cfg, layer_number=1,
+                                   name="decoder.layers.0.self_attention"))
+    out["mamba"] = type(build_module(tree_mamba_module_spec(), config=cfg, layer_number=1,
+                                     name="decoder.layers.1.mixer"))
+    out["attention"] = type(TreeDotProductAttention(cfg, 1, AttnMaskType.causal, "self",
+                                                    name="decoder.layers.2.self_attention.core_attention"))
+    # the FLA flag is restored wherever the stock constructor reads it
+    out["fla_flags"] = sorted({bool(m.HAVE_FLA) for m in gdn_modules() if "HAVE_FLA" in vars(m)})
+    return {k: (v.__name__ if isinstance(v, type) else v) for k, v in out.items()}
+
+
+def test_tree_mixers_build_with_name(megatron_tp1_named):
+    assert megatron_tp1_named["gdn"] == "TreeGatedDeltaNet"
+    assert megatron_tp1_named["mamba"] == "TreeMambaMixer"
+    assert megatron_tp1_named["attention"] == "TreeDotProductAttention"
+    assert megatron_tp1_named["fla_flags"] == [True]  # stand-ins installed everywhere the flag is read
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1_named():
+    from megatron_tree.training.launch import run_distributed
+
+    return run_distributed(_build_named_mixers, 1, timeout=240)[0]
+
+
+def test_gdn_modules_cover_where_the_fla_names_are_read():
+    mods = gdn_modules()
+    assert mods[0].__name__ == "megatron.core.ssm.gated_delta_net"
+    if hasattr(mods[0], "__path__"):  # 0.19.x: the package and the submodules that read the names
+        names = {m.__name__ for m in mods}
+        assert "megatron.core.ssm.gated_delta_net.common" in names
+    assert compat_cpu is not None

@@ -35,8 +35,10 @@ def te_available() -> bool:
 
 
 def treeify_spec(spec):
-    """Copy of a layer / block spec with every ``core_attention`` replaced by `TreeDotProductAttention`
-    and every stock GDN mixer by `TreeGatedDeltaNet`. Anything else is left as it is."""
+    """Copy of a layer / block spec with every ``core_attention`` replaced by `TreeDotProductAttention`,
+    every stock GDN mixer by `TreeGatedDeltaNet` and every stock ``MambaMixer`` by `TreeMambaMixer`
+    (subclasses: same parameters), and every ``MLASelfAttention`` by `TreeMLASelfAttention` (rotary
+    by depth; its core attention is tree attention too). Anything else is left as it is."""
     spec = copy.copy(spec)
     if isinstance(spec, TransformerBlockSubmodules):
         spec.layer_specs = [treeify_spec(s) for s in spec.layer_specs]
@@ -46,10 +48,18 @@ def treeify_spec(spec):
             from .gdn import TreeGatedDeltaNet
 
             spec.module = TreeGatedDeltaNet
+        elif getattr(spec.module, "__name__", "") == "MambaMixer":
+            from .mamba import TreeMambaMixer  # the stock mixer's module is imported already
+
+            spec.module = TreeMambaMixer
+        elif getattr(spec.module, "__name__", "") == "MLASelfAttention":
+            from .mla import TreeMLASelfAttention  # MLA: rotary by depth (Megatron computes it inside)
+
+            spec.module = TreeMLASelfAttention
         if spec.submodules is not None and dataclasses.is_dataclass(spec.submodules):
             spec.submodules = treeify_spec(spec.submodules)
         return spec
-    if isinstance(spec, SelfAttentionSubmodules):
+    if isinstance(spec, SelfAttentionSubmodules) or type(spec).__name__ == "MLASelfAttentionSubmodules":
         spec.core_attention = TreeDotProductAttention
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for f in dataclasses.fields(spec):

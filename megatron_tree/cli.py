@@ -97,6 +97,16 @@ def cmd_verify(args) -> int:
     return 0 if out["passed"] else 1
 
 
+def cmd_launch(args) -> int:
+    from .training.launch_lm import launch
+
+    try:
+        return launch(args.script, args.script_args, nproc=args.nproc, dry_run=args.dry_run)
+    except RuntimeError as e:  # megatron.training is not importable: what to install
+        print(f"megatron-tree: error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .data.synthetic import PRESETS
     from .training.verify import FAULTS
@@ -115,8 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--plot", default=None, help="write a PNG of the largest microbatch's tree")
     st.set_defaults(func=cmd_stats)
     vf = sub.add_parser("verify", help="tree-packed vs per-sample training of a tiny model: logits, loss, grads, step")
-    vf.add_argument("--model", choices=["gpt", "hybrid"], default="gpt")
-    vf.add_argument("--pattern", default=None, help="hybrid layer pattern (M Mamba-2, G GDN, * attention, - MLP, E MoE)")
+    vf.add_argument("--model", choices=["gpt", "hybrid", "mla", "mamba", "qwen3next"], default="gpt",
+                    help="mla: GPT with Multi-Latent Attention (MLATransformerConfig, YaRN, q/kv latents); mamba: "
+                         "Megatron's MambaModel (Nemotron-H, --pattern letters M * - E, default M*-E); qwen3next: "
+                         "GPTModel with Megatron's gated_delta_net attention variant (GDN, attention every 2nd layer)")
+    vf.add_argument("--pattern", default=None, help="hybrid layer pattern (M Mamba-2, G GDN, * attention, - MLP, E MoE); "
+                                                    "with --model mamba, MambaModel's hybrid_override_pattern")
     vf.add_argument("--tp", type=int, default=1)
     vf.add_argument("--pp", type=int, default=1)
     vf.add_argument("--dp", type=int, default=1)
@@ -137,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--tolerance", type=float, default=None, help="max relative error (default by dtype)")
     vf.add_argument("--inject-fault", default=None, choices=FAULTS,
                     help="inject a known bug into the tree side (verify must then fail; nan: a NaN in one "
-                         "parameter's gradient and one logit)")
+                         "parameter's gradient and one logit; mla_rope_physical, with --model mla: MLA's rotary "
+                         "indexed by physical row instead of tree depth)")
     vf.set_defaults(func=cmd_verify)
     dm = sub.add_parser("demo", help="the CPU demo (README's first command): sharing report, then tree vs flat "
                                      "training of a tiny hybrid model on 2 CPU ranks")
@@ -155,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
                                       "local ranks)")
     add_train_args(tr)
     tr.set_defaults(func=cmd_train)
+    from .training.plan import add_plan_args, run_plan
+
+    pl = sub.add_parser("plan", help="dry-run context-parallel capacity planning: rows, predicted ms and "
+                                     "imbalance per rank, KV moved, for each CP size and strategy")
+    add_plan_args(pl)
+    pl.set_defaults(func=run_plan)
+    la = sub.add_parser("launch", help="run a Megatron-LM entry point (pretrain_*.py) on N local processes: "
+                                       "torchrun with CUDA; without CUDA with the CPU layer for megatron.training "
+                                       "and the non-TE CPU flags")
+    la.add_argument("--nproc", type=int, default=1, help="processes (ranks) on this machine (default 1)")
+    la.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    la.add_argument("script", help="the entry point, e.g. examples/pretrain_tree_gpt.py")
+    la.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed through")
+    la.set_defaults(func=cmd_launch)
     return p
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_tree.compat import standins
+from megatron_tree.compat.mixers import mamba_conv_params
 from tests.dist import DistributedError, init_megatron, run_distributed
 
 SEQ, MBS, NMB, VOCAB, HIDDEN, HEADS, LAYERS = 16, 2, 2, 64, 32, 4, 2
@@ -500,7 +501,8 @@ def _mamba_oracle(m, x):
     z, xbc, dt = proj.split([d, d + 2 * G * S, H], dim=-1)
     outs = []
     for i in range(b):
-        c = F.silu(causal_conv(xbc[:, i], m.conv1d.weight[:, 0], m.conv1d.bias))
+        conv_w, conv_b = mamba_conv_params(m)  # nn.Conv1d (0.16.1) or direct parameters (0.19.x)
+        c = F.silu(causal_conv(xbc[:, i], conv_w[:, 0], conv_b))
         xx, B, C = c.split([d, G * S, G * S], dim=-1)
         dt_bias = m.dt_bias.float().to(x.dtype)  # the module hands the kernel dt_bias in fp32
         y, _ = ssd_recurrence(xx.reshape(s, H, P), F.softplus(dt[:, i] + dt_bias), -m.A_log.exp(),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_tree.compat import cpu as compat_cpu
+from megatron_tree.compat.mixers import checkpoint_param_name, gdn_modules
 from megatron_tree.megatron.gdn import TreeGatedDeltaNet, tree_gdn_module_spec
 from megatron_tree.megatron.packed_seq import TreePackedSeqParams
 from megatron_tree.tree import TreeLayout, pack
@@ -261,8 +262,11 @@ def _stock_vs_tree(stock, tree, L, seed):
     """Stock module on a [L, 2, h] batch vs the tree module on a forest of two root chains."""
     tree.load_state_dict(stock.state_dict())
     # Checkpoints are Megatron's own: same sharded keys (TP-agnostic q/k/v/z/... splits included).
-    keys = set(tree.sharded_state_dict())
-    assert keys == set(stock.sharded_state_dict()) and {"in_proj.weight", "A_log", "conv1d.weight"} <= keys
+    # Compared by checkpoint key (what lands on disk; 0.19.x's Mamba conv parameters are named
+    # conv1d_weight but keep the key conv1d.weight).
+    keys = {sh.key for sh in tree.sharded_state_dict().values()}
+    assert keys == {sh.key for sh in stock.sharded_state_dict().values()}
+    assert {"in_proj.weight", "A_log", "conv1d.weight"} <= keys
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(L, 2, HIDDEN, generator=gen, dtype=torch.float64).requires_grad_()
     G = torch.randn(L, 2, HIDDEN, generator=gen, dtype=torch.float64)
@@ -288,8 +292,11 @@ def test_gdn_matches_stock_megatron(megatron_tp1, monkeypatch):
                                     pg_collection=_tp1_groups()).double()
     tree = TreeGatedDeltaNet(cfg, spec.submodules, layer_number=1, conv_bias=True).double()
     _randomize(stock, 40)
-    monkeypatch.setattr(stock_mod, "chunk_gated_delta_rule", _naive_gated_delta_rule)
-    monkeypatch.setattr(stock_mod, "l2norm", _naive_l2norm)
+    for module in gdn_modules():  # 0.16.1: one module; 0.19.x: the package and its submodules
+        monkeypatch.setattr(module, "chunk_gated_delta_rule", _naive_gated_delta_rule)
+        monkeypatch.setattr(module, "l2norm", _naive_l2norm, raising=False)
+    if hasattr(stock, "gated_delta_rule"):  # 0.19.x keeps the kernel it found at construction
+        monkeypatch.setattr(stock, "gated_delta_rule", _naive_gated_delta_rule)
     # The stock gated norm is torch.compile'd (jit_fuser); compiling on CPU adds nothing to the maths.
     with torch.compiler.set_stance("force_eager"):
         _stock_vs_tree(stock, tree, 11, seed=41)
@@ -401,6 +408,11 @@ def _shard(full, spec, sizes, rank, tp):
     return torch.cat([p.chunk(tp, dim=dim)[rank] for p in parts], dim=dim)
 
 
+def _named_parameters(module):
+    """``named_parameters`` under the checkpoint names (the same on every megatron-core version)."""
+    return [(checkpoint_param_name(n), p) for n, p in module.named_parameters()]
+
+
 def _tp_rank_body(full_states, x, cot, layout_args):
     """On each of 2 ranks: TP2 and TP2+SP runs of both mixers; returns outputs and gradients."""
     init_megatron(tp=2, kernels=True)
@@ -414,14 +426,14 @@ def _tp_rank_body(full_states, x, cot, layout_args):
             sizes = _section_sizes(cfg)
             local = {k: _shard(v, sections[k], sizes, rank, tp) for k, v in full_states[kind].items()}
             with torch.no_grad():
-                for name, p in module.named_parameters():
+                for name, p in _named_parameters(module):
                     assert p.shape == local[name].shape, (name, p.shape, local[name].shape)
                     p.copy_(local[name])
             n = layout.num_rows // tp
             rows = slice(rank * n, (rank + 1) * n) if sp else slice(None)
             xin = x[rows].clone().requires_grad_()
             out, _ = module(xin, None, packed_seq_params=_params(layout))
-            names, params = zip(*module.named_parameters())
+            names, params = zip(*_named_parameters(module))
             grads = torch.autograd.grad((out * cot[rows]).sum(), (xin,) + params)
             grads = dict(zip(("input",) + names, grads))
             for name, p in zip(names, params):
@@ -446,11 +458,11 @@ def test_tensor_parallel_matches_tp1(megatron_tp1):
     for kind in ("gdn", "mamba"):
         module = (_build_gdn if kind == "gdn" else _build_mamba)(cfg, torch.float64, **_KIND_PARAMS[kind])
         _randomize(module, 71)
-        states[kind] = {k: p.detach().clone() for k, p in module.named_parameters()}
+        states[kind] = {k: p.detach().clone() for k, p in _named_parameters(module)}
         assert set(states[kind]) == set(GDN_SECTIONS if kind == "gdn" else MAMBA_SECTIONS)
         xin = x.clone().requires_grad_()
         out, _ = module(xin, None, packed_seq_params=_params(layout))
-        names, params = zip(*module.named_parameters())
+        names, params = zip(*_named_parameters(module))
         grads = torch.autograd.grad((out * cot).sum(), (xin,) + params)
         refs[kind] = (out.detach(), dict(zip(("input",) + names, grads)))
 

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TREE_DEFAULTS = dict(tree_packing=False, tree_max_tokens_per_mb=None, tree_global_batch_samples=None,
                      tree_cp_planner="balanced", tree_loss="sft", tree_clip_eps=0.2, tree_clip_eps_high=None,
                      tree_kl_coef=0.0, tree_bad_sample="error", tree_data_path=None, tree_valid_data_path=None,
-                     tree_pad_to_multiple_of=None, tree_lookahead=1, tree_hybrid_pattern=None)
+                     tree_pad_to_multiple_of=None, tree_lookahead=1, tree_hybrid_pattern=None,
+                     tree_flat_packing=False)
 
 
 def _parse(argv):
@@ -104,7 +105,6 @@ def test_validate_fills_derived_defaults_and_is_a_noop_without_tree_packing():
     (dict(rampup_batch_size=[1, 1, 10]), "--rampup-batch-size"),
     (dict(train_samples=1000), "--train-iters"),
     (dict(mtp_num_layers=1), "--mtp-num-layers"),
-    (dict(context_parallel_size=2, tree_hybrid_pattern="MG*-", num_layers=4), "(Mamba-2 / Gated DeltaNet) have no tree"),
     (dict(num_experts=8), "--moe-token-dispatcher-type alltoall"),
     (dict(tree_loss="grpo", tree_clip_eps=0.0), "--tree-clip-eps must be > 0"),
     (dict(tree_loss="ppo", tree_clip_eps_high=-0.1), "--tree-clip-eps-high must be > 0"),

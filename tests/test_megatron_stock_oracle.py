@@ -155,7 +155,9 @@ def _build(name, cfg):
 def _case(name, samples, targets, mbs):
     from megatron_tree.training.models import ModelArgs, make_config
 
-    _, num_experts, _, extra = CASES[name]
+    _, num_experts, qk_layernorm, extra = CASES[name]
+    # the config says what the spec builds (megatron-core 0.19 refuses a spec with q/k norms otherwise)
+    extra = dict(extra, qk_layernorm=True) if qk_layernorm else extra
     cfg = make_config(ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                 ffn_hidden_size=48, vocab_size=V, num_experts=num_experts, moe_ffn_hidden_size=16,
                                 extra=dict(extra)), dtype=torch.float64)

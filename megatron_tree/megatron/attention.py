@@ -41,6 +41,9 @@ class TreeDotProductAttention(MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
         backend: str = "auto",
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        name: Optional[str] = None,  # instance name (megatron-core 0.19+ builders); not used here
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -63,7 +66,12 @@ class TreeDotProductAttention(MegatronModule):
         tp = pg_collection.tp.size()
         self.num_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
-        head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        # k_channels / v_channels: query-key and value head widths when they differ (MLA builds its
+        # core attention with qk_head_dim + qk_pos_emb_head_dim and v_head_dim); the output is
+        # [s, 1, heads * v_channels], which tree_attention gives for any value width
+        head_dim = k_channels if k_channels is not None else divide(config.kv_channels * config.num_attention_heads,
+                                                                    config.num_attention_heads)
+        self.k_channels, self.v_channels = head_dim, (v_channels if v_channels is not None else head_dim)
         # Megatron's layer scaling divides the scale by layer_number and multiplies the scores back
         # inside the softmax: the net scale is unchanged, so it is ignored here.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)

@@ -24,7 +24,6 @@ call ``megatron_tree.compat.cpu.enable()`` first. FLA is never required.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -37,6 +36,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import deprecate_inference_params
 
+from ..compat.mixers import fla_check_bypassed, stock_kwargs
 from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.gated_delta_rule import l2norm, tree_gated_delta_rule
 from .packed_seq import get_tree_layout
@@ -51,18 +51,8 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-@contextlib.contextmanager
-def _fla_check_bypassed():
-    """``GatedDeltaNet.__init__`` raises ImportError without FLA although building the module needs
-    nothing from FLA; the tree module never reaches the stock FLA call (its recurrence is
-    `tree_gated_delta_rule`, which picks FLA itself where it imports). Flip the flag only for the
-    duration of the stock constructor."""
-    saved = _stock.HAVE_FLA
-    _stock.HAVE_FLA = True
-    try:
-        yield
-    finally:
-        _stock.HAVE_FLA = saved
+# Where the stock constructor reads HAVE_FLA differs by version (module in 0.16.1, package in 0.19.x).
+_fla_check_bypassed = fla_check_bypassed
 
 
 def _require_cpu_shims(module, what: str, *, kernels: bool = False) -> None:
@@ -100,6 +90,10 @@ class TreeGatedDeltaNet(GatedDeltaNet):
     CUDA where it imports, else the torch reference; ``config.deterministic_mode`` selects the torch
     backend, as the stock layer selects its torch chunk kernel) and ``cp_comm_type`` (accepted for
     the ``TransformerLayer`` protocol). ``pg_collection`` defaults to Megatron's global groups.
+    ``name`` (the instance name megatron-core 0.19+ spec builders pass) is forwarded to the stock
+    constructor where it accepts it and ignored otherwise (`megatron_tree.compat.mixers`).
+    ``gdn_cp_mode`` ("auto" | "summary" | "heads", default: ``$MEGATRON_TREE_GDN_CP_MODE`` or
+    "auto") chooses the tree-CP execution when ``context_parallel_size > 1`` (`megatron_tree.cp.gdn`).
 
     Forward: ``hidden_states [s, 1, hidden]`` (``s = N / tp`` under sequence parallelism, else
     ``N``, where ``N = layout.num_rows``), ``packed_seq_params`` a `TreePackedSeqParams`; returns
@@ -111,20 +105,19 @@ class TreeGatedDeltaNet(GatedDeltaNet):
                  bias: bool = False, conv_bias: bool = False, conv_init: Optional[float] = None,
                  use_qk_l2norm: bool = True, A_init_range: Tuple[float, float] = (1, 16),
                  pg_collection: Optional[ProcessGroupCollection] = None, cp_comm_type: Optional[str] = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", name: Optional[str] = None, gdn_cp_mode: Optional[str] = None):
         _require_cpu_shims(_stock, type(self).__name__)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        cp = getattr(pg_collection, "cp", None)
-        if cp is not None and cp.size() > 1:
-            raise ValueError("TreeGatedDeltaNet runs with context_parallel_size=1; tree-aware context "
-                                      "parallelism for GDN belongs to megatron_tree.cp")
+        if gdn_cp_mode not in (None, "auto", "summary", "heads"):
+            raise ValueError(f"gdn_cp_mode must be None, 'auto', 'summary' or 'heads'; got {gdn_cp_mode!r}")
         with _fla_check_bypassed():
             super().__init__(config, submodules, layer_number=layer_number, bias=bias, conv_bias=conv_bias,
                              conv_init=conv_init, use_qk_l2norm=use_qk_l2norm, A_init_range=A_init_range,
-                             pg_collection=pg_collection)
+                             pg_collection=pg_collection, **stock_kwargs(GatedDeltaNet.__init__, name=name))
         self.cp_comm_type = cp_comm_type
         self.backend = "torch" if (config.deterministic_mode and backend == "auto") else backend
+        self.gdn_cp_mode = gdn_cp_mode  # None: megatron_tree.cp.gdn.default_gdn_cp_mode() at call time
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 key_value_states: Optional[torch.Tensor] = None, inference_context=None,
@@ -143,10 +136,16 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         qkvzba, _ = self.in_proj(hidden_states)
         qkvzba = qkvzba.squeeze(1)
         N = qkvzba.shape[0]
-        _check_rows(N, layout, who, self.sp_size)
+        context_parallel = self.config.context_parallel_size > 1
+        if not context_parallel:
+            _check_rows(N, layout, who, self.sp_size)
         qkv, gate, beta, alpha = torch.split(
             qkvzba, [(2 * self.qk_dim + self.v_dim) // tp, self.v_dim // tp, self.num_value_heads // tp,
                      self.num_value_heads // tp], dim=-1)
+        if context_parallel:  # this rank's rows only: conv halos and states cross ranks in megatron_tree.cp
+            core = self._core_cp(qkv, beta, alpha, packed_seq_params, who)
+            out = self._tree_gated_norm(core, gate.reshape(N, -1, self.value_head_dim))
+            return self.out_proj(out.reshape(N, 1, -1))
 
         # Halos follow the root path, so a child segment continues its parent's tail, never a sibling's.
         fused_silu = self.act_fn is F.silu
@@ -169,6 +168,36 @@ class TreeGatedDeltaNet(GatedDeltaNet):
 
         out = self._tree_gated_norm(core, gate.reshape(N, -1, self.value_head_dim))
         return self.out_proj(out.reshape(N, 1, -1))
+
+    def _core_cp(self, qkv, beta, alpha, psp, who: str) -> torch.Tensor:
+        """Conv + recurrence under tree CP (`megatron_tree.cp.tree_gdn_cp`): [s, HV/tp, V] for this rank.
+
+        The local sequence (``s`` rows after in_proj's SP gather) is ``psp.local_rows`` followed by
+        ``psp.num_local_padding`` rows that pad it to a multiple of the TP size: padding rows are
+        stripped before the CP exchange and get a zero core output (their gate, norm and projections
+        stay token-local and reach no loss). Decay and beta are token-local, made on the owner.
+        """
+        plan = psp.cp_plan
+        if plan is None or psp.local_rows is None:
+            raise ValueError(f"{who}: context_parallel_size > 1 needs a CP plan in packed_seq_params: build it with "
+                             "tree_packed_seq_params(mb, cp_plan=megatron_tree.cp.plan_context_parallel(mb.layout, "
+                             "cp_size), cp_rank=...) or let tree_forward_step plan it")
+        s, n = qkv.shape[0], int(psp.local_rows.shape[0])
+        if s != psp.num_local_rows:
+            raise ValueError(f"{who}: the input covers {s} rows but this CP rank holds {psp.num_local_rows} "
+                             f"({n} owned + {psp.num_local_padding} padding)")
+        from ..cp.gdn import default_gdn_cp_mode, tree_gdn_cp  # the executor sits below this package
+
+        g = -self.A_log.exp() * F.softplus(_wide(alpha[:n]) + self.dt_bias)  # fp32 (stock: alpha.float())
+        fused_silu = self.act_fn is F.silu
+        core = tree_gdn_cp(qkv[:n], g, beta[:n].sigmoid(), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                           psp.layout, plan, self.pg_collection.cp, num_k_heads=self.num_key_heads // self.tp_size,
+                           head_k_dim=self.key_head_dim, head_v_dim=self.value_head_dim,
+                           activation="silu" if fused_silu else self.act_fn, qk_l2norm=self.use_qk_l2norm,
+                           mode=self.gdn_cp_mode or default_gdn_cp_mode(), backend=self.backend)
+        if s > n:
+            core = torch.cat([core, core.new_zeros((s - n,) + tuple(core.shape[1:]))])
+        return core
 
     def _tree_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``out_norm(x) * act(gate)`` per value head, as the stock ``_apply_gated_norm``.

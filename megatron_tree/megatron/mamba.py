@@ -18,6 +18,12 @@ state size ``S`` on this TP rank)::
 Both stock training paths compute this (the memory-efficient kernel gates inside the scan and
 then normalises; the other path gates inside the gated norm with ``norm_before_gate=False``).
 
+Under context parallelism (``config.context_parallel_size > 1``) each CP rank holds its owned rows
+(``packed_seq_params.local_rows``); the conv and SSD run on head shards instead
+(`megatron_tree.cp.tree_mamba_cp`: an all-to-all from token shards to head shards, every row of the
+tree for ``H / cp`` of this TP rank's heads, and back), while ``in_proj``, the gate, the norm and
+``out_proj`` stay with the token owners.
+
 The class works as the ``mixer`` of a ``MambaLayer`` and as the ``self_attention`` of a
 ``TransformerLayer`` (attention forward kwargs accepted, ``(output, bias)`` returned; ``d_model``
 defaults to ``config.hidden_size``).
@@ -39,6 +45,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import deprecate_inference_params
 
+from ..compat.mixers import mamba_conv_params, stock_kwargs
 from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.ssd import tree_ssd
 from .gdn import _check_rows, _check_tree_input, _require_cpu_shims, _wide, spec_provider
@@ -68,17 +75,20 @@ class _TreeMambaMixerImpl:
     layer_number, pg_collection, pp_layer_offset``) with ``d_model`` defaulting to
     ``config.hidden_size``, plus ``backend`` for `tree_ssd` ("auto": mamba-ssm on CUDA where it
     imports, else torch) and ``cp_comm_type`` (accepted for the ``TransformerLayer`` protocol).
-    ``pg_collection`` defaults to Megatron's global groups.
+    ``pg_collection`` defaults to Megatron's global groups. ``name`` (passed by megatron-core 0.19+
+    spec builders) is forwarded where the stock constructor accepts it, else ignored.
 
     Forward: ``hidden_states [s, 1, hidden]`` (``s = N / tp`` under sequence parallelism, else
-    ``N = layout.num_rows``), ``packed_seq_params`` a `TreePackedSeqParams`; returns
-    ``(out [s, 1, hidden], bias or None)``. Row ``r`` of the output equals the stock mixer run on
-    ``r``'s root path alone.
+    ``N = layout.num_rows``; under CP ``N`` is this rank's ``packed_seq_params.num_local_rows``),
+    ``packed_seq_params`` a `TreePackedSeqParams`; returns ``(out [s, 1, hidden], bias or None)``.
+    Row ``r`` of the output equals the stock mixer run on ``r``'s root path alone. Under CP the
+    CP size must divide this TP rank's head count (and its B/C groups and the CP size must divide
+    one another, as Megatron's ``MambaContextParallel`` requires): a ValueError names the numbers.
     """
 
     def __init__(self, config, submodules, d_model: Optional[int] = None, *,
                  pg_collection: Optional[ProcessGroupCollection] = None, cp_comm_type: Optional[str] = None,
-                 backend: str = "auto", **kwargs):
+                 backend: str = "auto", name: Optional[str] = None, **kwargs):
         stock = mamba_mixer_module()
         who = type(self).__name__
         _require_cpu_shims(stock, who, kernels=True)
@@ -88,10 +98,10 @@ class _TreeMambaMixerImpl:
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         if pg_collection.cp.size() > 1:
-            raise ValueError(f"{who} runs with context_parallel_size=1; tree-aware context parallelism "
-                                      "for Mamba belongs to megatron_tree.cp")
+            _check_cp_heads(config, config.hidden_size if d_model is None else d_model, kwargs.get("expand", 2),
+                            pg_collection.tp.size(), pg_collection.cp.size(), who)
         super().__init__(config, submodules, config.hidden_size if d_model is None else d_model,
-                         pg_collection=pg_collection, **kwargs)
+                         pg_collection=pg_collection, **kwargs, **stock_kwargs(stock.MambaMixer.__init__, name=name))
         self.cp_comm_type = cp_comm_type
         self.backend = backend
 
@@ -104,7 +114,9 @@ class _TreeMambaMixerImpl:
             raise ValueError(f"{who} is a training module: inference over a tree is not supported")
         layout = get_tree_layout(packed_seq_params)
         _check_tree_input(hidden_states, who)
-        cp = self.cp  # CP size 1 (checked at construction): its getters return this rank's parameters
+        if self.config.context_parallel_size > 1:
+            return self._forward_cp(hidden_states, packed_seq_params)
+        cp = self.cp  # CP size 1 here: its getters return this TP rank's whole parameters
         H, P, G, S = cp.nheads_local_tpcp, self.headdim, cp.ngroups_local_tpcp, self.d_state
         d_inner = H * P
 
@@ -139,6 +151,65 @@ class _TreeMambaMixerImpl:
         else:
             y = (y.to(cdt) * F.silu(z.to(cdt))).to(y.dtype)
         return self.out_proj(y.unsqueeze(1))
+
+    def _forward_cp(self, hidden_states: torch.Tensor, psp):
+        """Tree CP: the token -> head transpose of `megatron_tree.cp.tree_mamba_cp`.
+
+        ``in_proj`` runs on this rank's rows (under SP it gathers the TP ranks' parts of the local
+        sequence: ``psp.local_rows`` followed by ``psp.num_local_padding`` padding rows). The owned
+        rows' ``x | B | C | dt`` go to the head shards, conv + SSD run there over the whole tree for
+        ``H / cp`` of this TP rank's heads, and ``y`` returns; the gate ``z`` never leaves. Padding
+        rows get ``y = 0`` (their output is never read). The plan rides in ``packed_seq_params``, so
+        activation recomputation replays the same exchanges.
+        """
+        who = type(self).__name__
+        plan = psp.cp_plan
+        if plan is None or psp.local_rows is None:
+            raise ValueError("context_parallel_size > 1 needs a CP plan in packed_seq_params: build it with "
+                             "tree_packed_seq_params(mb, cp_plan=megatron_tree.cp.plan_context_parallel(mb.layout, "
+                             "cp_size), cp_rank=...) or let tree_forward_step plan it")
+        from ..cp import tree_mamba_cp  # the executor sits below this package
+
+        H, P, G, S = self.nheads_local_tp, self.headdim, self.ngroups_local_tp, self.d_state
+        d_inner = H * P
+        zxBCdt, _ = self.in_proj(hidden_states)
+        zxBCdt = zxBCdt.squeeze(1)
+        s, n = zxBCdt.shape[0], int(psp.local_rows.shape[0])
+        if s != psp.num_local_rows:
+            sp = self.pg_collection.tp.size() if self.config.sequence_parallel else 1
+            raise ValueError(f"{who}: the input covers {s} rows (sequence x {sp} under sequence parallelism) but this "
+                             f"CP rank holds {psp.num_local_rows} ({n} owned + {psp.num_local_padding} padding)")
+        z, xBCdt = torch.split(zxBCdt[:n], [d_inner, zxBCdt.shape[1] - d_inner], dim=-1)
+        conv_w, conv_b = mamba_conv_params(self)  # the conv's parameter names differ across versions
+        y = tree_mamba_cp(xBCdt, conv_w.squeeze(1), conv_b, _wide(self.dt_bias),
+                          -torch.exp(_wide(self.A_log)), self.D, psp.layout, plan, self.pg_collection.cp,
+                          head_dim=P, num_groups=G, d_state=S, backend=self.backend, chunk_size=self.chunk_size)
+        y = y.reshape(n, d_inner)
+        if self.rmsnorm:
+            y = self.norm(y, z)  # over this TP rank's groups of the token's heads, all local again
+        else:
+            cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
+            y = (y.to(cdt) * F.silu(z.to(cdt))).to(y.dtype)
+        if s > n:
+            y = torch.cat([y, y.new_zeros(s - n, d_inner)])
+        return self.out_proj(y.unsqueeze(1))
+
+
+def _check_cp_heads(config, d_model: int, expand, tp: int, cp: int, who: str) -> None:
+    """Clear errors, before the stock constructor's asserts, for head / group counts that context
+    parallelism cannot split: CP shards this TP rank's heads, and Megatron's ``MambaContextParallel``
+    (built by the stock constructor) also needs the groups and the CP size to divide one another."""
+    heads = config.mamba_num_heads or int(expand * d_model) // config.mamba_head_dim
+    groups = config.mamba_num_groups
+    if heads % tp or groups % tp:
+        return  # the stock constructor names these
+    h, g = heads // tp, groups // tp
+    if h % cp:
+        raise ValueError(f"{who}: context parallelism splits Mamba heads over the CP ranks, but the CP size {cp} does "
+                         f"not divide the {h} Mamba heads of a tensor-parallel rank ({heads} heads / TP {tp})")
+    if (g < cp and cp % g) or (g >= cp and g % cp):
+        raise ValueError(f"{who}: under context parallelism the {g} Mamba B/C groups of a tensor-parallel rank "
+                         f"({groups} / TP {tp}) and the CP size {cp} must divide one another")
 
 
 _CLASS = None

@@ -47,7 +47,7 @@ __all__ = [
 _OP = "tree_gated_delta_rule"
 _GPU_BACKENDS = {"fla": "fla.ops.gated_delta_rule"}
 # FLA >= 0.6 accepts float32 in chunk_gated_delta_rule (the kernel tier runs its real kernels on
-# float32 CPU tensors through Triton's interpreter: tests/kernels); float64 stays with the torch backend.
+# float32 CPU tensors through Triton's interpreter: tests_kernels/); float64 stays with the torch backend.
 _FLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

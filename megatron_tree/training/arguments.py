@@ -78,6 +78,9 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "TP size) with sequence parallelism, else " f"{DEFAULT_PAD_MULTIPLE}.")
     g.add_argument("--tree-lookahead", type=_non_negative_int, default=1, metavar="N",
                    help="Optimizer steps packed ahead by a background thread (0: pack on demand). Default 1.")
+    g.add_argument("--tree-flat-packing", action="store_true",
+                   help="Baseline for comparisons: pack every sample as its own chain (no prefix shared), "
+                        "with the same steps, budget and loss; the losses equal tree packing's up to rounding.")
     g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
                    help="Hybrid layer pattern, one letter per layer: M Mamba-2, G Gated DeltaNet, "
                         "* attention, - MLP, E MoE ('|' marks pipeline stages and is ignored). "
@@ -163,12 +166,6 @@ def validate_tree_args(args) -> argparse.Namespace:
         errors.append("multi-token prediction (--mtp-num-layers) is not supported with --tree-packing")
 
     # -- parallelism
-    if int(_get(args, "context_parallel_size", 1) or 1) > 1:
-        recurrent = sorted(set(_get(args, "tree_hybrid_pattern", None) or "") & set("MG"))
-        if recurrent:
-            errors.append(f"--context-parallel-size > 1 with --tree-packing covers attention, MLP and MoE layers; "
-                          f"the pattern's {'/'.join(recurrent)} layers (Mamba-2 / Gated DeltaNet) have no tree "
-                          "context parallelism yet: use TP/PP/DP/EP for hybrid models")
     if _get(args, "num_experts") and _get(args, "moe_token_dispatcher_type") == "allgather":
         errors.append("MoE with --tree-packing needs --moe-token-dispatcher-type alltoall (or flex): microbatch "
                       "lengths vary, which the allgather dispatcher does not support")

@@ -37,7 +37,7 @@ from ..tree.layout import TreeLayout
 from ..tree.loss_map import LossMap
 from .arguments import validate_tree_args
 
-__all__ = ["model_provider", "get_batch", "forward_step", "loss_func", "train_valid_test_datasets_provider",
+__all__ = ["model_provider", "mamba_model_provider", "get_batch", "forward_step", "loss_func", "train_valid_test_datasets_provider",
            "encode_tree_batch", "decode_tree_batch", "MicrobatchStream", "broadcast_tree_batch", "build_pipeline"]
 
 # -------------------------------------------------------------------------------------------- args
@@ -71,18 +71,9 @@ def _print_rank_0(msg: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------- model
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
-                   config=None, pg_collection=None, *, args=None):
-    """This pipeline stage's `TreeGPTModel` from Megatron-LM arguments (``get_model``'s contract).
-
-    GPT stack by default (Megatron's decoder block spec with tree attention: dense or MoE layers as
-    ``--num-experts`` / ``--moe-layer-freq`` say); with ``--tree-hybrid-pattern`` a hybrid stack
-    (Mamba-2 / Gated DeltaNet / attention / MLP / MoE letters). ``config`` defaults to Megatron-LM's
-    ``core_transformer_config_from_args(args)``. Either way the config gets
-    ``variable_seq_lengths=True`` (microbatch rows vary; Megatron-LM's ``validate_args`` forces it
-    to False), which the pipeline schedule reads from the model's config.
-    """
-    args = _args(args)
+def _tree_config(args, config):
+    """``config`` (default: Megatron-LM's ``core_transformer_config_from_args(args)``) with
+    ``variable_seq_lengths=True``; refuses a config without per-token loss."""
     if config is None:
         from megatron.training.arguments import core_transformer_config_from_args
 
@@ -97,6 +88,25 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     config.variable_seq_lengths = True
     if not getattr(config, "calculate_per_token_loss", False):
         raise ValueError("tree training needs calculate_per_token_loss=True (--calculate-per-token-loss)")
+    return config
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                   config=None, pg_collection=None, *, args=None):
+    """This pipeline stage's `TreeGPTModel` from Megatron-LM arguments (``get_model``'s contract).
+
+    GPT stack by default (Megatron's decoder block spec with tree attention: dense or MoE layers as
+    ``--num-experts`` / ``--moe-layer-freq`` say); with ``--tree-hybrid-pattern`` a hybrid stack
+    (Mamba-2 / Gated DeltaNet / attention / MLP / MoE letters); with Megatron-LM's
+    ``--experimental-attention-variant gated_delta_net --linear-attention-freq N`` (Qwen3-Next) the
+    tree variant of Megatron's experimental-attention block (`TreeGatedDeltaNet` in the linear-attention
+    layers, the TE path when ``--transformer-impl transformer_engine``). ``config`` defaults to Megatron-LM's
+    ``core_transformer_config_from_args(args)``. Either way the config gets
+    ``variable_seq_lengths=True`` (microbatch rows vary; Megatron-LM's ``validate_args`` forces it
+    to False), which the pipeline schedule reads from the model's config.
+    """
+    args = _args(args)
+    config = _tree_config(args, config)
 
     from ..megatron.model import TreeGPTModel
     from ..megatron.specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
@@ -104,7 +114,14 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     normalization = getattr(args, "normalization", None) or config.normalization
     pattern = getattr(args, "tree_hybrid_pattern", None)
-    if pattern:
+    if pattern and config.experimental_attention_variant:
+        raise ValueError("--tree-hybrid-pattern and --experimental-attention-variant build different stacks; pass one")
+    if config.experimental_attention_variant:
+        from ..megatron.family_specs import get_tree_transformer_block_with_experimental_attention_variant_spec
+
+        spec = get_tree_transformer_block_with_experimental_attention_variant_spec(
+            config, vp_stage=vp_stage, use_transformer_engine=use_te)
+    elif pattern:
         spec = get_tree_hybrid_stack_spec(pattern, config, use_transformer_engine=use_te, normalization=normalization,
                                           num_experts=getattr(args, "num_experts", None) or config.num_moe_experts,
                                           moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
@@ -125,6 +142,47 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         position_embedding_type=getattr(args, "position_embedding_type", "rope"),
         rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=getattr(args, "rotary_base", 10000),
         rope_scaling=bool(getattr(args, "use_rope_scaling", False)), vp_stage=vp_stage, **kw)
+
+
+def mamba_model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                         config=None, pg_collection=None, *, args=None):
+    """This pipeline stage's `TreeMambaModel` from Megatron-LM's ``pretrain_mamba.py`` arguments.
+
+    The stack spec is ``--spec MODULE NAME`` treeified (`treeify_spec`: `TreeMambaMixer` and tree
+    core attention in Megatron's structure, so the user's spec and checkpoints are kept), or
+    `get_tree_mamba_stack_spec` (TE when ``--transformer-impl transformer_engine``). Layers come
+    from ``--hybrid-override-pattern`` / ``--hybrid-attention-ratio`` / ``--hybrid-mlp-ratio`` as in
+    ``MambaModel``. Config handling as `model_provider`.
+    """
+    args = _args(args)
+    if vp_stage is not None:
+        raise ValueError("MambaModel (Megatron-Core 0.16.1) has no virtual pipeline stages")
+    config = _tree_config(args, config)
+
+    from ..megatron.family_specs import get_tree_mamba_stack_spec
+    from ..megatron.model import TreeMambaModel
+    from ..megatron.specs import treeify_spec
+
+    if getattr(args, "spec", None):
+        from megatron.core.transformer.spec_utils import import_module
+
+        spec = treeify_spec(import_module(args.spec))
+    else:
+        spec = get_tree_mamba_stack_spec(
+            use_transformer_engine=getattr(args, "transformer_impl", "local") == "transformer_engine")
+    kw = {"pg_collection": pg_collection} if pg_collection is not None else {}
+    return TreeMambaModel(
+        config=config, mamba_stack_spec=spec,
+        vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
+        max_sequence_length=getattr(args, "max_position_embeddings", None) or args.tree_max_tokens_per_mb,
+        pre_process=pre_process, post_process=post_process,
+        hybrid_attention_ratio=float(getattr(args, "hybrid_attention_ratio", 0.0) or 0.0),
+        hybrid_mlp_ratio=float(getattr(args, "hybrid_mlp_ratio", 0.0) or 0.0),
+        hybrid_override_pattern=getattr(args, "hybrid_override_pattern", None),
+        fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)), parallel_output=True,
+        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+        position_embedding_type=getattr(args, "position_embedding_type", "none"),
+        rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=getattr(args, "rotary_base", 10000), **kw)
 
 
 # -------------------------------------------------------------------------------------------- batch wire format
@@ -402,7 +460,7 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
         global_batch_samples=args.tree_global_batch_samples, dp_rank=dp_rank, dp_size=dp_size,
         seed=int(getattr(args, "seed", 0) or 0), num_epochs=None, shuffle=shuffle,
         pad_to_multiple_of=args.tree_pad_to_multiple_of, microbatches_per_rank=per_rank,
-        lookahead=args.tree_lookahead)
+        lookahead=args.tree_lookahead, share_prefixes=not getattr(args, "tree_flat_packing", False))
     _skip_steps(pipe, start_step)
     return pipe
 

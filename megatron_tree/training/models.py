@@ -17,11 +17,26 @@ from ..megatron.forward_step import tree_forward_step
 from ..megatron.model import TreeGPTModel
 
 DEFAULT_HYBRID_PATTERN = "MG*-*E"  # Mamba-2, GDN, attention, MLP, attention, MoE
+# kind="mamba": Megatron's MambaModel, whose hybrid_override_pattern letters are M Mamba-2, * attention,
+# - MLP, E MoE (no G: Gated DeltaNet layers are the qwen3next kind's, or our own hybrid stack's)
+DEFAULT_MAMBA_PATTERN = "M*-E"
+MAMBA_LETTERS = "M*-E"
+# Small MLA shapes (kind="mla"): DeepSeek-V3's structure (q and kv latents, YaRN with a
+# concentration factor != 1, so mscale matters) at toy sizes; query/key heads D = 8 + 4 (no-position +
+# rotary part), value heads Dv = 6 != D
+MLA_DEFAULTS = dict(q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+                    rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=0.5,
+                    original_max_position_embeddings=16)
 
 
 @dataclass
 class ModelArgs:
-    """Size and kind of a model. ``kind`` is "gpt" or "hybrid" (layers from ``pattern``)."""
+    """Size and kind of a model. ``kind`` is "gpt" or "hybrid" (layers from ``pattern``), or "mla"
+    (GPT with Multi-Latent Attention: `MLATransformerConfig`, `MLA_DEFAULTS` unless ``extra`` overrides),
+    or "mamba" (Megatron's ``MambaModel`` as `TreeMambaModel`, layers from ``pattern``: M * - E,
+    default `DEFAULT_MAMBA_PATTERN`), or "qwen3next" (``GPTModel`` with Megatron's experimental
+    ``gated_delta_net`` attention variant: GDN layers with a gated, qk-normed attention layer every
+    ``linear_attention_freq`` layers; MoE with a gated shared expert when ``num_experts``)."""
 
     kind: str = "gpt"
     pattern: str = DEFAULT_HYBRID_PATTERN
@@ -40,8 +55,20 @@ class ModelArgs:
     normalization: str = "RMSNorm"
     position_embedding_type: str = "rope"
     extra: dict = field(default_factory=dict)  # more TransformerConfig fields
+    linear_attention_freq: int = 2  # qwen3next: one standard attention layer every N layers
+
+    def __post_init__(self):
+        if self.kind == "mamba" and self.pattern == DEFAULT_HYBRID_PATTERN:
+            self.pattern = DEFAULT_MAMBA_PATTERN
 
     def layers(self) -> int:
+        if self.kind == "mamba":
+            bad = sorted(set(self.pattern) - set(MAMBA_LETTERS))
+            if bad or not self.pattern:
+                raise ValueError(f"MambaModel pattern {self.pattern!r}: letters must be from {MAMBA_LETTERS!r} "
+                                 f"(M Mamba-2, * attention, - MLP, E MoE); bad: {bad}. Gated DeltaNet layers: use the "
+                                 "qwen3next model (experimental_attention_variant) or the hybrid stack")
+            return len(self.pattern)
         if self.kind == "hybrid":
             from ..megatron.specs import parse_hybrid_pattern
 
@@ -66,12 +93,20 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
         bias_activation_fusion=not cpu, masked_softmax_fusion=not cpu, bias_dropout_fusion=not cpu,
         apply_rope_fusion=not cpu, gradient_accumulation_fusion=False, persist_layer_norm=not cpu,
     )
-    if margs.kind == "hybrid":
+    if margs.kind in ("hybrid", "mamba", "qwen3next"):
         kw.update(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
                   linear_num_value_heads=4, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
                   mamba_num_heads=8, use_mamba_mem_eff_path=False)
-        if "E" in margs.pattern and not margs.num_experts:
+        if margs.kind != "qwen3next" and "E" in margs.pattern and not margs.num_experts:
             margs.num_experts = 4
+    if margs.kind == "qwen3next":
+        kw.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=margs.linear_attention_freq,
+                  attention_output_gate=True, qk_layernorm=True)
+        if margs.num_experts:
+            kw.update(moe_shared_expert_intermediate_size=margs.moe_ffn_hidden_size, moe_shared_expert_gate=True)
+    if margs.kind == "mamba" and recompute == "full":
+        raise ValueError("MambaModel has no full-layer recomputation in Megatron-Core 0.16.1 (MambaStack ignores "
+                         "recompute_granularity='full'); use selective recomputation")
     if margs.num_experts:
         kw.update(num_moe_experts=margs.num_experts, moe_ffn_hidden_size=margs.moe_ffn_hidden_size,
                   moe_router_topk=margs.moe_router_topk,
@@ -87,28 +122,55 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
         kw.update(recompute_granularity="selective")
     elif recompute != "none":
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if margs.kind == "mla":
+        # MLA: K/V from a low-rank latent, query/key heads (qk_head_dim + qk_pos_emb_head_dim) wider
+        # than value heads; every head has its own K (num_query_groups plays no part)
+        kw.update(MLA_DEFAULTS, num_query_groups=margs.num_attention_heads)
+        if margs.num_experts:  # DeepSeek-style: the first layer dense, MoE after it
+            kw.update(moe_layer_freq=[0] + [1] * (margs.layers() - 1))
+        if recompute == "selective":  # also MLA's own up-projection checkpoint (reuses the rotary table)
+            kw.update(recompute_modules=["core_attn", "mla_up_proj"])
     kw.update(margs.extra)
+    if margs.kind == "mla":
+        from megatron.core.transformer import MLATransformerConfig
+
+        return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
 
 
 def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
                 post_process: Optional[bool] = None) -> TreeGPTModel:
-    """This pipeline stage's `TreeGPTModel` (GPT or hybrid stack, tree specs, local modules)."""
+    """This pipeline stage's `TreeGPTModel` (GPT, hybrid, MLA or qwen3next stack) or `TreeMambaModel`
+    (kind "mamba"), tree specs, local modules."""
     from megatron.core import parallel_state as ps
 
     from ..megatron.specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
 
     pre = ps.is_pipeline_first_stage() if pre_process is None else pre_process
     post = ps.is_pipeline_last_stage() if post_process is None else post_process
-    if margs.kind == "gpt":
+    if margs.kind in ("gpt", "mla"):  # MLA: Megatron's block spec builds MLA layers from the config
         spec = get_tree_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=margs.normalization)
     elif margs.kind == "hybrid":
         spec = get_tree_hybrid_stack_spec(margs.pattern, config, use_transformer_engine=False)
+    elif margs.kind == "qwen3next":
+        from ..megatron.family_specs import get_tree_transformer_block_with_experimental_attention_variant_spec
+
+        spec = get_tree_transformer_block_with_experimental_attention_variant_spec(config, use_transformer_engine=False)
+    elif margs.kind == "mamba":
+        from ..megatron.family_specs import get_tree_mamba_stack_spec
+        from ..megatron.model import TreeMambaModel
+
+        model = TreeMambaModel(config, get_tree_mamba_stack_spec(use_transformer_engine=False),
+                               vocab_size=margs.vocab_size, max_sequence_length=margs.max_position, pre_process=pre,
+                               post_process=post, hybrid_override_pattern=margs.pattern,
+                               position_embedding_type=margs.position_embedding_type,
+                               share_embeddings_and_output_weights=False)
     else:
-        raise ValueError(f"model kind must be gpt or hybrid, got {margs.kind!r}")
-    model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
-                         pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
-                         share_embeddings_and_output_weights=False)
+        raise ValueError(f"model kind must be gpt, hybrid, mla, mamba or qwen3next, got {margs.kind!r}")
+    if margs.kind != "mamba":
+        model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
+                             pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
+                             share_embeddings_and_output_weights=False)
     if config.params_dtype == torch.float64:
         model.to(torch.float64)  # Megatron keeps Mamba's A_log / D in fp32 whatever params_dtype says
     return model

@@ -50,6 +50,7 @@ __all__ = ["add_train_args", "build_train_parser", "check_train_args", "load_tra
            "latest_checkpoint", "format_progress", "format_skipped"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+MODEL_FAMILIES = ("gpt", "mamba")
 PACKINGS = ("tree", "flat")
 
 
@@ -77,6 +78,14 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     m.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size / 2")
     m.add_argument("--moe-router-topk", type=int, default=2)
     m.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+    m.add_argument("--model-family", choices=MODEL_FAMILIES, default="gpt",
+                   help="gpt: GPTModel (our hybrid stack with --hybrid-override-pattern); mamba: Megatron's "
+                        "MambaModel (Nemotron-H), layers from --hybrid-override-pattern letters M * - E")
+    m.add_argument("--experimental-attention-variant", choices=["gated_delta_net"], default=None,
+                   help="GPT family: Megatron's Gated DeltaNet layers (Qwen3-Next style: gated attention with "
+                        "qk-norm every --linear-attention-freq layers, MoE with a gated shared expert if --num-experts)")
+    m.add_argument("--linear-attention-freq", type=int, default=None, metavar="N",
+                   help="with --experimental-attention-variant: one standard attention layer every N layers")
 
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -170,6 +179,7 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
     if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
             args.hybrid_override_pattern != args.tree_hybrid_pattern:
         errors.append("--hybrid-override-pattern and --tree-hybrid-pattern disagree; pass one of them")
+    errors += _family_errors(args)
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     cp = args.context_parallel_size
     if min(tp, pp, ep, cp) < 1:
@@ -192,13 +202,47 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
         args.tree_max_tokens_per_mb = _default_budget(samples, args)
     if errors:
         raise ValueError("invalid arguments for megatron-tree train:\n  - " + "\n  - ".join(errors))
-    args.tree_hybrid_pattern = _pattern(args)
+    args.tree_hybrid_pattern = _pattern(args) if args.model_family == "gpt" else None  # our hybrid stack only
     if args.num_layers is None and not args.tree_hybrid_pattern:
-        args.num_layers = 4
+        args.num_layers = len(args.hybrid_override_pattern) if args.model_family == "mamba" else 4
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = max(1, (args.ffn_hidden_size or 4 * args.hidden_size) // 2)
     validate_tree_args(args)
     return args
+
+
+def _family_errors(args) -> list:
+    """What is wrong with the model-family flags (``--model-family``, ``--experimental-attention-variant``)."""
+    errors = []
+    gdn = args.experimental_attention_variant is not None
+    if args.model_family == "mamba":
+        from .models import MAMBA_LETTERS
+
+        pattern = args.hybrid_override_pattern
+        if args.tree_hybrid_pattern:
+            errors.append("--tree-hybrid-pattern is the pattern of our own hybrid stack (--model-family gpt); "
+                          "MambaModel takes --hybrid-override-pattern")
+        if not pattern or set(pattern) - set(MAMBA_LETTERS):
+            errors.append(f"--model-family mamba needs --hybrid-override-pattern with letters {MAMBA_LETTERS} "
+                          f"(M Mamba-2, * attention, - MLP, E MoE), got {pattern!r}")
+        elif args.num_layers is not None and args.num_layers != len(pattern):
+            errors.append(f"--num-layers ({args.num_layers}) must equal the --hybrid-override-pattern length "
+                          f"({len(pattern)}) for MambaModel")
+        if gdn:
+            errors.append("--experimental-attention-variant is a GPT-family option; MambaModel has no GDN layers")
+        if args.recompute_granularity == "full":
+            errors.append("MambaModel has no full-layer recomputation in Megatron-Core 0.16.1: use "
+                          "--recompute-granularity selective")
+    if gdn:
+        if _pattern(args):
+            errors.append("--experimental-attention-variant builds Megatron's GPT block; it does not combine with "
+                          "a hybrid pattern (use the G letter of --hybrid-override-pattern for our hybrid stack)")
+        if args.linear_attention_freq is None or args.linear_attention_freq < 1:
+            errors.append("--experimental-attention-variant gated_delta_net needs --linear-attention-freq N >= 1 "
+                          "(one standard attention layer every N layers)")
+    elif args.linear_attention_freq is not None:
+        errors.append("--linear-attention-freq needs --experimental-attention-variant gated_delta_net")
+    return errors
 
 
 def _default_budget(samples, args) -> int:
@@ -401,8 +445,14 @@ def _model_args(args):
     from .models import ModelArgs
 
     pattern = args.tree_hybrid_pattern
+    kind = "hybrid" if pattern else "gpt"
+    if args.model_family == "mamba":
+        kind, pattern = "mamba", args.hybrid_override_pattern
+    elif args.experimental_attention_variant:
+        kind = "qwen3next"
     return ModelArgs(
-        kind="hybrid" if pattern else "gpt", pattern=pattern or "", num_layers=args.num_layers or 0,
+        kind=kind, pattern=pattern or "", num_layers=args.num_layers or 0,
+        linear_attention_freq=args.linear_attention_freq or 2,
         hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups or args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, vocab_size=args.vocab_size,

@@ -30,13 +30,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state", "nan")
+FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state", "nan",
+          "mla_rope_physical")
+MODEL_FAULTS = ("mla_rope_physical",)  # planted in the tree side's modules (`plant_model_fault`), not its metadata
 METRICS = ("logits", "loss", "grads", "params_after_step")
 
 
 @dataclass
 class VerifyConfig:
-    model: str = "gpt"
+    model: str = "gpt"  # a `models.ModelArgs` kind: gpt, hybrid, mamba (MambaModel), qwen3next (GPT + GDN), ...
     pattern: Optional[str] = None
     tp: int = 1
     pp: int = 1
@@ -61,7 +63,10 @@ class VerifyConfig:
         return self.tp * self.pp * self.cp * self.dp
 
     def has_moe(self) -> bool:
-        return self.ep > 1 or (self.model == "hybrid" and "E" in (self.pattern or "MG*-*E"))
+        from .models import DEFAULT_HYBRID_PATTERN, DEFAULT_MAMBA_PATTERN
+
+        default = {"hybrid": DEFAULT_HYBRID_PATTERN, "mamba": DEFAULT_MAMBA_PATTERN}.get(self.model)
+        return self.ep > 1 or (default is not None and "E" in (self.pattern or default))
 
     def tol(self) -> float:
         """Default tolerance by dtype. float64 with MoE: Megatron's router softmax runs in fp32."""
@@ -128,7 +133,7 @@ def inject_fault(mb, fault: Optional[str]):
         fields = {f.name: (None if getattr(lm, f.name) is None else getattr(lm, f.name)[idx])
                   for f in dataclasses.fields(lm)}
         return dataclasses.replace(mb, loss_map=type(lm)(**fields))
-    if fault == "nan":
+    if fault == "nan" or fault in MODEL_FAULTS:
         return mb  # planted after the backward pass (`_plant_nan`), not in the tree metadata
     if fault == "zero_state":
         child = torch.nonzero(par >= 0).flatten()
@@ -138,6 +143,28 @@ def inject_fault(mb, fault: Optional[str]):
             return dataclasses.replace(mb, layout=dataclasses.replace(L, segment_parent=p))
         return mb
     raise ValueError(f"unknown fault {fault!r}; choose one of {FAULTS}")
+
+
+def plant_model_fault(model, fault: Optional[str]) -> None:
+    """Plant a module-level fault (`MODEL_FAULTS`) into the tree side's ``model`` (others: nothing).
+
+    ``mla_rope_physical``: every `TreeMLASelfAttention` rotates its query/key rotary parts by the
+    row's physical index in the packed sequence (global row under CP) instead of its depth: what the
+    stock MLA module does, since it builds its rotary table from the sequence length.
+    """
+    if fault != "mla_rope_physical":
+        return
+    from ..megatron.mla import TreeMLASelfAttention
+
+    def physical_rows(psp):
+        rows = torch.arange(psp.layout.num_rows, device=psp.layout.device)
+        if psp.local_rows is None:
+            return rows
+        return torch.cat([psp.local_rows, rows.new_zeros(psp.num_local_padding)])
+
+    for m in model.modules():
+        if isinstance(m, TreeMLASelfAttention):
+            m.rotary_positions = physical_rows  # instance attribute: shadows the method on this module only
 
 
 # ----------------------------------------------------------------------------------------- ranks
@@ -258,10 +285,17 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[cfg.dtype]
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype, not params_dtype
-    margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model == "gpt" else 0, window_size=cfg.window,
-                      sinks=cfg.sinks, num_experts=4 if cfg.ep > 1 and cfg.model == "gpt" else None)
+    margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model in ("gpt", "qwen3next", "mla") else 0, window_size=cfg.window,
+                      sinks=cfg.sinks, num_experts=4 if cfg.ep > 1 and cfg.model in ("gpt", "qwen3next", "mla") else None)
     if cfg.pattern:
         margs.pattern = cfg.pattern
+    if cfg.model == "qwen3next":
+        # Qwen3-Next's attention output gate is Megatron's ``x * sigmoid(gate.float())``: float32 inside
+        # a float64 model, so the backward rounds a shared row's summed gradient once in fp32 where the
+        # per-sample side rounds each sample's part (~2e-9 on grads, ~1e-5 after Adam's sign-like first
+        # step). Verify leaves it off to stay exact; tests/test_model_families.py checks the gate against
+        # stock GPTModel per sample.
+        margs.extra["attention_output_gate"] = False
     samples = verify_samples(cfg.seed, margs.vocab_size, cfg.families)
     mbs = pack(samples, cfg.budget, pad_to_multiple_of=8)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -308,6 +342,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         flat_mbs = [(mb, _single_owner_plan(mb, cfg.cp)) for mb in flat_mbs]
     for side, batch in (("tree", tree_mbs), ("flat", flat_mbs)):
         ddp, opt = fresh()
+        if side == "tree":
+            plant_model_fault(ddp.module, cfg.fault)
         store: list = []
         get_forward_backward_func()(forward_step_func=partial(_logits_step, store, cfg.cp_strategy),
                                     data_iterator=iter(batch), model=[ddp], num_microbatches=len(batch),
@@ -360,6 +396,9 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
     for cfg in cfgs:
         if cfg.fault is not None and cfg.fault not in FAULTS:
             raise ValueError(f"unknown fault {cfg.fault!r}; choose one of {FAULTS}")
+        if cfg.fault == "mla_rope_physical" and cfg.model != "mla":
+            raise ValueError("fault mla_rope_physical plants a bug in Multi-Latent Attention: it needs model='mla'"
+                             " (--model mla)")
         if cfg.ep > 1 and (cfg.dp * cfg.cp) % cfg.ep:  # experts spread over a stage's DP x CP ranks (ETP = TP)
             raise ValueError(f"expert parallel size {cfg.ep} must divide data x context parallel ranks "
                              f"{cfg.dp * cfg.cp}")
@@ -384,7 +423,7 @@ def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
 
 
 def format_report(cfg: VerifyConfig, out: dict) -> str:
-    layout = (f"model={cfg.model}{'(' + (cfg.pattern or '') + ')' if cfg.model == 'hybrid' else ''} tp={cfg.tp} "
+    layout = (f"model={cfg.model}{'(' + (cfg.pattern or '') + ')' if cfg.model in ('hybrid', 'mamba') else ''} tp={cfg.tp} "
               f"pp={cfg.pp} dp={cfg.dp} ep={cfg.ep} sp={cfg.sp} recompute={cfg.recompute} dtype={cfg.dtype} "
               + (f"cp={cfg.cp}({cfg.cp_strategy}) " if cfg.cp > 1 else "") +
               f"loss={cfg.loss}" + (f" fault={cfg.fault}" if cfg.fault else ""))

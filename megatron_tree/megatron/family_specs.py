@@ -44,6 +44,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from ..compat.mixers import stock_kwargs
 from .specs import te_available, treeify_spec
 
 __all__ = ["get_tree_mamba_stack_spec", "get_local_mamba_stack_spec",
@@ -156,10 +157,11 @@ def get_local_transformer_block_with_experimental_attention_variant_spec(
         qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
         normalization=config.normalization, qk_l2_norm=config.qk_l2_norm).submodules.self_attention
     dense = gls.get_mlp_module_spec_for_backend(backend, num_experts=None)
-    experts = (get_moe_module_spec_for_backend(backend, num_experts=config.num_moe_experts,
-                                               moe_grouped_gemm=config.moe_grouped_gemm,
-                                               moe_use_legacy_grouped_gemm=getattr(config, "moe_use_legacy_grouped_gemm", False))  # gone in 0.19
-               if 1 in moe else None)
+    # 0.19 dropped the legacy grouped GEMM (config field and keyword): pass it only where it exists
+    legacy = getattr(config, "moe_use_legacy_grouped_gemm", None) or None
+    experts = (get_moe_module_spec_for_backend(**stock_kwargs(
+        get_moe_module_spec_for_backend, backend=backend, num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm, moe_use_legacy_grouped_gemm=legacy)) if 1 in moe else None)
     specs = []
     for i in range(n):
         keys = dict(_GDN_NORM if linear[i] else ({} if config.multi_latent_attention else _QKV_NORM))

@@ -100,8 +100,10 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
         if margs.kind != "qwen3next" and "E" in margs.pattern and not margs.num_experts:
             margs.num_experts = 4
     if margs.kind == "qwen3next":
+        # SwiGLU as Qwen3-Next has it; megatron-core 0.19's stock GDN also accepts only silu / swish
         kw.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=margs.linear_attention_freq,
-                  attention_output_gate=True, qk_layernorm=True)
+                  attention_output_gate=True, qk_layernorm=True, activation_func=torch.nn.functional.silu,
+                  gated_linear_unit=True)
         if margs.num_experts:
             kw.update(moe_shared_expert_intermediate_size=margs.moe_ffn_hidden_size, moe_shared_expert_gate=True)
     if margs.kind == "mamba" and recompute == "full":

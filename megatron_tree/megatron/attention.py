@@ -125,14 +125,8 @@ class TreeDotProductAttention(MegatronModule):
         to a multiple of the TP size; padding rows attend to nothing (output 0) and are never attended.
         """
         plan = psp.cp_plan
-        if plan is None or psp.local_rows is None:
-            raise ValueError("context_parallel_size > 1 needs a CP plan in packed_seq_params: build it with "
-                             "tree_packed_seq_params(mb, cp_plan=megatron_tree.cp.plan_context_parallel(mb.layout, "
-                             "cp_size), cp_rank=...) or let tree_forward_step plan it")
-        s, n = query.shape[0], int(psp.local_rows.shape[0])
-        if s != psp.num_local_rows:
-            raise ValueError(f"sequence length {s} != this CP rank's rows {psp.num_local_rows} "
-                             f"({n} owned + {psp.num_local_padding} padding)")
+        s = query.shape[0]
+        n = psp.cp_owned_rows(s, type(self).__name__)
         from ..cp import tree_attention_cp  # the executor sits below this package
 
         out = tree_attention_cp(query[:n, 0], key[:n, 0], value[:n, 0], plan, self.pg_collection.cp,

@@ -178,14 +178,8 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         stay token-local and reach no loss). Decay and beta are token-local, made on the owner.
         """
         plan = psp.cp_plan
-        if plan is None or psp.local_rows is None:
-            raise ValueError(f"{who}: context_parallel_size > 1 needs a CP plan in packed_seq_params: build it with "
-                             "tree_packed_seq_params(mb, cp_plan=megatron_tree.cp.plan_context_parallel(mb.layout, "
-                             "cp_size), cp_rank=...) or let tree_forward_step plan it")
-        s, n = qkv.shape[0], int(psp.local_rows.shape[0])
-        if s != psp.num_local_rows:
-            raise ValueError(f"{who}: the input covers {s} rows but this CP rank holds {psp.num_local_rows} "
-                             f"({n} owned + {psp.num_local_padding} padding)")
+        s = qkv.shape[0]
+        n = psp.cp_owned_rows(s, who)
         from ..cp.gdn import default_gdn_cp_mode, tree_gdn_cp  # the executor sits below this package
 
         g = -self.A_log.exp() * F.softplus(_wide(alpha[:n]) + self.dt_bias)  # fp32 (stock: alpha.float())

@@ -64,6 +64,19 @@ class TreePackedSeqParams(PackedSeqParams):
             return self.layout.num_rows
         return int(self.local_rows.shape[0]) + self.num_local_padding
 
+    def cp_owned_rows(self, seq_len: int, who: str) -> int:
+        """Number of owned rows of this CP rank, after checking the plan is there and the module's
+        input covers ``num_local_rows`` (owned rows first, then padding)."""
+        if self.cp_plan is None or self.local_rows is None:
+            raise ValueError(f"{who}: context_parallel_size > 1 needs a CP plan in packed_seq_params: build it with "
+                             "tree_packed_seq_params(mb, cp_plan=megatron_tree.cp.plan_context_parallel(mb.layout, "
+                             "cp_size), cp_rank=...) or let tree_forward_step plan it")
+        n = int(self.local_rows.shape[0])
+        if seq_len != self.num_local_rows:
+            raise ValueError(f"{who}: the input covers {seq_len} rows but this CP rank holds {self.num_local_rows} "
+                             f"({n} owned + {self.num_local_padding} padding)")
+        return n
+
     def _local(self, full: torch.Tensor, pad_value: int) -> torch.Tensor:
         if self.local_rows is None:
             return full

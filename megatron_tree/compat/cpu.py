@@ -287,9 +287,17 @@ def patch_module(module: Any) -> bool:
     return _patch_module(module)
 
 
-def _patch_module(module: Any) -> bool:
+_CPU_VIEW_WHY = ("module-level torch -> CPU view: torch.cuda.current_device()/synchronize()/RNG calls and "
+                 "device='cuda'/pin_memory allocations run on the CPU")
+
+
+def _patch_module(module: Any, view: Any = None, call_site: "re.Pattern | None" = None, why: str = _CPU_VIEW_WHY) -> bool:
+    """Replace ``module``'s module-level ``torch`` by ``view`` (default the CPU view) when its source
+    has a ``call_site`` match (default: CUDA call sites). True when it is (or already was) patched."""
+    view = _CPU_TORCH if view is None else view
+    call_site = _CUDA_CALL_SITE if call_site is None else call_site
     namespace = vars(module)
-    if namespace.get("torch") is _CPU_TORCH:
+    if namespace.get("torch") is view:
         return True
     if namespace.get("torch") is not torch:
         return False
@@ -301,11 +309,9 @@ def _patch_module(module: Any) -> bool:
             source = f.read()
     except OSError:
         return False
-    if not _CUDA_CALL_SITE.search(source):
+    if not call_site.search(source):
         return False
-    _set(module, "torch", _CPU_TORCH,
-         "module-level torch -> CPU view: torch.cuda.current_device()/synchronize()/RNG calls and "
-         "device='cuda'/pin_memory allocations run on the CPU")
+    _set(module, "torch", view, why)
     return True
 
 

@@ -141,24 +141,10 @@ _CALL_SITE = re.compile(r"torch\.cuda\.|device\s*=\s*['\"]cuda|\.cuda\(")
 
 
 def _patch_training_module(module: Any) -> bool:
-    namespace = vars(module)
-    if namespace.get("torch") is _TRAINING_TORCH:
-        return True
-    if namespace.get("torch") is not torch:
-        return False
-    path = getattr(module, "__file__", None)
-    if not path or not path.endswith(".py"):
-        return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            if not _CALL_SITE.search(f.read()):
-                return False
-    except OSError:
-        return False
-    _cpu._set(module, "torch", _TRAINING_TORCH,
-              "megatron.training: module-level torch -> CPU view (device='cuda' -> CPU, one device, no-op "
-              "synchronize/set_device, zero memory statistics)")
-    return True
+    return _cpu._patch_module(
+        module, _TRAINING_TORCH, _CALL_SITE,
+        "megatron.training: module-level torch -> CPU view (device='cuda' -> CPU, one device, no-op "
+        "synchronize/set_device, zero memory statistics)")
 
 
 # ----------------------------------------------------------------------------------------------

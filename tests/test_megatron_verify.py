@@ -46,6 +46,9 @@ WS2 = [
     VerifyConfig(model="hybrid", pattern="G*-", cp=2, dtype="float64"),
     VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", dtype="float64", loss="grpo"),
     VerifyConfig(model="hybrid", pattern="G-", cp=2, fault="zero_state"),
+    # GDN layout islands (on by default under CP): "GG-G" and "GM" run on the island ownership, rows move
+    # only at the two attention boundaries (zigzag: the small batch's balanced plan equals the island plan)
+    VerifyConfig(model="hybrid", pattern="GG-G*GM", cp=2, cp_strategy="zigzag", dtype="float64"),
 ]
 
 WS4 = [
@@ -62,6 +65,11 @@ WS4 = [
     VerifyConfig(model="hybrid", pattern="G*-", cp=4, dtype="float64", loss="grpo"),
     VerifyConfig(model="hybrid", pattern="G*E", cp=2, tp=2, sp=True, dtype="float64"),
     VerifyConfig(model="hybrid", pattern="GM*-", cp=2, dp=2, dtype="float64", recompute="full"),
+    # GDN layout islands: closed at the pipeline stage boundary ("G-G|*GE") and replayed by full
+    # recomputation; CP4
+    VerifyConfig(model="hybrid", pattern="G-G*GE", cp=2, pp=2, cp_strategy="zigzag", dtype="float64",
+                 recompute="full"),
+    VerifyConfig(model="hybrid", pattern="GM-*G", cp=4, cp_strategy="zigzag", dtype="float64", loss="grpo"),
 ]
 
 

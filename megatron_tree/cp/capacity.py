@@ -6,6 +6,10 @@ rows per rank, predicted ms per rank (max / mean) and imbalance, the model-neutr
 (visible pairs and rows per rank), remote K/V rows and bytes moved, the peak of remote K/V rows
 held at once, the wave count, the predicted slowest rank against the ideal (one rank's time / CP)
 and the planning time. `plot_plan` draws the ownership over the tree and the chunk pair matrix W.
+`recurrent_report` / `format_recurrent` add the recurrent layers' exchange per CP size: a Gated
+DeltaNet layer in summary mode under the attention plan, in summary mode under the GDN layout
+island (`gdn_layout.plan_gdn_layout`, with the island-boundary redistribution), in heads mode, and a
+Mamba-2 layer's head all-to-all.
 """
 from __future__ import annotations
 
@@ -16,7 +20,10 @@ from .pairs import chunk_grid, layout_arrays, visible_pairs
 from .plan import CPPlan
 from .planner import STRATEGIES, plan_context_parallel
 
-__all__ = ["capacity_report", "format_capacity", "plot_plan", "MIB"]
+__all__ = ["capacity_report", "format_capacity", "plot_plan", "MIB", "recurrent_report", "format_recurrent",
+           "MAMBA_DEFAULT"]
+
+MAMBA_DEFAULT = (64, 64, 8, 128)  # Nemotron-Nano-like Mamba-2 layer of one TP rank: heads, head dim, groups, state
 
 MIB = float(1 << 20)
 
@@ -124,3 +131,92 @@ def plot_plan(layout, plan: CPPlan, path: str, *, window: int | None = None, max
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def recurrent_report(layout, attention_plans, *, heads=None, mamba=MAMBA_DEFAULT, cost=None,
+                     hidden_size: int | None = None, gdn_layers: int = 3, act_bytes: int = 2,
+                     state_bytes: int = 4) -> list[dict]:
+    """Bytes and predicted time of one recurrent layer (forward; backward moves the same back) per
+    attention plan (one per CP size > 1, in order).
+
+    heads     `GDNHeads` of one TP rank (default `gdn_layout.DEFAULT_HEADS`, Qwen3-Next-like)
+    mamba     (heads, head dim, groups, state) of one TP rank's Mamba-2 layer (Nemotron-Nano-like)
+    cost      `GDNCostModel` (default: GPU figures with CUDA, else the CPU fit ``gdn_cost_cpu.json``)
+
+    Keys per row: cp, gdn_attn_bytes / gdn_attn_ms (summary mode under the attention plan: halos,
+    states, maps), gdn_attn_entries, gdn_attn_rounds, gdn_layout_bytes / gdn_layout_ms (summary
+    mode under the GDN layout of `plan_gdn_layout` without regard to the attention plan: the
+    recurrence-friendly ownership), gdn_layout_entries, gdn_layout_rounds, redistribution_bytes
+    (rows whose owner differs between the two plans, both island boundaries, ``hidden_size``
+    activations), redistribution_ms, gdn_heads_bytes / gdn_heads_ms (None when cp does not divide
+    the value heads), island_choice (what `plan_gdn_layout` given the attention plan picks: the
+    contiguous layout or the attention ownership, and the mode), mamba_bytes / mamba_ms (None when
+    cp does not divide the Mamba heads). ms: predicted slowest rank.
+    """
+    from .gdn_layout import DEFAULT_HEADS, DEFAULT_HIDDEN, gdn_layout_figures, plan_gdn_layout
+    from .gdn_plan import GDNCostModel
+    from .mamba import mamba_exchange_figures
+
+    heads = heads or DEFAULT_HEADS
+    cost = cost or GDNCostModel.default()
+    hidden_size = hidden_size or DEFAULT_HIDDEN
+    kw = dict(heads=heads, cost=cost, hidden_size=hidden_size, gdn_layers=gdn_layers, act_bytes=act_bytes,
+              state_bytes=state_bytes)
+    out = []
+    for ap in attention_plans:
+        cp = ap.cp_size
+        if cp == 1:
+            continue
+        free = plan_gdn_layout(layout, cp, **kw)  # the GDN-optimal ownership (contiguous runs)
+        f = gdn_layout_figures(layout, ap, gdn_plan=free, **kw)
+        island = plan_gdn_layout(layout, cp, attention_plan=ap, **kw)
+        a, lay, h = f["attention"], f["layout"], f["heads"]
+        row = dict(cp=cp, gdn_attn_bytes=a["bytes"], gdn_attn_ms=1e3 * a["max_s"], gdn_attn_entries=a["entries"],
+                   gdn_attn_rounds=a["rounds"], gdn_layout_bytes=lay["bytes"], gdn_layout_ms=1e3 * lay["max_s"],
+                   gdn_layout_entries=lay["entries"], gdn_layout_rounds=lay["rounds"],
+                   redistribution_bytes=lay["redistribution_bytes"], redistribution_ms=1e3 * lay["redistribution_s"],
+                   gdn_heads_bytes=None if h is None else h["bytes"],
+                   gdn_heads_ms=None if h is None else 1e3 * h["max_s"],
+                   island_choice=f"{island.stats['source']}/{island.stats['mode']}",
+                   mamba_bytes=None, mamba_ms=None)
+        H, P, G, S = mamba
+        if H % cp == 0:
+            m = mamba_exchange_figures(ap, H, P, G, S)
+            sent = m["forward_sent"].astype(float) * act_bytes
+            recv = m["backward_sent"].astype(float) * act_bytes  # what each rank receives in forward
+            row["mamba_bytes"] = float(sent.sum())
+            row["mamba_ms"] = 1e3 * float(cost.seconds(0, np.maximum(sent, recv).max(), 2))
+        out.append(row)
+    return out
+
+
+def format_recurrent(rows: list[dict], *, heads=None, mamba=MAMBA_DEFAULT, hidden_size: int | None = None,
+                     gdn_layers: int = 3) -> str:
+    """Fixed-width table of `recurrent_report` rows (MiB summed over ranks, ms of the slowest rank);
+    lines start with ``CP<n>`` (the attention table's lines start with the bare CP size)."""
+    from .gdn_layout import DEFAULT_HEADS, DEFAULT_HIDDEN
+
+    heads = heads or DEFAULT_HEADS
+    hidden_size = hidden_size or DEFAULT_HIDDEN
+    lines = [f"recurrent layers, one layer's forward (backward moves the same back): GDN H={heads.num_k_heads} "
+             f"HV={heads.num_v_heads} K={heads.head_k_dim} V={heads.head_v_dim} W={heads.conv_width}; Mamba-2 "
+             f"H={mamba[0]} P={mamba[1]} G={mamba[2]} S={mamba[3]}; island boundary rows {hidden_size} wide, "
+             f"{gdn_layers} GDN layers per island",
+             "GDN sum@attn = summary mode under the attention plan; sum@layout = under the GDN layout island "
+             "(+ redistribution in and out of the island); heads = head all-to-all; island = plan_gdn_layout's "
+             "choice given the attention plan"]
+    head = (f"{'CP':>4}  {'GDN sum@attn MiB':>16} {'ms':>8} {'entr':>5} {'rnds':>4}  {'sum@layout MiB':>14} "
+            f"{'ms':>8} {'entr':>5} {'rnds':>4}  {'redistr MiB':>11} {'ms':>8}  {'heads MiB':>9} {'ms':>8}  "
+            f"{'island':>18}  {'Mamba a2a MiB':>13} {'ms':>8}")
+    lines += [head, "-" * len(head)]
+    opt = lambda v, fmt: f"{'-':>{fmt[0]}}" if v is None else f"{v:>{fmt[0]}.{fmt[1]}f}"  # noqa: E731
+    for r in rows:
+        lines.append(
+            f"{'CP' + str(r['cp']):>4}  {r['gdn_attn_bytes'] / MIB:>16.1f} {r['gdn_attn_ms']:>8.3f} {r['gdn_attn_entries']:>5} "
+            f"{r['gdn_attn_rounds']:>4}  {r['gdn_layout_bytes'] / MIB:>14.1f} {r['gdn_layout_ms']:>8.3f} "
+            f"{r['gdn_layout_entries']:>5} {r['gdn_layout_rounds']:>4}  {r['redistribution_bytes'] / MIB:>11.1f} "
+            f"{r['redistribution_ms']:>8.3f}  "
+            f"{opt(None if r['gdn_heads_bytes'] is None else r['gdn_heads_bytes'] / MIB, (9, 1))} "
+            f"{opt(r['gdn_heads_ms'], (8, 3))}  {r['island_choice']:>18}  "
+            f"{opt(None if r['mamba_bytes'] is None else r['mamba_bytes'] / MIB, (13, 1))} {opt(r['mamba_ms'], (8, 3))}")
+    return "\n".join(lines)

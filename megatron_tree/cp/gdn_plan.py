@@ -26,6 +26,9 @@ runs on one device per head shard, an inverse all-to-all brings outputs home. Ne
 """
 from __future__ import annotations
 
+import functools
+import json
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -35,7 +38,7 @@ from ..tree.layout import TreeLayout
 from .plan import CPPlan
 
 __all__ = ["GDNHeads", "GDNCostModel", "gdn_cp_figures", "choose_mode", "gdn_pieces", "gdn_rank_plan",
-           "gdn_heads_plan", "MODES"]
+           "gdn_heads_plan", "MODES", "summary_terms", "heads_terms", "GDN_CPU_COST_JSON"]
 
 MODES = ("auto", "summary", "heads")
 
@@ -506,42 +509,71 @@ def gdn_heads_plan(plan: CPPlan, layout: TreeLayout, heads: GDNHeads, rank: int)
 
 
 # ------------------------------------------------------------------------------- cost
+FIELDS = ("sec_per_flop", "sec_per_byte", "sec_per_collective", "sec_per_call")
+GDN_CPU_COST_JSON = os.path.join(os.path.dirname(__file__), "gdn_cost_cpu.json")
+
+
 @dataclass(frozen=True)
 class GDNCostModel:
     """Predicted seconds of one GDN layer call (forward) per rank: ``flops * sec_per_flop +
-    max(bytes sent, bytes received) * sec_per_byte + collectives * sec_per_collective``.
+    max(bytes sent, bytes received) * sec_per_byte + collectives * sec_per_collective + op calls *
+    sec_per_call`` (op calls: the recurrence runs of the rank, anchored / summary / finish in
+    summary mode, one in heads mode).
 
     Recurrence flops per row and value head with ``Vc`` state columns: ``8 K Vc`` (chunked form:
     intra-chunk solve, state products, output); conv: ``2 W`` per channel; a composition of two
     summaries: ``2 K K (K + V)`` per head. Defaults are rough H100 / NVLink figures; only ratios
-    matter for the mode choice.
+    matter for the mode choice. `GDNCostModel.cpu` loads the coefficients fitted on this CPU by
+    ``tools/bench_cp_gdn.py --calibrate`` (``gdn_cost_cpu.json``).
     """
 
     sec_per_flop: float = 1.0 / 100e12
     sec_per_byte: float = 1.0 / 100e9
     sec_per_collective: float = 20e-6
+    sec_per_call: float = 0.0  # fixed cost of one recurrence op call (anchored / summary / finish run)
 
-    def seconds(self, flops, bytes_moved, collectives):
+    def __post_init__(self):
+        for k in FIELDS:
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise ValueError(f"GDNCostModel.{k} must be a finite number >= 0, got {v!r}")
+
+    def seconds(self, flops, bytes_moved, collectives, calls=0):
         return (np.asarray(flops, float) * self.sec_per_flop + np.asarray(bytes_moved, float) * self.sec_per_byte
-                + collectives * self.sec_per_collective)
+                + collectives * self.sec_per_collective + np.asarray(calls, float) * self.sec_per_call)
+
+    @classmethod
+    def from_json(cls, path: str) -> "GDNCostModel":
+        """Coefficients from a JSON object holding field names (missing ones keep their default);
+        other keys (fit metadata) are ignored."""
+        with open(path) as f:
+            d = json.load(f)
+        return cls(**{k: float(d[k]) for k in FIELDS if k in d})
+
+    @classmethod
+    def cpu(cls) -> "GDNCostModel":
+        """The CPU fit shipped as ``gdn_cost_cpu.json`` (default coefficients if it is missing)."""
+        return cls.from_json(GDN_CPU_COST_JSON) if os.path.exists(GDN_CPU_COST_JSON) else cls()
+
+    @classmethod
+    def default(cls) -> "GDNCostModel":
+        """GPU defaults when CUDA is available, else the CPU fit (equal on every rank of a job)."""
+        import torch
+
+        return cls() if torch.cuda.is_available() else cls.cpu()
 
 
-def gdn_cp_figures(plan: CPPlan, layout: TreeLayout, heads: GDNHeads, *, act_bytes: int = 2, state_bytes: int = 4,
-                   cost: GDNCostModel | None = None) -> dict:
-    """Per-rank work and bytes of one GDN layer (forward) in both modes, from the plan alone.
+def summary_terms(pieces: GDNPieces, rows: np.ndarray, heads: GDNHeads, halo_src: np.ndarray,
+                  halo_dst: np.ndarray, *, act_bytes: int = 2, state_bytes: int = 4,
+                  cost: GDNCostModel | None = None) -> dict:
+    """Summary-mode work and bytes per rank from a piece forest (see `gdn_cp_figures`).
 
-    Returns ``{"summary": {...}, "heads": {...} or None (cp does not divide HV)}``; each holds
-    ``[cp]`` arrays ``flops``, ``bytes_sent``, ``bytes_recv`` and the predicted ``seconds``, plus
-    ``collectives``; summary mode also ``halo_rows``, ``state_rows`` (parent / boundary states
-    and E rows), ``map_rows`` (M / A matrices), ``rows``, ``summary_rows`` (rows run with ``K + V``
-    state columns), ``rounds``. Backward moves the same bytes back.
+    rows      [cp] rows each rank owns;  halo_src / halo_dst: owner and destination rank of every
+              conv halo row that travels (one entry per (row, destination) pair)
     """
     cost = cost or GDNCostModel()
-    cp = plan.cp_size
-    H, HV, K, V, W, C = (heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim, heads.conv_width,
-                         heads.conv_channels)
-    pieces = gdn_pieces(plan, layout)
-    n = plan.rows_per_rank().astype(float)
+    cp = pieces.cp_size
+    K, V, HV, W, C = heads.head_k_dim, heads.head_v_dim, heads.num_v_heads, heads.conv_width, heads.conv_channels
     state_b, map_b = HV * K * V * state_bytes, HV * K * K * state_bytes
     keys = ("halo_rows", "state_rows", "map_rows")
     sent = {k: np.zeros(cp) for k in keys}
@@ -554,9 +586,7 @@ def gdn_cp_figures(plan: CPPlan, layout: TreeLayout, heads: GDNHeads, *, act_byt
         recv[name] += count(dst[far])
         return int(src.size > 0)  # one collective when anything is listed (also self-moves)
 
-    owner = plan.owner.astype(np.int64)
-    hg = _halo_plan_global(plan, layout, W)
-    collectives = move("halo_rows", owner[hg.h], hg.dst)
+    collectives = move("halo_rows", halo_src, halo_dst)
     ent, po = pieces.entries, pieces.owner
     src = pieces.pred[ent]
     fsrc = pieces.floating[src]
@@ -566,29 +596,66 @@ def gdn_cp_figures(plan: CPPlan, layout: TreeLayout, heads: GDNHeads, *, act_byt
         collectives += move("state_rows", po[ent[tgt]], po[ent[req]])
         collectives += move("map_rows", po[ent[tgt[full]]], po[ent[req[full]]])
         comp += count(po[ent[req]]) * 2 * K * K * V + count(po[ent[req[full]]]) * 2 * K * K * K
-    rows = n
+    rows = np.asarray(rows, float)
     sum_rows = np.bincount(po[pieces.upstream], weights=pieces.length[pieces.upstream], minlength=cp)
     unit = dict(halo_rows=C * act_bytes, state_rows=state_b, map_rows=map_b)
     flops = HV * (8 * K * V * rows + 8 * K * (K + V) * sum_rows) + HV * comp + 2 * W * C * rows
     bs = sum(sent[k] * unit[k] for k in keys)
     br = sum(recv[k] * unit[k] for k in keys)
-    summ = dict(flops=flops, bytes_sent=bs, bytes_recv=br, collectives=collectives,
-                seconds=cost.seconds(flops, np.maximum(bs, br), collectives), rows=rows, summary_rows=sum_rows,
+    fl = pieces.floating
+    calls = ((np.bincount(po[~fl], minlength=cp) > 0).astype(float) + (sum_rows > 0)
+             + (np.bincount(po[fl], minlength=cp) > 0))  # anchored, summary and finish runs
+    return dict(flops=flops, bytes_sent=bs, bytes_recv=br, collectives=collectives, calls=calls,
+                seconds=cost.seconds(flops, np.maximum(bs, br), collectives, calls), rows=rows, summary_rows=sum_rows,
                 rounds=len(pieces.rounds), **{k: sent[k] + recv[k] for k in keys})
-    out = {"summary": summ, "heads": None}
-    if HV % cp == 0:
-        N = plan.num_rows
-        hv = HV // cp
-        G = HV // H
-        cq = max(2 * (np.unique(np.arange(j * hv, (j + 1) * hv) // G).size) * K + hv * V for j in range(cp))
-        row_in = cq * act_bytes + 2 * hv * state_bytes  # g, beta travel in fp32
-        row_out = hv * V * act_bytes
-        sent_h = n * (cp - 1) * row_in + (N - n) * row_out
-        recv_h = (N - n) * row_in + n * (cp - 1) * row_out
-        flops_h = np.full(cp, float(hv * 8 * K * V * N + 2 * W * cq * N))
-        out["heads"] = dict(flops=flops_h, bytes_sent=sent_h, bytes_recv=recv_h, collectives=3,
-                            seconds=cost.seconds(flops_h, np.maximum(sent_h, recv_h), 3))
-    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _heads_cols(H: int, HV: int, K: int, V: int, cp: int) -> int:
+    """Most conv channels one rank convolves in heads mode (its key heads' q, k and its v)."""
+    hv, G = HV // cp, HV // H
+    return max(2 * (np.unique(np.arange(j * hv, (j + 1) * hv) // G).size) * K + hv * V for j in range(cp))
+
+
+def heads_terms(rows: np.ndarray, heads: GDNHeads, *, act_bytes: int = 2, state_bytes: int = 4,
+                cost: GDNCostModel | None = None) -> dict | None:
+    """Heads-mode work and bytes per rank (``rows`` [cp] rows owned per rank); None when the CP
+    size does not divide the value heads."""
+    cost = cost or GDNCostModel()
+    n = np.asarray(rows, float)
+    cp = n.shape[0]
+    H, HV, K, V, W = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim, heads.conv_width
+    if HV % cp:
+        return None
+    N = float(n.sum())
+    hv = HV // cp
+    cq = _heads_cols(H, HV, K, V, cp)
+    row_in = cq * act_bytes + 2 * hv * state_bytes  # g, beta travel in fp32
+    row_out = hv * V * act_bytes
+    sent_h = n * (cp - 1) * row_in + (N - n) * row_out if cp > 1 else np.zeros(cp)
+    recv_h = (N - n) * row_in + n * (cp - 1) * row_out if cp > 1 else np.zeros(cp)
+    flops_h = np.full(cp, float(hv * 8 * K * V * N + 2 * W * cq * N))
+    coll = 3 if cp > 1 else 0
+    return dict(flops=flops_h, bytes_sent=sent_h, bytes_recv=recv_h, collectives=coll,
+                seconds=cost.seconds(flops_h, np.maximum(sent_h, recv_h), coll, 1))
+
+
+def gdn_cp_figures(plan: CPPlan, layout: TreeLayout, heads: GDNHeads, *, act_bytes: int = 2, state_bytes: int = 4,
+                   cost: GDNCostModel | None = None) -> dict:
+    """Per-rank work and bytes of one GDN layer (forward) in both modes, from the plan alone.
+
+    Returns ``{"summary": {...}, "heads": {...} or None (cp does not divide HV)}``; each holds
+    ``[cp]`` arrays ``flops``, ``bytes_sent``, ``bytes_recv`` and the predicted ``seconds``, plus
+    ``collectives``; summary mode also ``halo_rows``, ``state_rows`` (parent / boundary states
+    and E rows), ``map_rows`` (M / A matrices), ``rows``, ``summary_rows`` (rows run with ``K + V``
+    state columns), ``rounds``. Backward moves the same bytes back.
+    """
+    pieces = gdn_pieces(plan, layout)
+    hg = _halo_plan_global(plan, layout, heads.conv_width)
+    n = plan.rows_per_rank()
+    kw = dict(act_bytes=act_bytes, state_bytes=state_bytes, cost=cost)
+    summ = summary_terms(pieces, n, heads, plan.owner.astype(np.int64)[hg.h], hg.dst, **kw)
+    return {"summary": summ, "heads": heads_terms(n, heads, **kw)}
 
 
 def choose_mode(plan: CPPlan, layout: TreeLayout, heads: GDNHeads, *, cost: GDNCostModel | None = None,

@@ -9,28 +9,94 @@ Under context parallelism (``config.context_parallel_size > 1``) an item may be 
 with a `CPPlan` made ahead (the data pipeline's ``plan_fn``), or a bare microbatch, planned here
 with ``cp_strategy``. Every CP rank then runs on its owned rows; the plan's hash is compared over
 the CP group first, so ranks holding different plans stop with an error instead of hanging.
+
+GDN layout islands: for a model whose layers include Gated DeltaNet layers (and islands are on, the
+default; ``model.gdn_islands = False`` turns them off), a second, GDN-friendly plan of the same
+microbatch (`gdn_island_plan`) rides in the same `TreePackedSeqParams`; the model moves the hidden
+states to it at each island's entry and back at its exit (`megatron_tree.megatron.model`). An item may
+carry it too: ``(mb, (plan, gdn_plan))`` (what `island_plan_fn` makes for the data pipeline).
 """
 from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
+
 import torch
 import torch.distributed as dist
 
+import threading
+from collections import OrderedDict
+
 from ..cp import PlanCache
+from ..cp.gdn_layout import plan_gdn_layout
+from ..cp.planner import layout_key
 from .loss import tree_loss_func
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
-__all__ = ["tree_forward_step", "context_parallel_params", "check_same_plan"]
+__all__ = ["tree_forward_step", "context_parallel_params", "check_same_plan", "gdn_island_plan", "uses_gdn_islands",
+           "island_plan_fn"]
 
 # Plans made here (microbatches that arrive without one), shared by the pipeline stages of a process.
 _PLANS = PlanCache(maxsize=16)
 
 
-def _config_and_cp_group(model):
+_GDN_PLANS: OrderedDict = OrderedDict()
+_GDN_LOCK = threading.Lock()
+
+
+def gdn_island_plan(layout, cp_size: int, attention_plan=None, **geometry):
+    """The island (GDN-friendly) `CPPlan` of a microbatch: ``plan_gdn_layout(layout, cp_size,
+    attention_plan=attention_plan, **geometry)``, cached per (layout, CP size, attention plan,
+    geometry). ``geometry``: the model's ``gdn_island_geometry`` (``heads`` `megatron_tree.cp.GDNHeads`
+    of one TP rank, ``hidden_size``, ``act_bytes``, ``gdn_layers`` per island; the planner's defaults
+    for any left out). Deterministic: every rank makes the same plan from the same inputs."""
+    layout = layout if layout.device.type == "cpu" else layout.to("cpu")
+    key = (layout_key(layout), int(cp_size), None if attention_plan is None else attention_plan.hash,
+           tuple(sorted(geometry.items())))
+    with _GDN_LOCK:
+        if key in _GDN_PLANS:
+            _GDN_PLANS.move_to_end(key)
+            return _GDN_PLANS[key]
+    plan = plan_gdn_layout(layout, cp_size, attention_plan=attention_plan, **geometry)
+    with _GDN_LOCK:
+        _GDN_PLANS[key] = plan
+        while len(_GDN_PLANS) > 16:
+            _GDN_PLANS.popitem(last=False)
+    return plan
+
+
+def _unwrap(model):
     m = model
     while hasattr(m, "module"):  # DDP / Float16Module wrappers
         m = m.module
+    return m
+
+
+def uses_gdn_islands(model) -> bool:
+    """True when ``model`` (this pipeline stage, possibly wrapped) has GDN layout islands and they are on
+    (`megatron_tree.megatron.model.TreeLanguageModelMixin.gdn_island_spans`)."""
+    m = _unwrap(model)
+    spans = getattr(m, "gdn_island_spans", None)
+    return bool(spans) and bool(getattr(m, "gdn_islands", False))
+
+
+def island_plan_fn(plan_fn, cp_size: int, geometry=None):
+    """Wrap a data pipeline ``plan_fn(mb) -> CPPlan`` so it returns ``(plan, gdn_island_plan)``:
+    both plans are then made ahead, off the training thread, and `tree_forward_step` takes the pair.
+    ``geometry``: the model's ``gdn_island_geometry`` (what `context_parallel_params` would plan with)."""
+    geometry = dict(geometry or {})
+
+    def fn(mb):
+        plan = plan_fn(mb)
+        return plan, gdn_island_plan(getattr(mb, "layout", mb), cp_size, plan, **geometry)
+
+    fn.cache = getattr(plan_fn, "cache", None)  # type: ignore[attr-defined]
+    return fn
+
+
+def _config_and_cp_group(model):
+    m = _unwrap(model)
     cp_group = getattr(getattr(m, "pg_collection", None), "cp", None)
     if cp_group is None and m.config.context_parallel_size > 1:
         from megatron.core import parallel_state
@@ -53,15 +119,20 @@ def check_same_plan(plan, group) -> None:
                            "strategy, cost model and chunk size")
 
 
-def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced"):
+def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced", gdn_plan=None):
     """This rank's view of a whole-microbatch `TreePackedSeqParams` under ``model``'s CP size.
 
     Without CP, ``psp`` itself. Otherwise ``plan`` (or, when None, the plan ``strategy`` makes on the
     host from the layout; every rank makes the same one), checked to be the same on every CP rank,
     then `packed_seq.context_parallel_view` padded to the TP size under sequence parallelism.
+    ``plan`` may be a pair ``(plan, gdn_plan)``. When the model has GDN layout islands
+    (`uses_gdn_islands`), the view also carries the island plan: ``gdn_plan`` or `gdn_island_plan`
+    (left out when it has the attention plan's ownership: nothing would move).
     """
     config, cp_group = _config_and_cp_group(model)
     cp = config.context_parallel_size
+    if isinstance(plan, tuple):
+        plan, gdn_plan = plan
     if cp == 1:
         return psp
     if plan is None:
@@ -70,15 +141,27 @@ def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced"
     if plan.cp_size != cp:
         raise ValueError(f"the CP plan is for {plan.cp_size} ranks but context_parallel_size is {cp}")
     check_same_plan(plan, cp_group)
+    if uses_gdn_islands(model):
+        if gdn_plan is None:
+            layout = psp.layout if psp.layout.device.type == "cpu" else psp.layout.to("cpu")
+            gdn_plan = gdn_island_plan(layout, cp, plan, **getattr(_unwrap(model), "gdn_island_geometry", {}))
+        if gdn_plan.cp_size != cp:
+            raise ValueError(f"the GDN island plan is for {gdn_plan.cp_size} ranks but context_parallel_size is {cp}")
+        check_same_plan(gdn_plan, cp_group)
+        if np.array_equal(gdn_plan.owner, plan.owner):
+            gdn_plan = None  # the same ownership: a move would send every row to itself
+    else:
+        gdn_plan = None  # no islands in this stage (or turned off): GDN layers run on the attention plan
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    return context_parallel_view(psp, plan, cp_group.rank(), pad_to_multiple_of=tp)
+    return context_parallel_view(psp, plan, cp_group.rank(), pad_to_multiple_of=tp, gdn_plan=gdn_plan)
 
 
 def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps: float = 0.2, clip_eps_high=None,
                       kl_coef: float = 0.0, device=None, cp_strategy: str = "balanced"):
     """Megatron ``forward_step_func`` for `TreeMicrobatch` iterators (every stage reads the batch)."""
     item = next(data_iterator)
-    mb, plan = item if isinstance(item, tuple) else (item, None)
+    # (mb, plan), (mb, (plan, gdn_plan)), (mb, plan, gdn_plan) or a bare microbatch
+    mb, plan = (item[0], item[1] if len(item) == 2 else tuple(item[1:])) if isinstance(item, tuple) else (item, None)
     dev = device if device is not None else next(model.parameters()).device
     psp = context_parallel_params(tree_packed_seq_params(mb, dev), model, plan=plan, strategy=cp_strategy)
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)

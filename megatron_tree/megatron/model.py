@@ -15,8 +15,29 @@ shared by both models; everything else, including the module tree, is the stock 
   the model runs in float64: softmax is never taken in a lower precision than float32): the output
   layer runs on the distinct source rows only, and `vocab_parallel_logprobs` handles the TP vocab
   shards. Without a loss map it returns ordinary logits for every row.
+
+A third thing only matters under context parallelism: **GDN layout islands**. Each maximal run of
+consecutive non-attention layers of a pipeline stage (GDN 'G', Mamba-2 'M', MLP '-', MoE 'E') that
+holds at least one GDN layer is an island (`gdn_island_spans`). The hidden states move from the
+attention ownership (``packed_seq_params.cp_plan``) to a GDN-friendly one (``gdn_plan``) at the
+island's entry and back at its exit (`megatron_tree.cp.redistribute.redistribute_rows`, a
+differentiable all-to-all over the CP group), so the residual stream, norms, MLP / MoE and the GDN
+recurrences inside the island run on the GDN ownership, where a chain is cut into few cross-rank
+pieces. The moves are forward pre-/post-hooks on the island's first / last layer module (the residual
+add is inside the layer, outside the mixer), installed once at construction: Megatron's full
+recomputation calls the same layer modules again and so redoes the same (deterministic) moves, and
+pipeline stage boundaries always see attention ownership (an island never spans a stage). Under TP
+sequence parallelism a move gathers the SP shards (all-gather over TP), moves the rows over CP and
+scatters them again: every TP rank then moves all rows of its CP rank (TP-fold duplicated CP traffic
+and one extra all-gather per move), simple and exact. The loss and logits always see the attention
+ownership. Islands need ``gdn_plan`` in the params (`megatron_tree.megatron.forward_step
+.context_parallel_params` adds it when `gdn_islands` is on, the default); CUDA-graphed layers bypass
+module hooks and are not supported with islands.
 """
 from __future__ import annotations
+
+import os
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +46,105 @@ from megatron.core.models.mamba.mamba_model import MambaModel
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
 )
 
+from ..cp.redistribute import redistribute_rows
 from .loss import vocab_parallel_logprobs
 from .packed_seq import TreePackedSeqParams
+
+# Test-only fault switch (None in normal use): "skip_exit" leaves the hidden states in GDN ownership
+# after an island; "attention_rows" runs the island layers on the attention view while the hidden
+# states are in GDN ownership.
+_FAULT = None
+
+
+def _islands_default() -> bool:
+    """GDN layout islands are on unless ``$MEGATRON_TREE_GDN_ISLANDS`` is 0 / off / false."""
+    return os.environ.get("MEGATRON_TREE_GDN_ISLANDS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def layer_kind(layer) -> str:
+    """Letter of a decoder layer: 'G' (holds a `TreeGatedDeltaNet`), 'M' (a tree Mamba-2 mixer),
+    '*' (attention: any Megatron ``Attention`` or any other sequence mixer, which may depend on the
+    ownership), '-' (token-local only: MLP, MoE, identity mixer)."""
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from .gdn import TreeGatedDeltaNet
+    from .mamba import _TreeMambaMixerImpl
+
+    mods = list(layer.modules())
+    if any(isinstance(m, TreeGatedDeltaNet) for m in mods):
+        return "G"
+    if any(isinstance(m, _TreeMambaMixerImpl) for m in mods):
+        return "M"
+    if any(isinstance(m, Attention) for m in mods):
+        return "*"
+    for name in ("self_attention", "mixer", "cross_attention"):
+        sub = getattr(layer, name, None)
+        if sub is not None and not isinstance(sub, IdentityOp):
+            return "*"  # an unknown sequence mixer: conservatively a boundary
+    return "-"
+
+
+def gdn_island_spans(kinds: str) -> list:
+    """[(start, stop)] half-open layer ranges of the islands of a layer-kind string: maximal runs of
+    non-attention letters that contain a 'G'. ``"GG-G*GG"`` -> ``[(0, 4), (5, 7)]``."""
+    spans, start = [], None
+    for i, k in enumerate(kinds + "*"):
+        if k != "*" and start is None:
+            start = i
+        elif k == "*" and start is not None:
+            if "G" in kinds[start:i]:
+                spans.append((start, i))
+            start = None
+    return spans
+
+
+class _IslandHooks:
+    """Forward hooks of the island layers of one model chunk (holds no per-microbatch state: the
+    plans come in each call's ``packed_seq_params``)."""
+
+    def __init__(self, model):
+        self.config, self.pg = model.config, model.pg_collection
+
+    def move(self, hidden: torch.Tensor, src, dst) -> torch.Tensor:
+        """Hidden states [s, 1, h] from ``src``'s ownership to ``dst``'s (both TreePackedSeqParams views)."""
+        sp = self.config.sequence_parallel and self.pg.tp.size() > 1
+        if sp:  # backward: this TP rank's slice of the (TP-identical) gradient
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=self.pg.tp)
+        out = redistribute_rows(hidden, src.cp_plan, dst.cp_plan, self.pg.cp, src_padding=src.num_local_padding,
+                                dst_padding=dst.num_local_padding)
+        if sp:  # backward: all-gather of the TP slices' gradients
+            out = scatter_to_sequence_parallel_region(out, group=self.pg.tp)
+        return out
+
+    def pre(self, entry: bool, module, args, kwargs):
+        psp = kwargs.get("packed_seq_params")
+        if not (isinstance(psp, TreePackedSeqParams) and psp.has_islands):
+            return None  # islands off for this microbatch: the layer runs on the attention ownership
+        view = psp.island_view()
+        kwargs = dict(kwargs, packed_seq_params=psp if _FAULT == "attention_rows" else view)
+        if entry:
+            if kwargs.get("padding_mask") is not None:
+                raise ValueError("GDN islands: a padding_mask cannot follow the rows across ownerships (tree "
+                                 "microbatches carry none)")
+            if "hidden_states" in kwargs:
+                kwargs["hidden_states"] = self.move(kwargs["hidden_states"], psp, view)
+            else:
+                args = (self.move(args[0], psp, view),) + tuple(args[1:])
+        return args, kwargs
+
+    def post(self, module, args, kwargs, output):
+        view = kwargs.get("packed_seq_params")
+        if _FAULT == "attention_rows" and isinstance(view, TreePackedSeqParams) and view.has_islands:
+            view = view.island_view()
+        if not (isinstance(view, TreePackedSeqParams) and view.in_island) or _FAULT == "skip_exit":
+            return None
+        if isinstance(output, tuple):
+            return (self.move(output[0], view, view.attention_view),) + tuple(output[1:])
+        return self.move(output, view, view.attention_view)
 
 
 def _is_tree(psp) -> bool:
@@ -41,7 +157,49 @@ class TreeLanguageModelMixin:
     Mixed in before the stock model class; uses only attributes every Megatron ``LanguageModule``
     language model has (``config``, ``pg_collection``, ``post_process``, ``position_embedding_type``,
     ``rotary_pos_emb``, ``output_layer``, ``share_embeddings_and_output_weights``).
+
+    GDN layout islands (`install_gdn_islands`, called by both models' constructors):
+    ``gdn_layer_kinds`` (one `layer_kind` letter per layer of this chunk), ``gdn_island_spans``
+    (`gdn_island_spans` of them), ``gdn_island_geometry`` (what the island planner prices: ``heads``,
+    the `megatron_tree.cp.GDNHeads` of the first GDN layer on this TP rank, ``hidden_size``,
+    ``act_bytes``, ``gdn_layers`` per island) and the switch ``gdn_islands`` (default on, off with
+    ``$MEGATRON_TREE_GDN_ISLANDS=0``; read when the params are built, so set it before training).
     """
+
+    gdn_islands: bool = True
+    gdn_island_spans: list = []
+    gdn_layer_kinds: str = ""
+    gdn_island_geometry: dict = {}
+
+    def install_gdn_islands(self) -> None:
+        """Find this chunk's islands and hook their first / last layers (once, at construction)."""
+        layers = list(getattr(getattr(self, "decoder", None), "layers", None) or [])
+        self.gdn_layer_kinds = "".join(layer_kind(layer) for layer in layers)
+        self.gdn_island_spans = gdn_island_spans(self.gdn_layer_kinds)
+        self.gdn_islands = _islands_default()
+        self.gdn_island_geometry = {}
+        if not self.gdn_island_spans:
+            return
+        from ..cp import GDNHeads
+        from .gdn import TreeGatedDeltaNet
+
+        # what the island planner prices: the first GDN layer's heads on this TP rank, the width and
+        # element size of the rows moved at a boundary, GDN layers per island (boundaries are paid
+        # once per island, the GDN work once per layer)
+        m = next(m for layer in layers for m in layer.modules() if isinstance(m, TreeGatedDeltaNet))
+        n_gdn = self.gdn_layer_kinds.count("G")
+        self.gdn_island_geometry = dict(
+            heads=GDNHeads(m.num_key_heads // m.tp_size, m.num_value_heads // m.tp_size, m.key_head_dim,
+                           m.value_head_dim, int(m.conv1d.weight.shape[-1])),
+            hidden_size=int(self.config.hidden_size),
+            act_bytes=torch.empty((), dtype=self.config.params_dtype).element_size(),
+            gdn_layers=max(1, round(n_gdn / len(self.gdn_island_spans))))
+        hooks = _IslandHooks(self)
+        for start, stop in self.gdn_island_spans:
+            for i in range(start, stop):
+                # every island layer gets the island view; the first one also moves the rows in
+                layers[i].register_forward_pre_hook(partial(hooks.pre, i == start), with_kwargs=True)
+            layers[stop - 1].register_forward_hook(hooks.post, with_kwargs=True)
 
     def tree_rotary_pos_emb(self, packed_seq_params) -> "torch.Tensor | None":
         """Rotary table ``[n, 1, 1, dim]`` indexed by the depth of each of this rank's ``n`` rows
@@ -92,6 +250,7 @@ class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
     def __init__(self, config, transformer_layer_spec, *args, **kwargs):
         super().__init__(config, transformer_layer_spec, *args, **kwargs)
         self._non_homogeneous_layers = bool(getattr(transformer_layer_spec, "non_homogeneous_layers", False))
+        self.install_gdn_islands()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Megatron's sharded state dict; hybrid stacks are always keyed per layer (a Mamba layer
@@ -129,6 +288,10 @@ class TreeMambaModel(TreeLanguageModelMixin, MambaModel):
     ``labels``), else logits ``[1, N, V/tp]`` (or the loss with ``labels``), as ``MambaModel``.
     Any other input runs ``MambaModel.forward`` unchanged.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.install_gdn_islands()
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, runtime_gather_output=None, *, inference_params=None,

@@ -31,6 +31,14 @@ class TreePackedSeqParams(PackedSeqParams):
     local_rows         [n] global rows this CP rank holds, in its local order (None without CP)
     num_local_padding  rows appended after ``local_rows`` (pad token, depth 0, attend to nothing)
                        so that the local sequence divides by the TP size under sequence parallelism
+    gdn_plan           second `CPPlan` of the same microbatch for GDN layout islands (None: no islands;
+                       the GDN layers then run on ``cp_plan``): consecutive non-attention layers with a
+                       GDN layer run on this ownership (`island_view`), identical on every CP rank
+    gdn_local_rows     [n_g] global rows this rank owns under ``gdn_plan`` (ascending)
+    gdn_num_local_padding  padding rows after them (the TP size divides ``n_g + padding`` under SP)
+    in_island          True on the island view itself: ``cp_plan`` / ``local_rows`` / ``num_local_padding``
+                       are then the GDN ownership's, ``loss_map`` is None, and ``attention_view`` is
+                       the attention-ownership view it was made from
 
     Without CP the modules see all ``layout.num_rows`` rows; under CP they see
     ``num_local_rows = len(local_rows) + num_local_padding`` rows: ``input_ids`` / ``position_ids``
@@ -43,6 +51,11 @@ class TreePackedSeqParams(PackedSeqParams):
     cp_rank: int = 0
     local_rows: Optional[torch.Tensor] = None
     num_local_padding: int = 0
+    gdn_plan: Any = None
+    gdn_local_rows: Optional[torch.Tensor] = None
+    gdn_num_local_padding: int = 0
+    in_island: bool = False
+    attention_view: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -63,6 +76,34 @@ class TreePackedSeqParams(PackedSeqParams):
         if self.local_rows is None:
             return self.layout.num_rows
         return int(self.local_rows.shape[0]) + self.num_local_padding
+
+    @property
+    def has_islands(self) -> bool:
+        """True when this (attention-ownership) view carries a GDN island ownership."""
+        return self.gdn_plan is not None and self.gdn_local_rows is not None and not self.in_island
+
+    def island_view(self) -> "TreePackedSeqParams":
+        """The GDN-ownership view of this rank (what the layers inside a GDN island receive).
+
+        Same layout; ``cp_plan`` = ``gdn_plan``, ``local_rows`` = ``gdn_local_rows``,
+        ``num_local_padding`` = ``gdn_num_local_padding``; no loss map (the loss always sees the
+        attention ownership). Made once per microbatch view and reused by every island layer, by
+        recomputation and by every island of the stage. The island view of an island view is itself.
+        """
+        if self.in_island:
+            return self
+        if not self.has_islands:
+            raise ValueError("island_view: these packed_seq_params carry no GDN island plan (gdn_plan): build them "
+                             "with megatron_tree.megatron.forward_step.context_parallel_params(psp, model) for a model "
+                             "with GDN islands")
+        view = self.__dict__.get("_island_view")
+        if view is None:
+            view = dataclasses.replace(self, loss_map=None, cp_plan=self.gdn_plan, local_rows=self.gdn_local_rows,
+                                       num_local_padding=self.gdn_num_local_padding, in_island=True,
+                                       attention_view=self)
+            view.max_seqlen_q, view.max_seqlen_kv = self.max_seqlen_q, self.max_seqlen_kv
+            self.__dict__["_island_view"] = view
+        return view
 
     def cp_owned_rows(self, seq_len: int, who: str) -> int:
         """Number of owned rows of this CP rank, after checking the plan is there and the module's
@@ -116,26 +157,37 @@ def local_loss_map(loss_map: LossMap, owner: torch.Tensor, local_rows: torch.Ten
 
 
 def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
-                           pad_to_multiple_of: int = 1) -> TreePackedSeqParams:
+                           pad_to_multiple_of: int = 1, gdn_plan=None) -> TreePackedSeqParams:
     """`TreePackedSeqParams` for a `TreeMicrobatch`, moved to ``device``; with a ``cp_plan`` of more
-    than one rank, CP rank ``cp_rank``'s view of it (`context_parallel_view`)."""
+    than one rank, CP rank ``cp_rank``'s view of it (`context_parallel_view`, with the GDN island
+    ownership ``gdn_plan`` when given)."""
     layout, loss_map = mb.layout, mb.loss_map
     if device is not None:
         layout, loss_map = layout.to(device), loss_map.to(device)
     psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan)
     if cp_plan is None or cp_plan.cp_size == 1:
         return psp
-    return context_parallel_view(psp, cp_plan, cp_rank, pad_to_multiple_of=pad_to_multiple_of)
+    return context_parallel_view(psp, cp_plan, cp_rank, pad_to_multiple_of=pad_to_multiple_of, gdn_plan=gdn_plan)
+
+
+def _padding(n: int, multiple: int) -> int:
+    """Rows to append to ``n`` owned rows so the TP size divides them (one slot per TP rank when n = 0)."""
+    multiple = max(1, multiple)
+    return (-n) % multiple or (multiple if n == 0 else 0)
 
 
 def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
-                          pad_to_multiple_of: int = 1) -> TreePackedSeqParams:
+                          pad_to_multiple_of: int = 1, gdn_plan=None) -> TreePackedSeqParams:
     """CP rank ``cp_rank``'s view of a whole-microbatch ``psp``.
 
     Its owned rows (``cp_plan.owner_rows(cp_rank)``), padded up to a multiple of ``pad_to_multiple_of``
     (the TP size under sequence parallelism; a rank that owns nothing still gets one padded slot per
     TP rank, since Megatron's modules cannot run on an empty sequence), and the loss map of the
     occurrences it computes. The layout stays whole: every rank sees the tree.
+
+    ``gdn_plan`` (optional): the GDN island ownership of the same microbatch (same ``cp_size`` and
+    rows); the view then also carries this rank's rows under it (padded the same way), and
+    `TreePackedSeqParams.island_view` gives the view the island layers run on.
     """
     layout, loss_map = psp.layout, psp.loss_map
     if cp_plan.num_rows != layout.num_rows:
@@ -146,11 +198,19 @@ def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
     dev = layout.device
     rows = torch.from_numpy(cp_plan.owner_rows(cp_rank)).to(dev)
     owner = torch.from_numpy(cp_plan.owner.astype("int64")).to(dev)
-    multiple = max(1, pad_to_multiple_of)
-    pad = (-int(rows.shape[0])) % multiple or (multiple if rows.shape[0] == 0 else 0)
+    pad = _padding(int(rows.shape[0]), pad_to_multiple_of)
     local_lm = None if loss_map is None else local_loss_map(loss_map, owner, rows, cp_rank)
+    g_rows, g_pad = None, 0
+    if gdn_plan is not None:
+        if gdn_plan.num_rows != layout.num_rows or gdn_plan.cp_size != cp_plan.cp_size:
+            raise ValueError(f"the GDN island plan covers {gdn_plan.num_rows} rows for {gdn_plan.cp_size} CP ranks but "
+                             f"the attention plan {layout.num_rows} rows for {cp_plan.cp_size}: plan both for the same "
+                             "microbatch and CP size")
+        g_rows = torch.from_numpy(gdn_plan.owner_rows(cp_rank)).to(dev)
+        g_pad = _padding(int(g_rows.shape[0]), pad_to_multiple_of)
     out = TreePackedSeqParams(layout=layout, loss_map=local_lm, cp_plan=cp_plan, cp_rank=cp_rank, local_rows=rows,
-                              num_local_padding=pad)
+                              num_local_padding=pad, gdn_plan=gdn_plan, gdn_local_rows=g_rows,
+                              gdn_num_local_padding=g_pad)
     # Megatron's GPTModel builds (and TreeGPTModel then replaces) a rotary table of max_seqlen_q rows,
     # zigzag-sliced over CP ranks, which needs a multiple of 2 * cp
     out.max_seqlen_q = out.max_seqlen_kv = -(-layout.num_rows // (2 * cp_plan.cp_size)) * 2 * cp_plan.cp_size

@@ -8,8 +8,12 @@ Reads the samples (a synthetic preset or JSONL / Parquet files), packs them into
 largest microbatch (the one that decides whether a CP size fits) and prints, per CP size, what
 `megatron_tree.cp.capacity.capacity_report` finds: rows per rank, predicted ms per rank (max /
 mean), the imbalance of every strategy, the model-neutral balance, remote K/V rows and bytes, the
-peak remote K/V held at once, waves and planning time. ``--plot`` draws the ownership over the
-tree and the chunk pair matrix for the largest CP size.
+peak remote K/V held at once, waves and planning time; then the recurrent layers' exchange
+(`megatron_tree.cp.capacity.recurrent_report`: a Gated DeltaNet layer in summary mode under the
+balanced attention plan, under its GDN layout island with the boundary redistribution, in heads
+mode, and a Mamba-2 layer's all-to-all; shapes from ``--gdn-heads`` / ``--mamba-dims``, off with
+``--no-recurrent``). ``--plot`` draws the ownership over the tree and the chunk pair matrix for the
+largest CP size.
 
 `add_plan_args(parser)` adds the options to a parser; `run_plan(argv_or_args)` runs them (an argv
 list, or the parsed namespace) and returns an exit status.
@@ -64,7 +68,44 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="cost model: the built-in GPU profile, the shipped CPU profile or a calibrated JSON "
                              "(tools/calibrate_cp.py); default: gpu with CUDA, else cpu")
     parser.add_argument("--plot", default=None, metavar="PNG", help="ownership and W heat map of the largest CP size")
+    parser.add_argument("--no-recurrent", action="store_true", help="skip the recurrent (GDN / Mamba) exchange table")
+    parser.add_argument("--gdn-heads", type=lambda t: _shape(t, 5, "--gdn-heads"), default=(16, 32, 128, 128, 4),
+                        metavar="H,HV,K,V,W", help="GDN key heads, value heads, key dim, value dim, conv width of one "
+                                                   "TP rank (default 16,32,128,128,4: Qwen3-Next-like)")
+    parser.add_argument("--mamba-dims", type=lambda t: _shape(t, 4, "--mamba-dims"), default=(64, 64, 8, 128),
+                        metavar="H,P,G,S", help="Mamba-2 heads, head dim, groups, state of one TP rank "
+                                                "(default 64,64,8,128: Nemotron-Nano-like)")
+    parser.add_argument("--hidden-size", type=int, default=2048, help="hidden width moved at GDN island boundaries")
+    parser.add_argument("--gdn-layers-per-island", type=int, default=3, metavar="N",
+                        help="consecutive GDN layers between attention layers (default 3)")
+    parser.add_argument("--gdn-cost", default=None, metavar="gpu|cpu|FILE.json",
+                        help="GDN cost model: GPU defaults, the shipped CPU fit (tools/bench_cp_gdn.py --calibrate) or "
+                             "a JSON; default: gpu with CUDA, else cpu")
     return parser
+
+
+def _shape(text: str, n: int, flag: str) -> tuple:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag}: expected {n} comma-separated integers, got {text!r}") from None
+    if len(out) != n or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{flag}: expected {n} comma-separated positive integers, got {text!r}")
+    return out
+
+
+def _gdn_cost(spec):
+    from ..cp.gdn_plan import GDNCostModel
+
+    if spec is None:
+        return GDNCostModel.default()
+    if spec == "gpu":
+        return GDNCostModel()
+    if spec == "cpu":
+        return GDNCostModel.cpu()
+    if not os.path.exists(spec):
+        raise ValueError(f"--gdn-cost: no such file {spec!r} (use gpu, cpu or a JSON from tools/bench_cp_gdn.py)")
+    return GDNCostModel.from_json(spec)
 
 
 def build_plan_parser(prog: str = "megatron-tree plan") -> argparse.ArgumentParser:
@@ -87,7 +128,7 @@ def _cost_model(spec):
 
 def run_plan(argv_or_args=None) -> int:
     """Run ``megatron-tree plan`` on an argv list (or a parsed namespace); returns the exit status."""
-    from ..cp.capacity import capacity_report, format_capacity, plot_plan
+    from ..cp.capacity import capacity_report, format_capacity, format_recurrent, plot_plan, recurrent_report
     from ..data.pipeline import read_samples
     from ..data.synthetic import make_preset
     from ..tree import pack
@@ -114,6 +155,19 @@ def run_plan(argv_or_args=None) -> int:
         mbs = pack(samples, budget)
         mb = max(mbs, key=lambda m: (m.num_rows, m.stats.tree_attention_pairs))
         rows = capacity_report(mb.layout, args.cp, strategies=args.strategy, cost_model=cm, window=args.window)
+        recurrent = None
+        if not getattr(args, "no_recurrent", False):
+            from ..cp.gdn_plan import GDNHeads
+
+            heads = GDNHeads(*args.gdn_heads)
+            by_cp = {}
+            for r in rows:  # the balanced plan of each CP size (else the first strategy planned)
+                if r["cp"] not in by_cp or r["strategy"] == "balanced":
+                    by_cp[r["cp"]] = r["plan"]
+            rkw = dict(heads=heads, mamba=tuple(args.mamba_dims), hidden_size=args.hidden_size,
+                       gdn_layers=args.gdn_layers_per_island)
+            recurrent = format_recurrent(
+                recurrent_report(mb.layout, list(by_cp.values()), cost=_gdn_cost(args.gdn_cost), **rkw), **rkw)
     except ValueError as e:
         print(f"megatron-tree plan: error: {e}", file=sys.stderr)
         return 2
@@ -122,6 +176,9 @@ def run_plan(argv_or_args=None) -> int:
              f"{mb.num_rows:,} rows, {mb.stats.num_trees} tree(s), {mb.stats.tree_attention_pairs:,} visible pairs"
              + (f", window {args.window}" if args.window else ""))
     print(format_capacity(rows, title=title, cost_model=cm))
+    if recurrent is not None:
+        print()
+        print(recurrent)
     fb = sorted({(r["cp"], r["fallback"]) for r in rows if r["strategy"] == "balanced" and r["fallback"]})
     if fb:
         print("balanced fell back to a fold where it predicted faster: "

@@ -549,6 +549,11 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
         from ..cp import make_plan_fn
 
         kw["plan_fn"] = make_plan_fn(args.context_parallel_size, strategy=args.tree_cp_planner)
+        from ..megatron.forward_step import island_plan_fn, uses_gdn_islands
+
+        if uses_gdn_islands(ddp):  # GDN layout islands: the island plan is made ahead too, as a pair
+            kw["plan_fn"] = island_plan_fn(kw["plan_fn"], args.context_parallel_size,
+                                            model.gdn_island_geometry)
     pipeline = _make_pipeline(samples, args.packing, **kw)
 
     start, resumed_from = 0, None
@@ -623,7 +628,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
                 every = [torch.zeros_like(att) for _ in range(dist.get_world_size(cp_group))]
                 dist.all_gather(every, att, group=cp_group)
                 every = torch.cat(every)
-                m.update(cp_predicted_imbalance=float(np.mean([p.imbalance for p in step.plans])),
+                m.update(cp_predicted_imbalance=float(np.mean([(p[0] if isinstance(p, tuple) else p).imbalance
+                                                                for p in step.plans])),
                          cp_attention_s=float(every.max()),
                          cp_attention_imbalance=float(every.max() / every.mean()) if every.mean() > 0 else 1.0)
             history.append(m)

@@ -91,7 +91,8 @@ def cmd_verify(args) -> int:
     cfg = VerifyConfig(model=args.model, pattern=args.pattern, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
                        cp=args.cp, cp_strategy=args.cp_strategy, sp=args.sp, recompute=args.recompute, dtype=args.dtype, loss=args.loss, window=args.window,
                        sinks=args.sinks, seed=args.seed, families=args.families, budget=args.max_tokens_per_mb,
-                       fault=args.inject_fault, tolerance=args.tolerance)
+                       fault=args.inject_fault, tolerance=args.tolerance, dsa_sparse_loss=args.dsa_sparse_loss,
+                       dsa_topk_freq=args.dsa_topk_freq, dsa_topk=args.dsa_topk)
     out = run_verify(cfg)
     print(format_report(cfg, out))
     return 0 if out["passed"] else 1
@@ -109,7 +110,7 @@ def cmd_launch(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .data.synthetic import PRESETS
-    from .training.verify import FAULTS
+    from .training.verify import ALL_FAULTS as FAULTS
 
     p = argparse.ArgumentParser(prog="megatron-tree", description="Prefix-tree training for Megatron-Core")
     sub = p.add_subparsers(dest="command", required=True)
@@ -125,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--plot", default=None, help="write a PNG of the largest microbatch's tree")
     st.set_defaults(func=cmd_stats)
     vf = sub.add_parser("verify", help="tree-packed vs per-sample training of a tiny model: logits, loss, grads, step")
-    vf.add_argument("--model", choices=["gpt", "hybrid", "mla", "mamba", "qwen3next"], default="gpt",
-                    help="mla: GPT with Multi-Latent Attention (MLATransformerConfig, YaRN, q/kv latents); mamba: "
+    vf.add_argument("--model", choices=["gpt", "hybrid", "mla", "dsa", "mamba", "qwen3next"], default="gpt",
+                    help="mla: GPT with Multi-Latent Attention (MLATransformerConfig, YaRN, q/kv latents); dsa: MLA with "
+                         "DeepSeek sparse attention (per-sample side: stock DSAttention); mamba: "
                          "Megatron's MambaModel (Nemotron-H, --pattern letters M * - E, default M*-E); qwen3next: "
                          "GPTModel with Megatron's gated_delta_net attention variant (GDN, attention every 2nd layer)")
     vf.add_argument("--pattern", default=None, help="hybrid layer pattern (M Mamba-2, G GDN, * attention, - MLP, E MoE); "
@@ -149,10 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--max-tokens-per-mb", type=int, default=64)
     vf.add_argument("--seed", type=int, default=1234)
     vf.add_argument("--tolerance", type=float, default=None, help="max relative error (default by dtype)")
+    vf.add_argument("--dsa-sparse-loss", action="store_true", help="--model dsa: indexer loss over the selected keys")
+    vf.add_argument("--dsa-topk-freq", type=int, default=1,
+                    help="--model dsa: IndexShare, every n-th layer computes top-k and the others reuse it")
+    vf.add_argument("--dsa-topk", type=int, default=None, help="--model dsa: keys per query (default 4)")
     vf.add_argument("--inject-fault", default=None, choices=FAULTS,
                     help="inject a known bug into the tree side (verify must then fail; nan: a NaN in one "
                          "parameter's gradient and one logit; mla_rope_physical, with --model mla: MLA's rotary "
-                         "indexed by physical row instead of tree depth)")
+                         "indexed by physical row instead of tree depth; dsa_tie_order / dsa_loss_weight, with --model dsa: "
+                         "top-k ties by the larger row id / indexer loss without the per-sample row weights)")
     vf.set_defaults(func=cmd_verify)
     dm = sub.add_parser("demo", help="the CPU demo (README's first command): sharing report, then tree vs flat "
                                      "training of a tiny hybrid model on 2 CPU ranks")

@@ -233,7 +233,8 @@ def _tp_broadcast_body(seeds):
             psp = get_batch(it)
         except StopIteration:
             break
-        got.append(_fields(psp.layout, psp.loss_map))
+        got.append(dict(_fields(psp.layout, psp.loss_map), row_samples=psp.row_samples,
+                        row_inv_length=psp.row_inv_length))
         assert psp.max_seqlen_q == psp.layout.num_rows and psp.qkv_format == "sbhd"
     # an error on the source reaches the peers instead of leaving them in the broadcast
     err = None
@@ -249,7 +250,9 @@ def test_get_batch_broadcasts_tree_metadata_over_tp():
     results = run_distributed(_tp_broadcast_body, 4, seeds, timeout=120)  # TP 2 x DP 2
     assert [r["src"] for r in results] == [0, 0, 2, 2]
     for r in results:
-        want = [_fields(mb.layout, mb.loss_map) for mb in _microbatches(seeds[r["dp_rank"]])]
+        want = [dict(_fields(mb.layout, mb.loss_map), **dict(zip(("row_samples", "row_inv_length"),
+                                                                 mb.row_sample_stats())))
+                for mb in _microbatches(seeds[r["dp_rank"]])]
         assert len(r["got"]) == len(want)
         for g, w in zip(r["got"], want):
             _assert_same(g, w)

@@ -61,6 +61,15 @@ def check_microbatches(samples, masks, mbs, budget, pad):
             for t in range(1, len(toks)):
                 if masks[sid][t]:
                     truth.append((sid, t, int(rows[t - 1]), toks[t]))
+        # per-row sample statistics: samples through each row, sum of 1/len over them (loop oracle)
+        count, inv = np.zeros(L.num_rows), np.zeros(L.num_rows)
+        for sid in mb.sample_ids:
+            for r in mb.sample_rows(sid).tolist():
+                count[r] += 1
+                inv[r] += 1.0 / len(samples[sid])
+        got_count, got_inv = mb.row_sample_stats()
+        assert got_count.dtype == got_inv.dtype == torch.float64
+        assert got_count.tolist() == count.tolist() and np.allclose(got_inv.numpy(), inv, rtol=1e-15, atol=0)
         # maximal sharing: one real row per distinct prefix
         assert L.num_real_rows == len(prefixes)
         # visibility predicate == ancestor-or-self along path_prev, for every row

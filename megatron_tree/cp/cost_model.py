@@ -33,6 +33,25 @@ GQA model (32 query heads, 8 K/V heads, head dim 128, hidden 4096, bf16).
 
 `simulate` is vectorised over ranks (used by the planner's search); `simulate_reference` follows
 the same schedule with plain loops, one rank at a time (tests check that the two agree).
+
+DSA models (``CostModel.dsa``, a `DSAWork`; `cp.dsa.tree_dsa_cp` is the executor). The staged
+schedule above then runs the *indexer*: its stages score candidate keys, so a stage costs
+``launch + pairs * index_{fwd,bwd}_ms_per_pair + stage_row_ms * (nq + nk)`` (work per visible
+(query, key) pair: the indexer scores every visible key), its transfers move candidate rows
+(``cand_bytes_per_row``: index keys, plus main keys for a dense indexer loss; the backward returns
+``cand_grad_bytes_per_row``), and the top-k merge takes the place of the LSE merge. Only the layers
+that run their own indexer pay it (``index_layers_fraction``; IndexShare layers reuse the ids).
+Every DSA layer then runs ONE sparse attention over a fixed ``min(topk, visible keys)`` per query
+(``sel_{fwd,bwd}_ms_per_key`` times `RankLoads.sel_keys`, the rank's sum of that count), after the
+winners' K|V fetch (three all-to-alls: counts, ids, rows; rows estimated by the bound
+``min(remote rows, sel_keys)``, returned as dK|dV in backward). Per layer::
+
+    attn_fwd = f * staged_indexer_fwd + winners_fetch + sel_fwd_ms_per_key * sel_keys
+    attn_bwd = winners_return + sel_bwd_ms_per_key * sel_keys + f * staged_indexer_bwd
+
+With ``kv_with_candidates`` (the executor's ``kv_fetch="stages"``) there is no winners' fetch: the
+waves carry candidate + K|V bytes (f of the layers, with the indexer's work) or K|V bytes alone
+(the IndexShare layers, stages without scoring), all overlapped like dense attention's fetch.
 """
 from __future__ import annotations
 
@@ -44,10 +63,63 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["CostModel", "RankLoads", "RankTimes", "simulate", "simulate_reference", "default_cost_model",
-           "CPU_COST_JSON"]
+__all__ = ["CostModel", "DSAWork", "RankLoads", "RankTimes", "simulate", "simulate_reference", "default_cost_model",
+           "CPU_COST_JSON", "dsa_selected_keys"]
 
 CPU_COST_JSON = os.path.join(os.path.dirname(__file__), "cost_cpu.json")
+
+
+@dataclass(frozen=True)
+class DSAWork:
+    """The DSA terms of the CP cost model (milliseconds and bytes per DSA layer; see the module doc).
+
+    topk                        keys each query attends (``min(topk, visible keys)`` per query row)
+    index_layers_fraction       share of the DSA layers that run their own indexer (candidate
+                                scoring, its stages and transfers); the others reuse ids (IndexShare)
+    index_fwd_ms_per_pair       indexer forward per visible (query, key) pair: top-k scoring, plus
+                                the loss's passes when the indexer loss is trained
+    index_bwd_ms_per_pair       indexer-loss backward per visible pair (0 without the loss)
+    sel_fwd_ms_per_key, sel_bwd_ms_per_key   sparse attention per (query, selected key)
+    cand_bytes_per_row          bytes of one fetched candidate row (index key; + main key for the
+                                dense indexer loss)
+    cand_grad_bytes_per_row     bytes of one returned index-key gradient (0 without the loss)
+    winner_kv_bytes_per_row     K|V bytes of one fetched winner row
+    kv_with_candidates          the executor's ``kv_fetch="stages"``: every visible remote row's K|V
+                                travels with the candidates in the waves (overlapped, dense-sized;
+                                also on IndexShare layers, whose stages then only move K|V) instead
+                                of the winners' fetch after the top-k
+
+    Defaults: a DeepSeek-V3.2-like layer on a Hopper-class GPU: indexer 64 heads x 128 dims in FP8
+    (~33 kFLOP per pair at ~1.2 PFLOP/s, with the top-k select), MLA main attention 128 heads over
+    the 576 / 512-dim latent in bf16 (~280 kFLOP per selected key forward at ~400 TFLOP/s, backward
+    2.5x), index key 128 bytes (FP8) + scale, latent K|V row 1152 bytes; no indexer loss.
+    """
+
+    topk: int = 2048
+    index_layers_fraction: float = 1.0
+    index_fwd_ms_per_pair: float = 2.8e-8
+    index_bwd_ms_per_pair: float = 0.0
+    sel_fwd_ms_per_key: float = 7.0e-7
+    sel_bwd_ms_per_key: float = 1.75e-6
+    cand_bytes_per_row: float = 132.0
+    cand_grad_bytes_per_row: float = 0.0
+    winner_kv_bytes_per_row: float = 1152.0
+    kv_with_candidates: bool = False
+
+    def __post_init__(self):
+        if int(self.topk) < 1:
+            raise ValueError(f"DSAWork.topk must be >= 1, got {self.topk}")
+        if not 0.0 <= self.index_layers_fraction <= 1.0:
+            raise ValueError(f"DSAWork.index_layers_fraction must lie in [0, 1], got {self.index_layers_fraction}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and v < 0:
+                raise ValueError(f"DSAWork.{f.name} must be >= 0, got {v}")
+
+
+def dsa_selected_keys(position_ids: np.ndarray, topk: int) -> np.ndarray:
+    """[N] float64 ``min(topk, visible keys)`` per row: a row sees its root path (depth + 1 keys)."""
+    return np.minimum(np.asarray(position_ids, np.float64) + 1.0, float(topk))
 
 
 @dataclass(frozen=True)
@@ -69,6 +141,7 @@ class CostModel:
                                             default stages keep their graph (held: all fetched rows)
     layers                                  attention layers the prediction covers (multiplier)
     max_remote_kv_rows                      optional cap on remote K/V rows held at once
+    dsa                                     `DSAWork` for a DSA model (None: dense attention)
     name, meta                              where the figures come from
     """
 
@@ -101,6 +174,7 @@ class CostModel:
     bwd_refetch: bool = False
     layers: int = 1
     max_remote_kv_rows: int | None = None
+    dsa: DSAWork | None = None
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -139,6 +213,8 @@ class CostModel:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown CostModel fields {unknown}; known: {sorted(names)}")
+        if isinstance(d.get("dsa"), dict):
+            d = dict(d, dsa=DSAWork(**d["dsa"]))
         return cls(**d)
 
     @classmethod
@@ -189,6 +265,7 @@ class RankLoads:
     send_rows [cp, W]    rows of the rank's K/V sent to others in each wave
     local_tiles [cp, 2]  (full, partial) tiles of the local stage
     wave_tiles [cp, W, 2]  (full, partial) tiles of each remote stage
+    sel_keys [cp]        DSA only: sum over the rank's query rows of ``min(topk, visible keys)``
     """
 
     rows: np.ndarray
@@ -198,6 +275,7 @@ class RankLoads:
     send_rows: np.ndarray
     local_tiles: np.ndarray
     wave_tiles: np.ndarray
+    sel_keys: np.ndarray | None = None
 
     @property
     def cp_size(self) -> int:
@@ -228,8 +306,50 @@ class RankTimes:
         return (self.tok_fwd + self.attn_fwd + self.tok_bwd + self.attn_bwd) * self.layers
 
 
+def _dsa_times(cm: CostModel, loads: RankLoads, staged) -> RankTimes:
+    """The DSA model (module doc) on top of ``staged`` (`simulate` or `simulate_reference` of the
+    dense schedule), which prices the indexer stages: per-pair work as "tiles" of one pair each."""
+    dsa = cm.dsa
+    if loads.sel_keys is None:
+        raise ValueError("a DSA cost model needs RankLoads.sel_keys (min(topk, visible keys) summed per rank)")
+    cmi = dataclasses.replace(
+        cm, dsa=None, fwd_full_tile_ms=dsa.index_fwd_ms_per_pair, fwd_part_tile_ms=dsa.index_fwd_ms_per_pair,
+        bwd_full_tile_ms=dsa.index_bwd_ms_per_pair, bwd_part_tile_ms=dsa.index_bwd_ms_per_pair, underfill_tiles=0.0,
+        kv_bytes_per_row=dsa.cand_bytes_per_row, dkv_bytes_per_row=dsa.cand_grad_bytes_per_row, layers=1)
+    zeros = np.zeros_like(loads.local_pairs, dtype=np.float64)
+    pair_loads = dataclasses.replace(
+        loads, local_tiles=np.stack([loads.local_pairs, zeros], -1),
+        wave_tiles=np.stack([loads.wave_pairs, np.zeros_like(loads.wave_pairs, dtype=np.float64)], -1))
+    f = dsa.index_layers_fraction
+    sel = np.asarray(loads.sel_keys, np.float64)
+    if dsa.kv_with_candidates:
+        wkv = dsa.winner_kv_bytes_per_row
+        idx = staged(dataclasses.replace(cmi, kv_bytes_per_row=cmi.kv_bytes_per_row + wkv,
+                                         dkv_bytes_per_row=cmi.dkv_bytes_per_row + wkv), pair_loads)
+        # IndexShare layers: the same stages move K|V only, no scoring
+        kv_only = staged(dataclasses.replace(cmi, fwd_full_tile_ms=0.0, fwd_part_tile_ms=0.0, bwd_full_tile_ms=0.0,
+                                             bwd_part_tile_ms=0.0, kv_bytes_per_row=wkv, dkv_bytes_per_row=wkv),
+                         pair_loads)
+        attn_f = f * idx.attn_fwd + (1 - f) * kv_only.attn_fwd + dsa.sel_fwd_ms_per_key * sel
+        attn_b = dsa.sel_bwd_ms_per_key * sel + f * idx.attn_bwd + (1 - f) * kv_only.attn_bwd
+        return RankTimes(idx.tok_fwd, attn_f, idx.tok_bwd, attn_b, cm.layers)
+    idx = staged(cmi, pair_loads)
+    if loads.cp_size > 1:
+        # remote winners: at most the rank's remote rows and at most its selected keys (upper bound)
+        win = np.minimum(loads.wave_rows.sum(1), sel) * dsa.winner_kv_bytes_per_row
+        x_f = 3 * cm.comm_latency_ms + cm.comm_ms_per_byte * win
+        x_b = cm.comm_latency_ms + cm.comm_ms_per_byte * win
+    else:
+        x_f = x_b = np.zeros_like(sel)
+    attn_f = f * idx.attn_fwd + x_f + dsa.sel_fwd_ms_per_key * sel
+    attn_b = x_b + dsa.sel_bwd_ms_per_key * sel + f * idx.attn_bwd
+    return RankTimes(idx.tok_fwd, attn_f, idx.tok_bwd, attn_b, cm.layers)
+
+
 def simulate(cm: CostModel, loads: RankLoads) -> RankTimes:
     """Per-rank times of the staged schedule (module doc), vectorised over ranks."""
+    if cm.dsa is not None:
+        return _dsa_times(cm, loads, simulate)
     cp, W = loads.cp_size, loads.num_waves
     rows = loads.rows.astype(np.float64)
     a = cm.overlap
@@ -274,6 +394,8 @@ def simulate(cm: CostModel, loads: RankLoads) -> RankTimes:
 
 def simulate_reference(cm: CostModel, loads: RankLoads) -> RankTimes:
     """`simulate` written as plain per-rank, per-wave loops over Python floats (test oracle)."""
+    if cm.dsa is not None:
+        return _dsa_times(cm, loads, simulate_reference)
     cp, W = loads.cp_size, loads.num_waves
     out = {k: [] for k in ("tok_fwd", "attn_fwd", "tok_bwd", "attn_bwd")}
 

@@ -44,9 +44,16 @@ The balanced search (bounded, deterministic; on at every CP size)
      faster (e.g. identical trees that divide evenly over the ranks, so contiguous ranges hold
      whole trees), that ownership is returned (``stats["fallback"]``), so balanced is never
      predicted slower than either.
+
+DSA models (``dsa=DSAWork(...)``, `cost_model.DSAWork`): the cost model then prices each rank's
+indexer stages per visible pair (full-index layers only), its fixed selected-key work
+``min(topk, visible keys)`` per query row (every DSA layer) and the candidate / winner bytes
+(`cost_model` module doc); the proxy of step 2 uses the same terms, so the search balances the
+indexer and the selected-key work together. Without ``dsa`` nothing changes.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import threading
@@ -55,7 +62,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .cost_model import CostModel, RankLoads, default_cost_model, simulate
+from .cost_model import CostModel, DSAWork, RankLoads, default_cost_model, dsa_selected_keys, simulate
 from .evaluate import make_loads, move_rows, rank_key_work, rank_loads, rank_waves, remote_needs, wave_sends
 from .pairs import (LayoutArrays, PairMatrix, block_grid, chunk_grid, count_entries, default_num_chunks,
                     layout_arrays, snapped_grid, visible_pairs)
@@ -96,7 +103,7 @@ NEUTRAL_WEIGHT = 1.0
 # ---------------------------------------------------------------------------------------------- public
 def plan_context_parallel(layout, cp_size: int, *, strategy: str = "balanced", cost_model: CostModel | None = None,
                           chunk_size: int | None = None, window: int | None = None,
-                          num_waves: int | None = None) -> CPPlan:
+                          num_waves: int | None = None, dsa: DSAWork | None = None) -> CPPlan:
     """Plan context parallelism for one microbatch.
 
     layout       `TreeLayout` (CPU or device tensors; read once into host numpy)
@@ -109,6 +116,9 @@ def plan_context_parallel(layout, cp_size: int, *, strategy: str = "balanced", c
                  W); zigzag and contiguous use their own piece sizes
     window       sliding window (in depth) of the attention layers, None for global attention
     num_waves    fix the number of K/V waves instead of choosing from ``WAVE_CHOICES``
+    dsa          `DSAWork` of a DSA model (DeepSeek Sparse Attention layers, `cp.tree_dsa_cp`):
+                 the plan balances the indexer's per-pair work and the fixed per-query
+                 selected-key work (``cost_model.dsa`` is replaced by it); None: dense attention
 
     Returns a `CPPlan` (owner per row, predicted ms per rank, ``stats``: see `plan_summary`).
     Raises ValueError for an unknown strategy, cp_size < 1, chunk_size < 1, window < 1.
@@ -125,7 +135,7 @@ def plan_context_parallel(layout, cp_size: int, *, strategy: str = "balanced", c
         raise ValueError(f"window must be >= 1, got {window}")
     if num_waves is not None and int(num_waves) < 1:
         raise ValueError(f"num_waves must be >= 1, got {num_waves}")
-    cm = cost_model if cost_model is not None else default_cost_model()
+    cm = _with_dsa(cost_model if cost_model is not None else default_cost_model(), dsa, window)
     la = layout_arrays(layout)
     waves = (int(num_waves),) if num_waves is not None else WAVE_CHOICES
     if strategy == "balanced":
@@ -137,13 +147,31 @@ def plan_context_parallel(layout, cp_size: int, *, strategy: str = "balanced", c
     return plan
 
 
+def _with_dsa(cm: CostModel, dsa: DSAWork | None, window) -> CostModel:
+    if dsa is None:
+        return cm
+    if not isinstance(dsa, DSAWork):
+        raise TypeError(f"dsa must be a DSAWork, got {type(dsa).__name__}")
+    if window is not None:
+        raise ValueError("dsa: DSA layers attend over the whole root path; a sliding window does not apply")
+    return dataclasses.replace(cm, dsa=dsa)
+
+
+def _sel_chunks(la: LayoutArrays, grid, cm: CostModel) -> np.ndarray | None:
+    """[M] DSA selected keys ``min(topk, visible)`` summed per chunk (None for a dense model)."""
+    if cm.dsa is None:
+        return None
+    per_row = dsa_selected_keys(la.position_ids, cm.dsa.topk)
+    return np.bincount(grid.chunk_of_row(np.arange(la.num_rows)), weights=per_row, minlength=grid.num_chunks)
+
+
 def evaluate_ownership(layout, row_owner: np.ndarray, cp_size: int, *, cost_model: CostModel | None = None,
                        chunk_size: int | None = None, chunk_starts: np.ndarray | None = None,
-                       window: int | None = None, num_waves: int = 1):
+                       window: int | None = None, num_waves: int = 1, dsa: DSAWork | None = None):
     """Predicted `RankTimes` and `RankLoads` of any ownership ``row_owner`` [N], constant on the
     chunks given by ``chunk_starts`` (or of ``chunk_size`` rows; default 1), e.g. a plan's
     ``owner`` with its ``chunk_starts`` / ``chunk_size`` (see `evaluate_plan`)."""
-    cm = cost_model if cost_model is not None else default_cost_model()
+    cm = _with_dsa(cost_model if cost_model is not None else default_cost_model(), dsa, window)
     la = layout if isinstance(layout, LayoutArrays) else layout_arrays(layout)
     grid = chunk_grid(la.num_rows, int(chunk_size or 1), chunk_starts)
     co = np.asarray(row_owner)[grid.starts].astype(np.int64)
@@ -151,13 +179,17 @@ def evaluate_ownership(layout, row_owner: np.ndarray, cp_size: int, *, cost_mode
         raise ValueError("row_owner is not constant on the given chunks")
     W = visible_pairs(la, grid, window=window, tile_rows=cm.tile_rows)
     loads = rank_loads(W, co, cp_size, num_waves)
+    sel = _sel_chunks(la, grid, cm)
+    if sel is not None:
+        loads = dataclasses.replace(loads, sel_keys=np.bincount(co, weights=sel, minlength=cp_size))
     return simulate(cm, loads), loads
 
 
-def evaluate_plan(layout, plan: CPPlan, *, cost_model: CostModel | None = None, window: int | None = None):
+def evaluate_plan(layout, plan: CPPlan, *, cost_model: CostModel | None = None, window: int | None = None,
+                  dsa: DSAWork | None = None):
     """`evaluate_ownership` of a plan on its own chunks and wave count: ``(RankTimes, RankLoads)``."""
     return evaluate_ownership(layout, plan.owner, plan.cp_size, cost_model=cost_model, chunk_size=plan.chunk_size,
-                              chunk_starts=plan.chunk_starts, window=window, num_waves=plan.num_waves)
+                              chunk_starts=plan.chunk_starts, window=window, num_waves=plan.num_waves, dsa=dsa)
 
 
 def plan_summary(plan: CPPlan) -> str:
@@ -184,13 +216,15 @@ class _Candidate:
     stays balanced when the cost model's split between attention and token-local work is off.
     """
 
-    def __init__(self, W, co, A, waves, local, wave_rows, wave_work, flows, cm, label):
+    def __init__(self, W, co, A, waves, local, wave_rows, wave_work, flows, cm, label, sel=None):
         cp = A.shape[1]
-        self.W, self.co, self.A, self.waves, self.label = W, co, A, waves, label
+        self.W, self.co, self.A, self.waves, self.label, self.sel = W, co, A, waves, label, sel
         self.local, self.wave_rows, self.wave_work, self.flows = local, wave_rows, wave_work, flows
         rows = np.bincount(co, weights=W.grid.rows, minlength=cp).astype(np.int64)
         send = wave_sends(co, cp, waves, flows[1], flows[2], flows[3])
         self.loads = make_loads(rows, local, wave_rows, wave_work, send)
+        if sel is not None:  # DSA: each rank's fixed selected-key work
+            self.loads = dataclasses.replace(self.loads, sel_keys=np.bincount(co, weights=sel, minlength=cp))
         self.times = simulate(cm, self.loads)
         tot = self.times.total
         self.max_ms = float(tot.max()) if len(tot) else 0.0
@@ -221,7 +255,7 @@ class _Candidate:
         keep = (fd != r) & (fd != s)
         flows = (np.concatenate([fd[keep], ranks[dst]]), np.concatenate([fc[keep], chunk]),
                  np.concatenate([fw[keep], wave]), np.concatenate([fr[keep], rows]))
-        return _Candidate(W, co, A, nw, local, wave_rows, wave_work, flows, cm, self.label)
+        return _Candidate(W, co, A, nw, local, wave_rows, wave_work, flows, cm, self.label, self.sel)
 
 
 def _balance(x: np.ndarray) -> float:
@@ -237,7 +271,7 @@ def _better(a: tuple, b: tuple) -> bool:
 
 
 def _evaluate(W: PairMatrix, co: np.ndarray, cp: int, cm: CostModel, waves, label: str,
-              A: np.ndarray | None = None) -> _Candidate:
+              A: np.ndarray | None = None, sel: np.ndarray | None = None) -> _Candidate:
     """Simulate ``co`` for each wave count of ``waves``; keep the best (ties: fewer waves). With
     ``cm.max_remote_kv_rows``, wave counts over the cap are skipped (the largest is kept if none fits).
     ``A`` is `rank_key_work` of ``co`` when the caller has it (built here otherwise)."""
@@ -247,7 +281,7 @@ def _evaluate(W: PairMatrix, co: np.ndarray, cp: int, cm: CostModel, waves, labe
     best = None
     for nw in waves:
         wr, ww, flows = rank_waves(needs, cp, nw)
-        cand = _Candidate(W, co, A, nw, needs.local, wr, ww, flows, cm, label)
+        cand = _Candidate(W, co, A, nw, needs.local, wr, ww, flows, cm, label, sel)
         if cm.max_remote_kv_rows is not None and nw != waves[-1] and _peak_rows(cand.loads, cm) > cm.max_remote_kv_rows:
             continue
         if best is None or _better(cand.obj, best.obj):
@@ -279,10 +313,10 @@ def _baseline(la: LayoutArrays, cp: int, cm: CostModel, strategy: str, window, w
     c = np.arange(grid.num_chunks)
     co = np.where(c < cp, c, 2 * cp - 1 - c) if strategy == "zigzag" else c
     W = visible_pairs(la, grid, window=window, tile_rows=cm.tile_rows)
-    return _evaluate(W, co.astype(np.int64), cp, cm, waves, strategy)
+    return _evaluate(W, co.astype(np.int64), cp, cm, waves, strategy, sel=_sel_chunks(la, grid, cm))
 
 
-def _proxy(W: PairMatrix, cp: int, cm: CostModel) -> tuple[np.ndarray, np.ndarray]:
+def _proxy(W: PairMatrix, cp: int, cm: CostModel, sel: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Additive per-chunk estimates: ``cost`` [M] (ms-like: its rows' token-local and stage-row work
     plus its queries' tiles at the cost model's rates) and ``comp`` [M, 3], the chunk's share of the
     three balanced quantities: cost, rows and visible pairs, each divided by its per-rank mean (the
@@ -295,8 +329,13 @@ def _proxy(W: PairMatrix, cp: int, cm: CostModel) -> tuple[np.ndarray, np.ndarra
     pairs = W.row_sums.astype(np.float64)
     full = np.bincount(W.q, weights=W.full_tiles, minlength=M)
     part = np.bincount(W.q, weights=W.part_tiles, minlength=M)
-    cost = (rows * per_row + full * (cm.fwd_full_tile_ms + cm.bwd_full_tile_ms)
-            + part * (cm.fwd_part_tile_ms + cm.bwd_part_tile_ms))
+    if cm.dsa is None:
+        cost = (rows * per_row + full * (cm.fwd_full_tile_ms + cm.bwd_full_tile_ms)
+                + part * (cm.fwd_part_tile_ms + cm.bwd_part_tile_ms))
+    else:  # DSA: indexer per visible pair on full-index layers, selected keys per query on every layer
+        d = cm.dsa
+        cost = (rows * per_row + d.index_layers_fraction * pairs * (d.index_fwd_ms_per_pair + d.index_bwd_ms_per_pair)
+                + sel * (d.sel_fwd_ms_per_key + d.sel_bwd_ms_per_key))
     norm = lambda x: x * cp / x.sum() if x.sum() > 0 else np.zeros_like(x)
     comp = np.stack([norm(cost), norm(rows) / NEUTRAL_SLACK, norm(pairs) / NEUTRAL_SLACK], axis=1)
     return cost, comp
@@ -468,9 +507,10 @@ def _balanced(la: LayoutArrays, cp: int, cm: CostModel, chunk_size, window, wave
         grid = snapped_grid(la, num_chunks=default_num_chunks(N, cp))
     W = visible_pairs(la, grid, window=window, tile_rows=B)
     M = grid.num_chunks
+    sel = _sel_chunks(la, grid, cm)
     if cp == 1 or M == 0:
-        return _evaluate(W, np.zeros(M, np.int64), cp, cm, waves, "single")
-    cost, comp = _proxy(W, cp, cm)
+        return _evaluate(W, np.zeros(M, np.int64), cp, cm, waves, "single", sel=sel)
+    cost, comp = _proxy(W, cp, cm, sel)
     starts = {
         "contiguous_cost": _split_equal(cost, cp),
         "fold_rows": _fold(_split_equal(grid.rows.astype(np.float64), 2 * cp), cp),
@@ -484,18 +524,18 @@ def _balanced(la: LayoutArrays, cp: int, cm: CostModel, chunk_size, window, wave
     w0 = waves[:1]
     cand, tried = None, {}
     for name, co in starts.items():
-        c = _evaluate(W, _refine_proxy(co, comp, cp, SHORT_REFINE + 2 * cp), cp, cm, w0, name)
+        c = _evaluate(W, _refine_proxy(co, comp, cp, SHORT_REFINE + 2 * cp), cp, cm, w0, name, sel=sel)
         tried[name] = c.max_ms
         if cand is None or _better(c.obj, cand.obj):
             cand = c
-    c = _evaluate(W, _refine_proxy(cand.co, comp, cp, 4 * M), cp, cm, w0, cand.label)
+    c = _evaluate(W, _refine_proxy(cand.co, comp, cp, 4 * M), cp, cm, w0, cand.label, sel=sel)
     if _better(c.obj, cand.obj):
         cand = c
     budget = int(np.clip(EVAL_WORK // max(M, 1), MIN_EVALS, MAX_EVALS))
     cand = _local_search(cand, cost, cp, cm, budget)
     steps, evals = cand.steps, cand.evals
     if len(waves) > 1:  # the wave count again, for the final ownership
-        cand = _evaluate(W, cand.co, cp, cm, waves, cand.label, cand.A)
+        cand = _evaluate(W, cand.co, cp, cm, waves, cand.label, cand.A, sel=sel)
     cand.steps, cand.evals, cand.starts = steps, evals + 1, dict(tried, searched=cand.max_ms)
     result = cand
     for base in ("zigzag", "contiguous"):  # never predicted slower than the fixed folds
@@ -548,6 +588,11 @@ def _make_plan(la: LayoutArrays, cp: int, strategy: str, c: _Candidate, cm: Cost
         "predicted_fwd_ms": (times.tok_fwd + times.attn_fwd).tolist(),
         "predicted_bwd_ms": (times.tok_bwd + times.attn_bwd).tolist(),
     }
+    if cm.dsa is not None and loads.sel_keys is not None:
+        stats["dsa_topk"] = int(cm.dsa.topk)
+        stats["dsa_selected_keys_per_rank"] = loads.sel_keys.tolist()
+        stats["dsa_selected_balance"] = bal(np.asarray(loads.sel_keys, np.float64))
+        stats["dsa_candidate_bytes"] = int(round(remote * cm.dsa.cand_bytes_per_row))
     stats["planning_ms"] = elapsed_ms
     return CPPlan(cp_size=cp, strategy=strategy, owner=owner.astype(np.int32), visible_until=la.visible_until.copy(),
                   position_ids=la.position_ids.copy(), num_waves=int(c.waves), chunk_size=int(grid.chunk_size),
@@ -590,9 +635,9 @@ class PlanCache:
         return len(self._d)
 
     def key(self, layout, cp_size: int, *, strategy="balanced", cost_model=None, chunk_size=None, window=None,
-            num_waves=None) -> tuple:
+            num_waves=None, dsa=None) -> tuple:
         cm = cost_model if cost_model is not None else default_cost_model()
-        return (layout_key(layout), int(cp_size), strategy, chunk_size, window, num_waves, cm.key)
+        return (layout_key(layout), int(cp_size), strategy, chunk_size, window, num_waves, cm.key, dsa)
 
     def get_or_plan(self, layout, cp_size: int, **kw) -> CPPlan:
         cm = kw.get("cost_model") or default_cost_model()
@@ -615,7 +660,7 @@ class PlanCache:
 
 def make_plan_fn(cp_size: int, *, strategy: str = "balanced", cost_model: CostModel | None = None,
                  chunk_size: int | None = None, window: int | None = None, num_waves: int | None = None,
-                 cache: PlanCache | None = None):
+                 cache: PlanCache | None = None, dsa: DSAWork | None = None):
     """A ``plan_fn`` for ``TreeDataPipeline(plan_fn=...)``: ``fn(microbatch_or_layout) -> CPPlan``.
 
     Pure CPU and thread-safe (the pipeline's lookahead thread calls it while the previous step
@@ -629,7 +674,7 @@ def make_plan_fn(cp_size: int, *, strategy: str = "balanced", cost_model: CostMo
     def plan_fn(mb) -> CPPlan:
         layout = getattr(mb, "layout", mb)
         return store.get_or_plan(layout, cp_size, strategy=strategy, cost_model=cm, chunk_size=chunk_size,
-                                 window=window, num_waves=num_waves)
+                                 window=window, num_waves=num_waves, dsa=dsa)
 
     plan_fn.cache = store  # type: ignore[attr-defined]
     return plan_fn

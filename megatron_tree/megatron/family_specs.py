@@ -8,6 +8,9 @@ sequence mixers change.
   ``linear_attention_freq``): `get_tree_transformer_block_with_experimental_attention_variant_spec`
   is ``get_transformer_block_with_experimental_attention_variant_spec`` with `TreeGatedDeltaNet` in
   the linear-attention layers and tree core attention in the others; build `TreeGPTModel` with it.
+* **GPT with DeepSeek sparse attention** (DeepSeek-V3.2: ``experimental_attention_variant="dsa"``,
+  MLA): the same function gives MLA layers (`TreeMLASelfAttention`) with `TreeDSAttention` /
+  `TreeDSAIndexer` core attention (`megatron_tree.megatron.dsa`), stock parameter names.
 
 Same module tree, parameter names and sharded state dict as the stock model, so a stock checkpoint
 loads unchanged and back. The swap is one line::
@@ -123,9 +126,9 @@ def get_tree_mamba_stack_spec(use_transformer_engine: Optional[bool] = None, moe
 # ----------------------------------------------------------------------------------------- GPT + GDN
 def _check_variant(config) -> None:
     variant = config.experimental_attention_variant
-    if variant not in (None, "gated_delta_net"):
-        raise ValueError(f"tree training supports experimental_attention_variant='gated_delta_net' (or None), not "
-                         f"{variant!r}")
+    if variant not in (None, "gated_delta_net", "dsa"):
+        raise ValueError(f"tree training supports experimental_attention_variant='gated_delta_net' or 'dsa' (or None), "
+                         f"not {variant!r}")
 
 
 def get_local_transformer_block_with_experimental_attention_variant_spec(
@@ -153,9 +156,18 @@ def get_local_transformer_block_with_experimental_attention_variant_spec(
     norm = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=backend.column_parallel_linear(), out_norm=norm, out_proj=backend.row_parallel_linear()))
-    attention = gls.get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
-        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm).submodules.self_attention
+    if config.experimental_attention_variant == "dsa":
+        # DeepSeek sparse attention in every layer (stock: the pattern is all ones for a non-linear
+        # variant): MLA with DSA core attention, local modules (the stock structure and names)
+        from .dsa import get_tree_dsa_module_spec
+
+        if not config.multi_latent_attention:
+            raise ValueError("experimental_attention_variant='dsa' needs multi_latent_attention=True (as stock)")
+        attention = get_tree_dsa_module_spec(config, use_transformer_engine=False)
+    else:
+        attention = gls.get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
+            normalization=config.normalization, qk_l2_norm=config.qk_l2_norm).submodules.self_attention
     dense = gls.get_mlp_module_spec_for_backend(backend, num_experts=None)
     # 0.19 dropped the legacy grouped GEMM (config field and keyword): pass it only where it exists
     legacy = getattr(config, "moe_use_legacy_grouped_gemm", None) or None
@@ -190,9 +202,13 @@ def get_tree_transformer_block_with_experimental_attention_variant_spec(
     ``use_transformer_engine`` (default: whether TE imports and ``config.transformer_impl`` is
     "transformer_engine"): the stock TE block treeified, else the local structure
     (`get_local_transformer_block_with_experimental_attention_variant_spec`) treeified. Only the
-    ``gated_delta_net`` variant is supported (DSA is MLA sparse attention for inference).
+    ``gated_delta_net`` and ``dsa`` variants are supported (``dsa``: every layer MLA + tree DSA, always
+    the local structure: stock DSA's indexer is a local implementation on TE too, and megatron-core
+    0.16's TE block builder has no DSA).
     """
     _check_variant(config)
+    if config.experimental_attention_variant == "dsa":
+        use_transformer_engine = False
     if use_transformer_engine is None:
         use_transformer_engine = te_available() and config.transformer_impl == "transformer_engine"
     if use_transformer_engine:

@@ -26,9 +26,11 @@ unpacked ``sbhd`` path (it is called with ``packed_seq_params=None``: stock MLA 
 module keeps no per-batch state, and recomputation (full, or MLA's own ``mla_up_proj`` checkpoint,
 which reuses the table tensor) sees the same depths.
 
-Not supported on a tree (clear errors): inference contexts / MLA latent caching, DeepSeek sparse
-attention (``experimental_attention_variant="dsa"``, its indexer is a separate module that is not
-tree aware).
+DeepSeek sparse attention (``experimental_attention_variant="dsa"``): MLA passes its hidden states and
+query latent to the core attention, which is then `megatron_tree.megatron.dsa.TreeDSAttention` (its
+indexer `TreeDSAIndexer` has its own depth-indexed rotary); see `megatron_tree.megatron.dsa`.
+
+Not supported on a tree (clear errors): inference contexts / MLA latent caching.
 """
 from __future__ import annotations
 
@@ -115,12 +117,15 @@ class TreeMLASelfAttention(MLASelfAttention):
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.padding,
                  cp_comm_type: Optional[str] = None, pg_collection=None, name: Optional[str] = None):
-        if getattr(config, "experimental_attention_variant", None) == "dsa":
-            raise ValueError("TreeMLASelfAttention: DeepSeek sparse attention (experimental_attention_variant='dsa') "
-                             "has no tree variant; use dense MLA")
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection,
                          **stock_kwargs(MLASelfAttention.__init__, name=name))  # name: 0.19+ builders pass it
+        if (getattr(config, "experimental_attention_variant", None) == "dsa"
+                and not getattr(self.core_attention, "requires_dsa_inputs", False)):
+            raise ValueError("TreeMLASelfAttention: experimental_attention_variant='dsa' needs a DSA core attention "
+                             "(megatron_tree.megatron.dsa.TreeDSAttention: get_tree_gpt_layer_spec(..., "
+                             "experimental_attention_variant='dsa')); got "
+                             f"{type(self.core_attention).__name__}")
         cls = _TREE_ROTARY.get(type(self.rotary_pos_emb))
         if cls is None:
             raise TypeError(f"TreeMLASelfAttention: no depth-indexed variant of {type(self.rotary_pos_emb).__name__} "

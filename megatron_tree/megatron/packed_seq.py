@@ -36,6 +36,10 @@ class TreePackedSeqParams(PackedSeqParams):
                        GDN layer run on this ownership (`island_view`), identical on every CP rank
     gdn_local_rows     [n_g] global rows this rank owns under ``gdn_plan`` (ascending)
     gdn_num_local_padding  padding rows after them (the TP size divides ``n_g + padding`` under SP)
+    row_samples        [N] float64 (global rows, or None): samples whose path passes through each row
+    row_inv_length     [N] float64 (or None): sum of ``1 / len(s)`` over those samples. Both come from
+                       the microbatch (`TreeMicrobatch.row_sample_stats`) and weight per-row terms that
+                       stock Megatron averages (or sums) over each sample's tokens: DSA's indexer loss
     in_island          True on the island view itself: ``cp_plan`` / ``local_rows`` / ``num_local_padding``
                        are then the GDN ownership's, ``loss_map`` is None, and ``attention_view`` is
                        the attention-ownership view it was made from
@@ -54,6 +58,8 @@ class TreePackedSeqParams(PackedSeqParams):
     gdn_plan: Any = None
     gdn_local_rows: Optional[torch.Tensor] = None
     gdn_num_local_padding: int = 0
+    row_samples: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    row_inv_length: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     in_island: bool = False
     attention_view: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -164,7 +170,9 @@ def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
     layout, loss_map = mb.layout, mb.loss_map
     if device is not None:
         layout, loss_map = layout.to(device), loss_map.to(device)
-    psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan)
+    count, inv = mb.row_sample_stats()
+    psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan, row_samples=count.to(layout.device),
+                              row_inv_length=inv.to(layout.device))
     if cp_plan is None or cp_plan.cp_size == 1:
         return psp
     return context_parallel_view(psp, cp_plan, cp_rank, pad_to_multiple_of=pad_to_multiple_of, gdn_plan=gdn_plan)
@@ -210,7 +218,8 @@ def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
         g_pad = _padding(int(g_rows.shape[0]), pad_to_multiple_of)
     out = TreePackedSeqParams(layout=layout, loss_map=local_lm, cp_plan=cp_plan, cp_rank=cp_rank, local_rows=rows,
                               num_local_padding=pad, gdn_plan=gdn_plan, gdn_local_rows=g_rows,
-                              gdn_num_local_padding=g_pad)
+                              gdn_num_local_padding=g_pad, row_samples=psp.row_samples,
+                              row_inv_length=psp.row_inv_length)
     # Megatron's GPTModel builds (and TreeGPTModel then replaces) a rotary table of max_seqlen_q rows,
     # zigzag-sliced over CP ranks, which needs a multiple of 2 * cp
     out.max_seqlen_q = out.max_seqlen_kv = -(-layout.num_rows // (2 * cp_plan.cp_size)) * 2 * cp_plan.cp_size

@@ -38,7 +38,8 @@ def treeify_spec(spec):
     """Copy of a layer / block spec with every ``core_attention`` replaced by `TreeDotProductAttention`,
     every stock GDN mixer by `TreeGatedDeltaNet` and every stock ``MambaMixer`` by `TreeMambaMixer`
     (subclasses: same parameters), and every ``MLASelfAttention`` by `TreeMLASelfAttention` (rotary
-    by depth; its core attention is tree attention too). Anything else is left as it is."""
+    by depth; its core attention is tree attention too; a stock ``DSAttention`` core becomes
+    `TreeDSAttention` with a `TreeDSAIndexer`). Anything else is left as it is."""
     spec = copy.copy(spec)
     if isinstance(spec, TransformerBlockSubmodules):
         spec.layer_specs = [treeify_spec(s) for s in spec.layer_specs]
@@ -52,6 +53,12 @@ def treeify_spec(spec):
             from .mamba import TreeMambaMixer  # the stock mixer's module is imported already
 
             spec.module = TreeMambaMixer
+        elif getattr(spec.module, "__name__", "") == "AbsorbedMLASelfAttention":
+            # megatron-core 0.19's DSA spec: a different attention class (matrix absorption), not
+            # MLASelfAttention; no tree variant is verified for it
+            raise ValueError("treeify_spec: AbsorbedMLASelfAttention (megatron-core 0.19's DSA spec) has no tree "
+                             "variant; build DSA layers with megatron_tree.megatron.dsa.get_tree_dsa_module_spec "
+                             "(MLASelfAttention + TreeDSAttention, the same parameter names)")
         elif getattr(spec.module, "__name__", "") == "MLASelfAttention":
             from .mla import TreeMLASelfAttention  # MLA: rotary by depth (Megatron computes it inside)
 
@@ -60,7 +67,21 @@ def treeify_spec(spec):
             spec.submodules = treeify_spec(spec.submodules)
         return spec
     if isinstance(spec, SelfAttentionSubmodules) or type(spec).__name__ == "MLASelfAttentionSubmodules":
-        spec.core_attention = TreeDotProductAttention
+        core = spec.core_attention
+        core_cls = core.module if isinstance(core, ModuleSpec) else core
+        if getattr(core_cls, "__name__", "") == "DSAttention":
+            # DeepSeek sparse attention: tree DSA core attention and indexer, same submodules
+            from .dsa import TreeDSAIndexer, TreeDSAttention
+
+            core = copy.copy(core)
+            core.module = TreeDSAttention
+            core.submodules = copy.copy(core.submodules)
+            core.submodules.indexer = copy.copy(core.submodules.indexer)
+            core.submodules.indexer.module = TreeDSAIndexer
+            spec.core_attention = core
+            return spec
+        if not getattr(core_cls, "requires_dsa_inputs", False):  # a DSA core (tree or oracle) stays
+            spec.core_attention = TreeDotProductAttention
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for f in dataclasses.fields(spec):
             v = getattr(spec, f.name)
@@ -74,8 +95,25 @@ def get_tree_gpt_layer_spec(num_experts: Optional[int] = None, moe_grouped_gemm:
                             qk_layernorm: bool = False, normalization: Optional[str] = None,
                             use_transformer_engine: Optional[bool] = None, **kwargs) -> ModuleSpec:
     """GPT layer spec (Megatron's TE spec when transformer-engine is installed, else its local spec)
-    with tree core attention. Extra kwargs go to Megatron's builder."""
+    with tree core attention. Extra kwargs go to Megatron's builder.
+
+    ``experimental_attention_variant="dsa"``: DeepSeek sparse attention, MLA self-attention with
+    `TreeDSAttention` core attention (`megatron_tree.megatron.dsa.get_tree_dsa_module_spec`, stock
+    DSA structure and parameter names; local modules)."""
     use_te = te_available() if use_transformer_engine is None else use_transformer_engine
+    variant = kwargs.pop("experimental_attention_variant", None)
+    if variant not in (None, "dsa"):
+        raise ValueError(f"get_tree_gpt_layer_spec: experimental_attention_variant must be None or 'dsa', got {variant!r}")
+    if variant == "dsa":
+        from .dsa import get_tree_dsa_module_spec
+
+        kwargs.pop("multi_latent_attention", None)
+        base = gls.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                            qk_layernorm=qk_layernorm, normalization=normalization,
+                                            multi_latent_attention=True, **kwargs)
+        base.submodules.self_attention = get_tree_dsa_module_spec(qk_layernorm=qk_layernorm,
+                                                                  normalization=normalization)
+        return treeify_spec(base)
     if use_te:
         base = gls.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm, **kwargs)

@@ -303,6 +303,7 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
     if group is None or dist.get_world_size(group) == 1:
         mb = next(data_iterator)
         layout, loss_map = mb.layout.to(device), mb.loss_map.to(device)
+        stats = torch.stack(mb.row_sample_stats())
     else:
         if src is None:
             raise ValueError("get_batch: give src (the global rank that reads the data) together with group")
@@ -318,7 +319,13 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
                 except Exception as e:  # told to the peers before re-raising, so they do not hang
                     mb = e
         layout, loss_map = broadcast_tree_batch(mb, src=src, group=group, device=device)
-    return TreePackedSeqParams(layout=layout, loss_map=loss_map)
+        # per-row sample counts / inverse lengths (DSA's indexer-loss weights): one more broadcast
+        cdev = _comm_device(group)
+        stats = (torch.stack(mb.row_sample_stats()).to(cdev) if dist.get_rank() == src
+                 else torch.empty(2, layout.num_rows, dtype=torch.float64, device=cdev))
+        dist.broadcast(stats, src, group=group)
+    stats = stats.to(device)
+    return TreePackedSeqParams(layout=layout, loss_map=loss_map, row_samples=stats[0], row_inv_length=stats[1])
 
 
 # -------------------------------------------------------------------------------------------- step

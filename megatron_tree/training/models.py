@@ -27,12 +27,20 @@ MAMBA_LETTERS = "M*-E"
 MLA_DEFAULTS = dict(q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
                     rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=0.5,
                     original_max_position_embeddings=16)
+# DeepSeek sparse attention (kind="dsa"): MLA_DEFAULTS plus a lightning indexer of 2 heads of 8 (a
+# power of two: the Hadamard rotation), top-4 keys per query (sparse on these small trees, and the
+# first rows see fewer than 4 keys), dense KL indexer loss with coefficient 0.5
+DSA_DEFAULTS = dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=2, dsa_indexer_head_dim=8,
+                    dsa_indexer_topk=4, dsa_indexer_loss_coeff=0.5, dsa_indexer_use_sparse_loss=False)
+# IndexShare fields (megatron-core 0.19's TransformerConfig has them; on 0.16 they are set as attributes)
+DSA_INDEX_SHARE_FIELDS = ("dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset")
 
 
 @dataclass
 class ModelArgs:
     """Size and kind of a model. ``kind`` is "gpt" or "hybrid" (layers from ``pattern``), or "mla"
     (GPT with Multi-Latent Attention: `MLATransformerConfig`, `MLA_DEFAULTS` unless ``extra`` overrides),
+    or "dsa" (MLA with DeepSeek sparse attention: `DSA_DEFAULTS` over `MLA_DEFAULTS`, ``extra`` overrides),
     or "mamba" (Megatron's ``MambaModel`` as `TreeMambaModel`, layers from ``pattern``: M * - E,
     default `DEFAULT_MAMBA_PATTERN`), or "qwen3next" (``GPTModel`` with Megatron's experimental
     ``gated_delta_net`` attention variant: GDN layers with a gated, qk-normed attention layer every
@@ -124,26 +132,43 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
         kw.update(recompute_granularity="selective")
     elif recompute != "none":
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    if margs.kind == "mla":
+    if margs.kind in ("mla", "dsa"):
         # MLA: K/V from a low-rank latent, query/key heads (qk_head_dim + qk_pos_emb_head_dim) wider
         # than value heads; every head has its own K (num_query_groups plays no part)
         kw.update(MLA_DEFAULTS, num_query_groups=margs.num_attention_heads)
         if margs.num_experts:  # DeepSeek-style: the first layer dense, MoE after it
             kw.update(moe_layer_freq=[0] + [1] * (margs.layers() - 1))
         if recompute == "selective":  # also MLA's own up-projection checkpoint (reuses the rotary table)
-            kw.update(recompute_modules=["core_attn", "mla_up_proj"])
+            # (DSA: megatron-core 0.16's MLA drops the indexer inputs in its core_attn checkpoint)
+            kw.update(recompute_modules=["mla_up_proj"] if margs.kind == "dsa" else ["core_attn", "mla_up_proj"])
+    if margs.kind == "dsa":
+        kw.update(DSA_DEFAULTS)
     kw.update(margs.extra)
-    if margs.kind == "mla":
+    if margs.kind in ("mla", "dsa"):
         from megatron.core.transformer import MLATransformerConfig
 
-        return MLATransformerConfig(**kw)
+        late = {}
+        if kw.get("experimental_attention_variant") == "dsa":
+            # fields this Megatron-Core lacks (IndexShare on 0.16) are set after construction, and
+            # stock's "no CP with DSAttention" assertion (about stock's own CP) is kept off the tree
+            # model, whose DSA has tree context parallelism: the variant is set after construction
+            for f in DSA_INDEX_SHARE_FIELDS:
+                if f in kw and f not in MLATransformerConfig.__dataclass_fields__:
+                    late[f] = kw.pop(f)
+            if cp > 1:
+                late["experimental_attention_variant"] = kw.pop("experimental_attention_variant")
+        config = MLATransformerConfig(**kw)
+        for f, v in late.items():
+            setattr(config, f, v)
+        return config
     return TransformerConfig(**kw)
 
 
 def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
-                post_process: Optional[bool] = None) -> TreeGPTModel:
-    """This pipeline stage's `TreeGPTModel` (GPT, hybrid, MLA or qwen3next stack) or `TreeMambaModel`
-    (kind "mamba"), tree specs, local modules."""
+                post_process: Optional[bool] = None, stock_dsa: bool = False) -> TreeGPTModel:
+    """This pipeline stage's `TreeGPTModel` (GPT, hybrid, MLA, DSA or qwen3next stack) or `TreeMambaModel`
+    (kind "mamba"), tree specs, local modules. ``stock_dsa`` (kind "dsa"): every DSA core attention
+    is stock ``DSAttention`` run per sample (`compat.dsa.stock_oracle_class`: verify's per-sample side)."""
     from megatron.core import parallel_state as ps
 
     from ..megatron.specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
@@ -154,10 +179,15 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
         spec = get_tree_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=margs.normalization)
     elif margs.kind == "hybrid":
         spec = get_tree_hybrid_stack_spec(margs.pattern, config, use_transformer_engine=False)
-    elif margs.kind == "qwen3next":
+    elif margs.kind in ("qwen3next", "dsa"):
         from ..megatron.family_specs import get_tree_transformer_block_with_experimental_attention_variant_spec
 
         spec = get_tree_transformer_block_with_experimental_attention_variant_spec(config, use_transformer_engine=False)
+        if stock_dsa:
+            from ..megatron.dsa import get_tree_dsa_module_spec
+
+            for layer in spec.layer_specs:
+                layer.submodules.self_attention = get_tree_dsa_module_spec(config, stock_core=True)
     elif margs.kind == "mamba":
         from ..megatron.family_specs import get_tree_mamba_stack_spec
         from ..megatron.model import TreeMambaModel
@@ -168,7 +198,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
                                position_embedding_type=margs.position_embedding_type,
                                share_embeddings_and_output_weights=False)
     else:
-        raise ValueError(f"model kind must be gpt, hybrid, mla, mamba or qwen3next, got {margs.kind!r}")
+        raise ValueError(f"model kind must be gpt, hybrid, mla, dsa, mamba or qwen3next, got {margs.kind!r}")
     if margs.kind != "mamba":
         model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
                              pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
@@ -196,8 +226,9 @@ def forward_backward(model, microbatches: list, *, forward_only: bool = False, *
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     seq = max((mb[0] if isinstance(mb, tuple) else mb).num_rows for mb in microbatches)
+    step = partial(tree_forward_step, **loss_kwargs)
     return get_forward_backward_func()(
-        forward_step_func=partial(tree_forward_step, **loss_kwargs), data_iterator=iter(list(microbatches)),
+        forward_step_func=step, data_iterator=iter(list(microbatches)),
         model=[model], num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=1,
         forward_only=forward_only)
 

@@ -15,12 +15,19 @@ status is non-zero past tolerance. A NaN or inf on either side, anywhere, is an 
 it always fails and is named. ``fault=`` injects a known bug into the tree side (used by the tests
 to prove verify can fail).
 
+``model="dsa"`` (MLA with DeepSeek sparse attention): the per-sample side's core attention is stock
+``DSAttention`` (``compat.dsa.stock_oracle_class``; under tree CP our DSA on one CP rank per sample,
+itself checked against stock by the CP=1 runs), and two more quantities are compared: the indexer's
+ordered top-k of every (sample, row, layer), as positions on the sample's path ("selected_ids": the
+fraction that differs), and the indexer loss per layer. Faults ``dsa_tie_order`` / ``dsa_loss_weight``.
+
 Per-token loss over the global batch (``calculate_per_token_loss``) is used for both sides. MoE
 load-balancing losses are off: they are functions of the tokens the model runs, which a tree
 deduplicates by design.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -32,8 +39,19 @@ import torch
 
 FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state", "nan",
           "mla_rope_physical")
-MODEL_FAULTS = ("mla_rope_physical",)  # planted in the tree side's modules (`plant_model_fault`), not its metadata
+# faults of model "dsa" only (kept apart from FAULTS, whose faults apply to the other models)
+DSA_FAULTS = ("dsa_tie_order", "dsa_loss_weight")
+ALL_FAULTS = FAULTS + DSA_FAULTS
+# planted in the tree side's modules (`plant_model_fault`), not its metadata
+MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS
 METRICS = ("logits", "loss", "grads", "params_after_step")
+# model "dsa" also compares the indexer's selections (fraction of (sample, row, layer) whose ordered
+# top-k differs) and its loss per layer
+DSA_METRICS = ("selected_ids", "indexer_loss")
+
+
+def metrics_of(cfg) -> tuple:
+    return METRICS + (DSA_METRICS if cfg.model == "dsa" else ())
 
 
 @dataclass
@@ -57,6 +75,11 @@ class VerifyConfig:
     budget: int = 64
     fault: Optional[str] = None
     tolerance: Optional[float] = None
+    # model "dsa": sparse indexer loss (over the selected keys), IndexShare (dsa_indexer_topk_freq:
+    # every n-th layer computes top-k, the others reuse it), top-k (None: models.DSA_DEFAULTS)
+    dsa_sparse_loss: bool = False
+    dsa_topk_freq: int = 1
+    dsa_topk: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -151,7 +174,17 @@ def plant_model_fault(model, fault: Optional[str]) -> None:
     ``mla_rope_physical``: every `TreeMLASelfAttention` rotates its query/key rotary parts by the
     row's physical index in the packed sequence (global row under CP) instead of its depth: what the
     stock MLA module does, since it builds its rotary table from the sequence length.
+    ``dsa_tie_order``: every `TreeDSAttention` breaks top-k ties by the larger row id (not the smaller).
+    ``dsa_loss_weight``: every `TreeDSAttention` weights each row's indexer loss term by 1 (dropping
+    the per-sample weights ``sum 1/len(s)``).
     """
+    if fault in DSA_FAULTS:
+        from ..megatron.dsa import TreeDSAttention
+
+        for m in model.modules():
+            if isinstance(m, TreeDSAttention):
+                m.fault = fault
+        return
     if fault != "mla_rope_physical":
         return
     from ..megatron.mla import TreeMLASelfAttention
@@ -228,6 +261,90 @@ def _logits_step(store, cp_strategy, data_iterator, model):
     return out, loss_func
 
 
+def _dedupe_selected(entries: list) -> dict:
+    """{(token, layer): entry} keeping the first forward of each microbatch and layer (a recomputation
+    repeats them)."""
+    out = {}
+    for e in entries:
+        out.setdefault((e[0], e[1]), e)
+    return out
+
+
+def _gather_selected(entries: dict, group) -> dict:
+    """Tree-format entries ``(token, layer, rows, ids)`` of every rank of ``group`` merged per (token,
+    layer): each CP rank captured its own rows only."""
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return entries
+    parts = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(parts, entries, group=group)
+    merged = {}
+    for part in parts:
+        for key, (tok, layer, rows, ids) in part.items():
+            if key in merged:
+                merged[key] = (tok, layer, torch.cat([merged[key][2], rows]), torch.cat([merged[key][3], ids]))
+            else:
+                merged[key] = (tok, layer, rows, ids)
+    return merged
+
+
+def _by_token(entries: dict) -> list:
+    """[{layer: entry}] per microbatch forward, in the order they ran."""
+    out: dict = {}
+    for (tok, layer), e in entries.items():
+        out.setdefault(tok, {})[layer] = e
+    return [out[t] for t in sorted(out)]
+
+
+def _rows_to_table(num_rows: int, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[num_rows, topk] ids by global row from a (rows, ids) capture."""
+    table = torch.full((num_rows, ids.shape[1]), -3, dtype=torch.long)  # -3: a row nobody computed
+    table[rows.long()] = ids.long()
+    return table
+
+
+def _compare_selected(tree_sel: list, flat_sel: list, mine: list, flat_mbs: list, topk: int, *, flat_is_stock: bool,
+                      cp_group=None):
+    """Fraction of (sample, row, DSA layer) whose ordered top-k differs between the tree (canonical rows,
+    mapped to positions on the sample's path) and the per-sample side (stock: positions; tree modules
+    on one sample: canonical rows of the chain, i.e. positions), and where the first difference is."""
+    tree_by_mb = _by_token(_gather_selected(_dedupe_selected(tree_sel), cp_group))
+    flat = _dedupe_selected(flat_sel)
+    if not flat_is_stock:
+        flat = _gather_selected(flat, cp_group)
+    flat_by_sample = iter(_by_token(flat))
+    real_flat = iter([fm[0] if isinstance(fm, tuple) else fm for fm in flat_mbs])
+    bad = total = 0
+    where = None
+    for j, mb in enumerate(mine):
+        layers = tree_by_mb[j] if j < len(tree_by_mb) else {}
+        for i in mb.sample_ids:
+            ref_layers, fmb = next(flat_by_sample, {}), next(real_flat)
+            rows = mb.sample_rows(i).long()
+            inv = torch.full((mb.layout.num_rows,), -2, dtype=torch.long)  # -2: a row off the sample's path
+            inv[rows] = torch.arange(rows.shape[0])
+            for layer, (_, _, trows, tids) in sorted(layers.items()):
+                if layer not in ref_layers:
+                    continue
+                ids = _rows_to_table(mb.layout.num_rows, trows, tids)[rows]  # [L, topk] canonical rows
+                got = torch.where(ids >= 0, inv[ids.clamp_min(0)], ids)
+                ref = ref_layers[layer]
+                if flat_is_stock:
+                    ref = ref[2]
+                else:
+                    ref = _rows_to_table(fmb.layout.num_rows, ref[2], ref[3])[: rows.shape[0]]
+                if ref.shape[1] < topk:
+                    ref = torch.cat([ref, ref.new_full((ref.shape[0], topk - ref.shape[1]), -1)], 1)
+                diff = (got != ref).any(1)
+                bad += int(diff.sum())
+                total += int(diff.shape[0])
+                if where is None and bool(diff.any()):
+                    r = int(diff.nonzero()[0])
+                    where = f"sample {i} layer {layer} position {r}: tree {got[r].tolist()} per-sample {ref[r].tolist()}"
+    if total == 0:
+        return math.inf, "no DSA selections captured"
+    return bad / total, where
+
+
 def _gather_cp_rows(local: torch.Tensor, psp) -> torch.Tensor:
     """[N, V] logits of every row from each CP rank's [n_local (+ padding), V] (all-gather, padded)."""
     from megatron.core import parallel_state as ps
@@ -285,8 +402,19 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[cfg.dtype]
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype, not params_dtype
-    margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model in ("gpt", "qwen3next", "mla") else 0, window_size=cfg.window,
-                      sinks=cfg.sinks, num_experts=4 if cfg.ep > 1 and cfg.model in ("gpt", "qwen3next", "mla") else None)
+    dense = ("gpt", "qwen3next", "mla", "dsa")
+    margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model in dense else 0, window_size=cfg.window,
+                      sinks=cfg.sinks, num_experts=4 if cfg.ep > 1 and cfg.model in dense else None)
+    dsa = cfg.model == "dsa"
+    if dsa:
+        from ..compat import dsa as compat_dsa
+
+        compat_dsa.enable()  # stock DSA on CPU / float64: Hadamard stand-in, tracker device
+        margs.extra.update(dsa_indexer_use_sparse_loss=cfg.dsa_sparse_loss)
+        if cfg.dsa_topk is not None:
+            margs.extra.update(dsa_indexer_topk=cfg.dsa_topk)
+        if cfg.dsa_topk_freq > 1:
+            margs.extra.update(dsa_indexer_topk_freq=cfg.dsa_topk_freq, dsa_indexer_skip_topk_offset=0)
     if cfg.pattern:
         margs.pattern = cfg.pattern
     if cfg.model == "qwen3next":
@@ -314,13 +442,15 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     tree_mbs += [filler] * (n_tree - len(tree_mbs))
     flat_mbs += [padding_microbatch(cfg.budget, num_rows=pad, float_fields=fields)] * (n_flat - len(flat_mbs))
 
-    def fresh():
+    def fresh(stock_dsa=False):
         # a new config per model: DDP hangs hooks on it, and MoE experts deep-copy it
         config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, recompute=cfg.recompute,
                              dtype=dtype, cpu=on_cpu)
         torch.manual_seed(cfg.seed)
         model_parallel_cuda_manual_seed(cfg.seed)
-        m = build_model(config, margs)
+        # model "dsa": the per-sample side's DSA core attention is stock DSAttention (the oracle);
+        # same parameters and initial weights as the tree side
+        m = build_model(config, margs, stock_dsa=stock_dsa)
         if not on_cpu:
             m = m.cuda()
         ddp = wrap_ddp(m, config)
@@ -332,16 +462,19 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                                                      params_dtype=dtype, bf16=dtype == torch.bfloat16 and not on_cpu), [ddp])
         return ddp, opt
 
-    result = {m: 0.0 for m in METRICS}
-    result.update({f"{m}_at": None for m in METRICS})
+    result = {m: 0.0 for m in metrics_of(cfg)}
+    result.update({f"{m}_at": None for m in metrics_of(cfg)})
     runs = {}
     if cfg.cp > 1:  # the tree side runs the planner's plan; the per-sample side stays on one CP rank
         from ..cp import plan_context_parallel
 
         tree_mbs = [(mb, plan_context_parallel(mb.layout, cfg.cp, strategy=cfg.cp_strategy)) for mb in tree_mbs]
         flat_mbs = [(mb, _single_owner_plan(mb, cfg.cp)) for mb in flat_mbs]
+    # model "dsa": the per-sample side is stock DSAttention; under tree CP it is our DSA on one CP rank
+    # per sample (single-owner plan, as for every model), itself checked against stock by the CP=1 runs
+    stock_flat = dsa and cfg.cp == 1
     for side, batch in (("tree", tree_mbs), ("flat", flat_mbs)):
-        ddp, opt = fresh()
+        ddp, opt = fresh(stock_dsa=stock_flat and side == "flat")
         if side == "tree":
             plant_model_fault(ddp.module, cfg.fault)
         store: list = []
@@ -351,7 +484,15 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                                     micro_batch_size=1, forward_only=True)
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy)
+        with contextlib.ExitStack() as stack:
+            selected = None
+            if dsa:
+                from ..megatron.dsa import capture_selected
+
+                compat_dsa.dsa_module().DSAIndexerLossLoggingHelper.tracker.clear()
+                selected = stack.enter_context(compat_dsa.capture_stock_selected() if side == "flat" and stock_flat
+                                               else capture_selected())
+            reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy)
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
             torch.distributed.all_reduce(tot, group=ps.get_data_parallel_group(with_context_parallel=True))
@@ -361,6 +502,13 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         opt.step()
         params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
         runs[side] = dict(logits=store, loss=tot, grads=grads, params=params)
+        if dsa:
+            tracker = compat_dsa.dsa_module().DSAIndexerLossLoggingHelper.tracker
+            vals = tracker["values"].clone() if "values" in tracker else torch.zeros(margs.layers(), dtype=torch.float64)
+            if cfg.cp > 1:  # every CP rank logged the share of the rows it owns
+                torch.distributed.all_reduce(vals, group=ps.get_context_parallel_group())
+            runs[side]["indexer_loss"] = vals
+            runs[side]["selected"] = selected
     t, f = runs["tree"], runs["flat"]
     if t["logits"]:  # last pipeline stage
         flat_logits = iter(f["logits"])  # one flat microbatch per sample, in the order of ``mine``
@@ -374,6 +522,12 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     result["grads"], result["grads_at"] = _worst((n, t["grads"][n], f["grads"][n]) for n in f["grads"])
     result["params_after_step"], result["params_after_step_at"] = _worst(
         (n, t["params"][n], f["params"][n]) for n in f["params"])
+    if dsa:
+        result["indexer_loss"], result["indexer_loss_at"] = _worst(
+            [("indexer loss per layer", t["indexer_loss"], f["indexer_loss"])])
+        result["selected_ids"], result["selected_ids_at"] = _compare_selected(
+            t["selected"], f["selected"], mine, flat_mbs, margs.extra.get("dsa_indexer_topk", 4),
+            flat_is_stock=stock_flat, cp_group=ps.get_context_parallel_group() if cfg.cp > 1 else None)
     stats = [mb.stats for mb in mine]
     result["tree_rows"] = sum(s.tree_tokens for s in stats)
     result["flat_rows"] = sum(s.flat_tokens for s in stats)
@@ -394,8 +548,15 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
     if len(sizes) != 1:
         raise ValueError(f"run_verify_many needs one world size, got {sorted(sizes)}")
     for cfg in cfgs:
-        if cfg.fault is not None and cfg.fault not in FAULTS:
-            raise ValueError(f"unknown fault {cfg.fault!r}; choose one of {FAULTS}")
+        if cfg.fault is not None and cfg.fault not in ALL_FAULTS:
+            raise ValueError(f"unknown fault {cfg.fault!r}; choose one of {ALL_FAULTS}")
+        if cfg.model == "dsa" and cfg.sp:
+            raise ValueError("verify --model dsa has no sequence parallelism: the per-sample side pads each sample "
+                             "to a multiple of the TP size, and stock DSA's indexer loss averages over those padding "
+                             "rows too")
+        if cfg.fault in DSA_FAULTS and cfg.model != "dsa":
+            raise ValueError(f"fault {cfg.fault} plants a bug in DeepSeek sparse attention: it needs model='dsa' "
+                             "(--model dsa)")
         if cfg.fault == "mla_rope_physical" and cfg.model != "mla":
             raise ValueError("fault mla_rope_physical plants a bug in Multi-Latent Attention: it needs model='mla'"
                              " (--model mla)")
@@ -408,11 +569,11 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
 
 def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
     out = {}
-    for m in METRICS:  # the worst rank names where; `_rel` is never NaN, so ``max`` sees every error
+    for m in metrics_of(cfg):  # the worst rank names where; `_rel` is never NaN, so ``max`` sees every error
         worst = max(per_rank, key=lambda r: r[m])
         out[m], out[f"{m}_at"] = worst[m], worst.get(f"{m}_at")
     out["tolerance"] = cfg.tol()
-    out["passed"] = all(out[m] <= cfg.tol() for m in METRICS)
+    out["passed"] = all(out[m] <= cfg.tol() for m in metrics_of(cfg))
     last = [r for r in per_rank if "loss_value" in r]
     out["loss_value"] = last[0]["loss_value"] if last else float("nan")
     # ranks of one DP group hold the same samples: count each DP rank once (TP/PP/CP replicas share them)
@@ -426,12 +587,13 @@ def format_report(cfg: VerifyConfig, out: dict) -> str:
     layout = (f"model={cfg.model}{'(' + (cfg.pattern or '') + ')' if cfg.model in ('hybrid', 'mamba') else ''} tp={cfg.tp} "
               f"pp={cfg.pp} dp={cfg.dp} ep={cfg.ep} sp={cfg.sp} recompute={cfg.recompute} dtype={cfg.dtype} "
               + (f"cp={cfg.cp}({cfg.cp_strategy}) " if cfg.cp > 1 else "") +
-              f"loss={cfg.loss}" + (f" fault={cfg.fault}" if cfg.fault else ""))
+              f"loss={cfg.loss}" + (f" fault={cfg.fault}" if cfg.fault else "")
+              + (f" dsa(sparse_loss={cfg.dsa_sparse_loss}, topk_freq={cfg.dsa_topk_freq})" if cfg.model == "dsa" else ""))
     lines = [f"megatron-tree verify: {layout}",
              f"batch: {out['num_samples']} samples, {out['flat_rows']} flat rows -> {out['tree_rows']} tree rows; "
              f"loss {out['loss_value']:.6f}",
              f"{'quantity':<20} {'max rel. error':>14}  status (tolerance {out['tolerance']:.0e})"]
-    for m in METRICS:
+    for m in metrics_of(cfg):
         ok = out[m] <= out["tolerance"]
         at = out.get(f"{m}_at")
         where = f"  (worst: {at})" if at and at != m else ""

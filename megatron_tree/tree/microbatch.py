@@ -84,6 +84,18 @@ class TreeMicrobatch:
             raise KeyError(f"sample {sample_id} is not in this microbatch (it holds {len(self.sample_ids)} samples)")
         return i
 
+    def row_sample_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(count, inverse_length)``, both [N] float64 over the layout's rows: the number of samples
+        whose path passes through each row, and the sum of ``1 / len(s)`` over those samples (0 on
+        padding rows). Per-row weights of losses that stock Megatron averages over each sample's
+        tokens (e.g. DSA's indexer loss): summing ``inverse_length[i] * term(i)`` over physical rows
+        equals summing the per-sample means."""
+        n = self.layout.num_rows
+        lens = np.diff(self._path_offsets)
+        count = np.bincount(self._path_rows, minlength=n).astype(np.float64)
+        inv = np.bincount(self._path_rows, weights=np.repeat(1.0 / np.maximum(lens, 1), lens), minlength=n)
+        return torch.from_numpy(count), torch.from_numpy(inv.astype(np.float64))
+
     @property
     def num_rows(self) -> int:
         return self.layout.num_rows

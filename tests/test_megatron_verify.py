@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_tree.training.verify import FAULTS, VerifyConfig, format_report, run_verify_many
+from verify_checks import check_verify  # tests/verify_checks.py
 
 WS1 = [
     VerifyConfig(model="gpt", dtype="float64"),
@@ -96,29 +97,17 @@ def _id(c: VerifyConfig) -> str:
 
 @pytest.mark.parametrize("i", range(len(WS1)), ids=[_id(c) for c in WS1])
 def test_world_size_1(ws1, i):
-    cfg, out = WS1[i], ws1[i]
-    report = format_report(cfg, out)
-    if cfg.fault is None:
-        assert out["passed"], report
-        assert out["tree_rows"] < out["flat_rows"]  # the batch really shares prefixes
-    else:
-        assert not out["passed"], f"verify missed the injected fault:\n{report}"
+    check_verify(WS1[i], ws1[i])
 
 
 @pytest.mark.parametrize("i", range(len(WS2)), ids=[_id(c) for c in WS2])
 def test_world_size_2(ws2, i):
-    out = ws2[i]
-    if WS2[i].fault is None:
-        assert out["passed"], format_report(WS2[i], out)
-    else:
-        assert not out["passed"], f"verify missed the injected fault:\n{format_report(WS2[i], out)}"
+    check_verify(WS2[i], ws2[i])
 
 
 @pytest.mark.parametrize("i", range(len(WS4)), ids=[_id(c) for c in WS4])
 def test_world_size_4(ws4, i):
-    out = ws4[i]
-    assert out["passed"], format_report(WS4[i], out)
-    assert out["tree_rows"] < out["flat_rows"]
+    check_verify(WS4[i], ws4[i])
 
 
 def test_nonfinite_values_fail_and_are_named():

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_tree.training.verify import VerifyConfig, format_report, run_verify_many
+from megatron_tree.training.verify import VerifyConfig, run_verify_many
+from verify_checks import check_verify  # tests/verify_checks.py
 
 try:
     from dist import init_megatron, run_distributed
@@ -304,23 +305,14 @@ def ws2():
     return run_verify_many(WS2)
 
 
-def _check(cfg, out):
-    report = format_report(cfg, out)
-    if cfg.fault is None:
-        assert out["passed"], report
-        assert out["tree_rows"] < out["flat_rows"]
-    else:
-        assert not out["passed"], report
-
-
 @pytest.mark.parametrize("i", range(len(WS1)))
 def test_verify_world_size_1(ws1, i):
-    _check(WS1[i], ws1[i])
+    check_verify(WS1[i], ws1[i])
 
 
 @pytest.mark.parametrize("i", range(len(WS2)))
 def test_verify_world_size_2(ws2, i):
-    _check(WS2[i], ws2[i])
+    check_verify(WS2[i], ws2[i])
 
 
 def test_family_configs_are_refused_with_reasons():

@@ -34,6 +34,15 @@ def te_available() -> bool:
     return module_available("transformer_engine")
 
 
+class _UnsupportedAbsorbedMLA:
+    """Stands where a stock spec names ``AbsorbedMLASelfAttention``: building it is a clear error."""
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError("AbsorbedMLASelfAttention (megatron-core 0.19's DSA spec) has no tree variant: build DSA "
+                         "layers with megatron_tree.megatron.dsa.get_tree_dsa_module_spec (MLASelfAttention + "
+                         "TreeDSAttention, the same parameter names)")
+
+
 def treeify_spec(spec):
     """Copy of a layer / block spec with every ``core_attention`` replaced by `TreeDotProductAttention`,
     every stock GDN mixer by `TreeGatedDeltaNet` and every stock ``MambaMixer`` by `TreeMambaMixer`
@@ -55,10 +64,9 @@ def treeify_spec(spec):
             spec.module = TreeMambaMixer
         elif getattr(spec.module, "__name__", "") == "AbsorbedMLASelfAttention":
             # megatron-core 0.19's DSA spec: a different attention class (matrix absorption), not
-            # MLASelfAttention; no tree variant is verified for it
-            raise ValueError("treeify_spec: AbsorbedMLASelfAttention (megatron-core 0.19's DSA spec) has no tree "
-                             "variant; build DSA layers with megatron_tree.megatron.dsa.get_tree_dsa_module_spec "
-                             "(MLASelfAttention + TreeDSAttention, the same parameter names)")
+            # MLASelfAttention; no tree variant is verified for it. Stock specs list it among other
+            # layer kinds (e.g. the Mamba stack), so the error comes when such a layer is built.
+            spec.module = _UnsupportedAbsorbedMLA
         elif getattr(spec.module, "__name__", "") == "MLASelfAttention":
             from .mla import TreeMLASelfAttention  # MLA: rotary by depth (Megatron computes it inside)
 

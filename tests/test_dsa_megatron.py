@@ -342,3 +342,39 @@ def test_absorbed_mla_spec_is_refused_when_built_not_when_treeified():
     assert spec.module is not AbsorbedMLASelfAttention
     with pytest.raises(ValueError, match="get_tree_dsa_module_spec"):
         build_module(spec)
+
+
+def test_train_cli_dsa_context_parallel_matches_cp1():
+    """`megatron-tree train --experimental-attention-variant dsa`: an MLA + DSA model trains on trees,
+    and at --context-parallel-size 2 (tree_dsa_cp, DSA-aware plans) gives the losses of 1 rank."""
+    from megatron_tree.training.launch import run_distributed as run
+    from megatron_tree.training.trainer import build_train_parser, check_train_args, train
+
+    common = ["--synthetic-preset", "many_small_64_4x16", "--synthetic-scale", "0.5", "--vocab-size", "128",
+              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "3",
+              "--tree-global-batch-samples", "8", "--tree-max-tokens-per-mb", "256", "--lr", "1e-2", "--quiet",
+              "--tree-lookahead", "1", "--experimental-attention-variant", "dsa", "--dsa-indexer-topk", "3"]
+    runs = {}
+    for cp in (1, 2):
+        args = check_train_args(build_train_parser().parse_args(
+            common + ["--context-parallel-size", str(cp), "--nproc", str(cp)]))
+        runs[cp] = run(train, cp, args, timeout=300)[0]["history"]
+    assert len(runs[1]) == 3
+    for a, b in zip(runs[1], runs[2]):
+        assert a["sample_ids"] == b["sample_ids"] and a["num_targets"] == b["num_targets"]
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    assert runs[1][-1]["loss"] < runs[1][0]["loss"]
+
+
+def test_train_cli_dsa_argument_errors():
+    from megatron_tree.training.trainer import build_train_parser, check_train_args
+
+    def errors(*extra):
+        with pytest.raises(ValueError) as e:
+            check_train_args(build_train_parser().parse_args(["--synthetic-preset", "many_small_64_4x16", *extra]))
+        return str(e.value)
+
+    assert "--dsa-indexer-* options need" in errors("--dsa-indexer-topk", "3")
+    assert "sequence parallelism" in errors("--experimental-attention-variant", "dsa", "--sequence-parallel",
+                                            "--tensor-model-parallel-size", "2", "--nproc", "2")
+    assert "hybrid pattern" in errors("--experimental-attention-variant", "dsa", "--hybrid-override-pattern", "M*-")

@@ -81,9 +81,19 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     m.add_argument("--model-family", choices=MODEL_FAMILIES, default="gpt",
                    help="gpt: GPTModel (our hybrid stack with --hybrid-override-pattern); mamba: Megatron's "
                         "MambaModel (Nemotron-H), layers from --hybrid-override-pattern letters M * - E")
-    m.add_argument("--experimental-attention-variant", choices=["gated_delta_net"], default=None,
-                   help="GPT family: Megatron's Gated DeltaNet layers (Qwen3-Next style: gated attention with "
-                        "qk-norm every --linear-attention-freq layers, MoE with a gated shared expert if --num-experts)")
+    m.add_argument("--experimental-attention-variant", choices=["gated_delta_net", "dsa"], default=None,
+                   help="GPT family: gated_delta_net, Megatron's Gated DeltaNet layers (Qwen3-Next style: gated "
+                        "attention with qk-norm every --linear-attention-freq layers, MoE with a gated shared expert "
+                        "if --num-experts); dsa, DeepSeek sparse attention (Multi-Latent Attention whose core "
+                        "attention attends to the --dsa-indexer-topk keys a learned indexer picks on the tree)")
+    m.add_argument("--multi-latent-attention", action="store_true",
+                   help="GPT family: Multi-Latent Attention layers (DeepSeek-V3 style; implied by "
+                        "--experimental-attention-variant dsa)")
+    m.add_argument("--dsa-indexer-topk", type=int, default=None, help="dsa: keys per query (default 4)")
+    m.add_argument("--dsa-indexer-loss-coeff", type=float, default=None,
+                   help="dsa: weight of the indexer's KL loss (default 0.5; 0 trains no indexer)")
+    m.add_argument("--dsa-indexer-use-sparse-loss", action="store_true",
+                   help="dsa: the indexer loss over the selected keys only (default: over every visible key)")
     m.add_argument("--linear-attention-freq", type=int, default=None, metavar="N",
                    help="with --experimental-attention-variant: one standard attention layer every N layers")
 
@@ -214,7 +224,22 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
 def _family_errors(args) -> list:
     """What is wrong with the model-family flags (``--model-family``, ``--experimental-attention-variant``)."""
     errors = []
-    gdn = args.experimental_attention_variant is not None
+    gdn = args.experimental_attention_variant == "gated_delta_net"
+    dsa = args.experimental_attention_variant == "dsa"
+    if dsa or args.multi_latent_attention:
+        what = "--experimental-attention-variant dsa" if dsa else "--multi-latent-attention"
+        if args.model_family != "gpt" or _pattern(args):
+            errors.append(f"{what} builds Megatron's GPT block of MLA layers; it does not combine with "
+                          "--model-family mamba or a hybrid pattern")
+        if dsa and args.sequence_parallel:
+            errors.append("--experimental-attention-variant dsa with --sequence-parallel is not verified against "
+                          "per-sample training yet: run DSA without sequence parallelism")
+        if dsa and args.recompute_granularity == "selective":
+            errors.append("--experimental-attention-variant dsa: selective recomputation drops the indexer's inputs "
+                          "in Megatron-Core's MLA checkpoint; use --recompute-granularity full")
+    elif (args.dsa_indexer_topk is not None or args.dsa_indexer_loss_coeff is not None
+          or args.dsa_indexer_use_sparse_loss):
+        errors.append("--dsa-indexer-* options need --experimental-attention-variant dsa")
     if args.model_family == "mamba":
         from .models import MAMBA_LETTERS
 
@@ -446,10 +471,19 @@ def _model_args(args):
 
     pattern = args.tree_hybrid_pattern
     kind = "hybrid" if pattern else "gpt"
+    extra = {"bf16": True} if args.bf16 else {}
     if args.model_family == "mamba":
         kind, pattern = "mamba", args.hybrid_override_pattern
+    elif args.experimental_attention_variant == "dsa":
+        kind = "dsa"
+        extra.update({k: v for k, v in (("dsa_indexer_topk", args.dsa_indexer_topk),
+                                        ("dsa_indexer_loss_coeff", args.dsa_indexer_loss_coeff)) if v is not None})
+        if args.dsa_indexer_use_sparse_loss:
+            extra["dsa_indexer_use_sparse_loss"] = True
     elif args.experimental_attention_variant:
         kind = "qwen3next"
+    elif args.multi_latent_attention:
+        kind = "mla"
     return ModelArgs(
         kind=kind, pattern=pattern or "", num_layers=args.num_layers or 0,
         linear_attention_freq=args.linear_attention_freq or 2,
@@ -458,7 +492,7 @@ def _model_args(args):
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, vocab_size=args.vocab_size,
         max_position=args.max_position_embeddings or args.tree_max_tokens_per_mb, num_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
-        normalization=args.normalization, extra={"bf16": True} if args.bf16 else {})
+        normalization=args.normalization, extra=extra)
 
 
 def train(args, samples=None, *, skipped=None) -> dict:
@@ -497,6 +531,13 @@ def train(args, samples=None, *, skipped=None) -> dict:
 
         compat_cpu.enable(kernels=True)
         torch._dynamo.config.disable = True
+    if args.experimental_attention_variant == "dsa":
+        from ..ops.backend import module_available
+
+        if on_cpu or not module_available("fast_hadamard_transform"):
+            from ..compat import dsa as compat_dsa  # torch Hadamard rotation for the indexer (any dtype)
+
+            compat_dsa.enable()
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     cp = args.context_parallel_size
     if dist.get_world_size() % (tp * pp * cp):
@@ -548,7 +589,12 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     if args.context_parallel_size > 1:  # every CP rank plans its DP rank's microbatches ahead, identically
         from ..cp import make_plan_fn
 
-        kw["plan_fn"] = make_plan_fn(args.context_parallel_size, strategy=args.tree_cp_planner)
+        dsa = None
+        if model.config.experimental_attention_variant == "dsa":  # the planner prices DSA's own work
+            from ..cp import DSAWork
+
+            dsa = DSAWork(topk=int(model.config.dsa_indexer_topk))
+        kw["plan_fn"] = make_plan_fn(args.context_parallel_size, strategy=args.tree_cp_planner, dsa=dsa)
         from ..megatron.forward_step import island_plan_fn, uses_gdn_islands
 
         if uses_gdn_islands(ddp):  # GDN layout islands: the island plan is made ahead too, as a pair

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_tree.tree import Sample
 from megatron_tree.tree.layout import TreeLayout
 
 
@@ -108,3 +109,21 @@ def test_plan(layout: TreeLayout, kind: str, cp: int, seed: int = 0, *, waves: i
 
 
 test_plan.__test__ = False  # a helper, not a pytest test
+
+
+def branching_samples(seed: int, vocab: int = 128):
+    """`Sample`s (for `pack`) of 3 branching families: a shared prompt, completions forking at
+    several depths, a prefix sample."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for fam in range(3):
+        prompt = rng.integers(1, vocab, int(rng.integers(6, 14)))
+        mid = rng.integers(1, vocab, 4)
+        for c in range(3):
+            tail = rng.integers(1, vocab, int(rng.integers(2, 9)))
+            toks = np.concatenate([prompt, mid, tail]) if c < 2 else np.concatenate([prompt, tail])
+            mask = np.zeros(len(toks), bool)
+            mask[len(prompt):] = True
+            out.append(Sample(tokens=toks, loss_mask=mask, group=fam))
+        out.append(Sample(tokens=prompt[:5].copy(), group=fam))  # a prefix of its family's prompt
+    return out

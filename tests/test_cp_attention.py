@@ -213,9 +213,11 @@ def _run_cases(cases):
 
     # overlap order: each fetch is issued before the compute it overlaps (forward: local stage, then
     # wave w while wave w + 1 moves; backward: wave w's dK/dV return while the next stage computes)
+    import megatron_tree.cp.schedule as cps  # forward fetches go through CPSchedule.start_fetch
+
     events = []
     real_x, real_s = cpa.start_exchange, cpa.tree_attention_partial
-    cpa.start_exchange = lambda *a, **kw: (events.append("x"), real_x(*a, **kw))[1]
+    cpa.start_exchange = cps.start_exchange = lambda *a, **kw: (events.append("x"), real_x(*a, **kw))[1]
     cpa.tree_attention_partial = lambda *a, **kw: (events.append("s"), real_s(*a, **kw))[1]
     try:
         layout = _forest(2)
@@ -227,6 +229,7 @@ def _run_cases(cases):
         o.sum().backward()
     finally:
         cpa.start_exchange, cpa.tree_attention_partial = real_x, real_s
+        cps.start_exchange = real_x
 
     # a second backward through a retained graph (the kept stage graphs are gone: it recomputes)
     g1 = x.grad.clone()

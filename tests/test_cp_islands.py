@@ -14,26 +14,10 @@ import pytest
 import torch
 
 from dist import init_megatron, run_distributed
+from forests import branching_samples
 from megatron_tree.cp import CPPlan
 from megatron_tree.megatron.model import gdn_island_spans
-from megatron_tree.tree import Sample, pack
-
-
-def _samples(seed: int, vocab: int = 128):
-    """Branching families: a shared prompt, completions forking at two depths, a prefix sample."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for fam in range(3):
-        prompt = rng.integers(1, vocab, int(rng.integers(6, 14)))
-        mid = rng.integers(1, vocab, 4)
-        for c in range(3):
-            tail = rng.integers(1, vocab, int(rng.integers(2, 9)))
-            toks = np.concatenate([prompt, mid, tail]) if c < 2 else np.concatenate([prompt, tail])
-            mask = np.zeros(len(toks), bool)
-            mask[len(prompt):] = True
-            out.append(Sample(tokens=toks, loss_mask=mask, group=fam))
-        out.append(Sample(tokens=prompt[:5].copy(), group=fam))
-    return out
+from megatron_tree.tree import pack
 
 
 def test_island_spans():
@@ -129,7 +113,7 @@ def _train_body(cfgs):
             ddp = wrap_ddp(model, config)
             tree_model._FAULT = cfg.get("fault") if cp > 1 else None
             rd._FAULT = cfg.get("rd_fault") if cp > 1 else None
-            mbs = pack(_samples(cfg.get("seed", 0)), 48, pad_to_multiple_of=4)
+            mbs = pack(branching_samples(cfg.get("seed", 0)), 48, pad_to_multiple_of=4)
             items = mbs
             if cp > 1 and cfg.get("random_gdn"):  # an arbitrary (non-contiguous) island ownership, made ahead
                 rng = np.random.default_rng(cfg.get("seed", 0))

@@ -13,30 +13,14 @@ import pytest
 import torch
 
 from dist import init_megatron, run_distributed
+from forests import branching_samples
 from megatron_tree.cp import CPPlan
 from megatron_tree.megatron.packed_seq import tree_packed_seq_params
-from megatron_tree.tree import Sample, pack
-
-
-def _samples(seed: int, vocab: int = 128):
-    """Branching families: a shared prompt, completions forking at several depths, a prefix sample."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for fam in range(3):
-        prompt = rng.integers(1, vocab, int(rng.integers(6, 14)))
-        mid = rng.integers(1, vocab, 4)
-        for c in range(3):
-            tail = rng.integers(1, vocab, int(rng.integers(2, 9)))
-            toks = np.concatenate([prompt, mid, tail]) if c < 2 else np.concatenate([prompt, tail])
-            mask = np.zeros(len(toks), bool)
-            mask[len(prompt):] = True
-            out.append(Sample(tokens=toks, loss_mask=mask, group=fam))
-        out.append(Sample(tokens=prompt[:5].copy(), group=fam))  # a prefix of its family's prompt
-    return out
+from megatron_tree.tree import pack
 
 
 def test_local_views_cover_every_row_and_occurrence_once():
-    mb = pack(_samples(0), 256, pad_to_multiple_of=8)[0]
+    mb = pack(branching_samples(0), 256, pad_to_multiple_of=8)[0]
     n = mb.layout.num_rows
     rng = np.random.default_rng(1)
     plan = CPPlan(3, "random", rng.integers(0, 3, n).astype(np.int32), mb.layout.visible_until.numpy(),
@@ -75,7 +59,7 @@ def _train_body(cfgs):
                                  recompute=cfg.get("recompute", "none"))
             ddp = wrap_ddp(build_model(config, margs), config)
             cp_attention._FAULT = cfg.get("fault") if cp > 1 else None  # test-only switch of the executor
-            mbs = pack(_samples(cfg.get("seed", 0)), 64, pad_to_multiple_of=4)
+            mbs = pack(branching_samples(cfg.get("seed", 0)), 64, pad_to_multiple_of=4)
             reports = forward_backward(ddp, mbs, loss_type="sft", cp_strategy=cfg.get("strategy", "balanced"))
             tot = report_totals(reports)
             if tot is not None:
@@ -125,7 +109,7 @@ def _mismatch_body():
 
     from megatron_tree.megatron.forward_step import check_same_plan
 
-    mb = pack(_samples(0), 256, pad_to_multiple_of=8)[0]
+    mb = pack(branching_samples(0), 256, pad_to_multiple_of=8)[0]
     n = mb.layout.num_rows
     owner = np.arange(n) % 2 if dist.get_rank() == 0 else (np.arange(n) * 2 // n)  # rank 1 plans differently
     plan = CPPlan(2, "x", owner.astype(np.int32), mb.layout.visible_until.numpy(), mb.layout.position_ids.numpy())

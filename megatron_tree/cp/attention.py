@@ -91,22 +91,6 @@ class _Stage:
         self.inputs, self.o, self.lse = inputs, o, lse
 
 
-def _issue_fetch(pack: torch.Tensor, cfg: _Cfg, idx: dict, w: int):
-    """Start wave ``w``'s K / V fetch (None when no rank moves a row in that wave)."""
-    wave = cfg.sched.waves[w]
-    if wave.global_rows == 0:
-        return None
-    send = pack.index_select(0, idx["waves"][w]["send_local"])
-    return start_exchange(send, wave.send_splits, wave.recv_splits, cfg.group)
-
-
-def _received(ex, pack: torch.Tensor, idx: dict, w: int) -> torch.Tensor:
-    """Wave ``w``'s remote K / V block [m, F], reordered to ascending global row."""
-    if ex is None:
-        return pack.new_empty((0, pack.shape[1]))
-    return ex.wait().index_select(0, idx["waves"][w]["sorted_from_recv"])
-
-
 def _run_stage(q, k, v, k_rows, k_vis, k_pos, idx: dict, cfg: _Cfg, with_graph: bool) -> _Stage:
     """Attention of the owned queries against one key set; with_graph: differentiable w.r.t. fresh leaves."""
     if with_graph:
@@ -197,12 +181,12 @@ class _CPAttentionFn(torch.autograd.Function):
         keep = cfg.build_graph and not cfg.recompute  # keep each stage's graph until backward
         # K and V travel together in one buffer per wave: [n, Hkv*(D+Dv)] (D and Dv may differ)
         pack = _pack_kv(k, v)
-        fetch = _issue_fetch(pack, cfg, idx, 0) if nw else None  # wave 0 moves while the local stage runs
+        fetch = cfg.sched.start_fetch(pack, 0, cfg.group) if nw else None  # wave 0 moves while the local stage runs
         stages = [_run_stage(q, k, v, idx["owned"], idx["owned_visible_until"], idx["owned_position_ids"],
                              idx, cfg, keep)]
         for w in range(nw):
-            nxt = _issue_fetch(pack, cfg, idx, w + 1) if w + 1 < nw else None  # before wave w's compute
-            block = _received(fetch, pack, idx, w)
+            nxt = cfg.sched.start_fetch(pack, w + 1, cfg.group) if w + 1 < nw else None  # before wave w's compute
+            block = cfg.sched.received(fetch, pack, w)
             fetch = nxt
             if block.shape[0] == 0 or (cfg.fault == "drop_wave" and w == nw - 1):
                 stages.append(None)  # nothing visible here: o = 0, lse = -inf contributes nothing
@@ -268,14 +252,14 @@ class _CPAttentionFn(torch.autograd.Function):
             dpack[:, :hkv * d].add_(gk.reshape(n, hkv * d))
             dpack[:, hkv * d:].add_(gv.reshape(n, hkv * dv))
 
-        fetch = _issue_fetch(pack, cfg, idx, 0) if recompute and nw else None
+        fetch = cfg.sched.start_fetch(pack, 0, cfg.group) if recompute and nw else None
         if recompute:
             local_stage()  # overlaps the re-fetch of wave 0
         for w in range(nw):
             wave = sched.waves[w]
             if recompute:
-                nxt = _issue_fetch(pack, cfg, idx, w + 1) if w + 1 < nw else None
-                block = _received(fetch, pack, idx, w)
+                nxt = cfg.sched.start_fetch(pack, w + 1, cfg.group) if w + 1 < nw else None
+                block = cfg.sched.received(fetch, pack, w)
                 fetch = nxt
                 st = None if block.shape[0] == 0 else _remote_stage(block, idx, cfg, w, hkv, d, dv, q, True)
             else:

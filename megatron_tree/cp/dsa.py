@@ -94,20 +94,6 @@ def _pack(*ts: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.reshape(n, math.prod(t.shape[1:])) for t in ts], 1)
 
 
-def _fetch_wave(pack: torch.Tensor, cfg: _Cfg, idx: dict, w: int):
-    wave = cfg.sched.waves[w]
-    if wave.global_rows == 0:  # no rank moves a row in this wave: every rank skips it alike
-        return None
-    send = pack.index_select(0, idx["waves"][w]["send_local"])
-    return start_exchange(send, wave.send_splits, wave.recv_splits, cfg.group)
-
-
-def _received(ex, pack: torch.Tensor, idx: dict, w: int) -> torch.Tensor:
-    if ex is None:
-        return pack.new_empty((0, pack.shape[1]))
-    return ex.wait().index_select(0, idx["waves"][w]["sorted_from_recv"])
-
-
 def _stage_order_topk(parts, topk: int):
     """FAULT "stage_order_ties": merge stage candidates with ties broken by stage then local slot
     (what a careless implementation does), returned as canonical ids."""
@@ -206,14 +192,14 @@ class _DSACPFn(torch.autograd.Function):
             for t in parts[1:]:
                 pdt = torch.promote_types(pdt, t.dtype)
             pack = _pack(*[t.detach().to(pdt) for t in parts])
-            fetch = _fetch_wave(pack, cfg, idx, 0) if nw else None
+            fetch = cfg.sched.start_fetch(pack, 0, cfg.group) if nw else None
             if cfg.score:  # the local stage scores while wave 0 moves
                 cands.append(tree_dsa_topk_partial(iq.detach(), w.detach(), ik.detach(), owned, owned,
                                                    idx["owned_visible_until"], cfg.topk, block_size=cfg.block_size))
                 best = cands[0]
             for wv in range(nw):
-                nxt = _fetch_wave(pack, cfg, idx, wv + 1) if wv + 1 < nw else None
-                blk = _received(fetch, pack, idx, wv)
+                nxt = cfg.sched.start_fetch(pack, wv + 1, cfg.group) if wv + 1 < nw else None
+                blk = cfg.sched.received(fetch, pack, wv)
                 fetch = nxt
                 if cfg.loss or cfg.kv_stages:  # reused by the loss / the attention buffer (held until backward)
                     blocks.append(blk)

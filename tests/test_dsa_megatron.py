@@ -26,6 +26,7 @@ except ImportError:  # run from the repository root as tests.*
     from tests.dist import init_megatron, run_distributed
 
 from megatron_tree.training.verify import VerifyConfig, run_verify_many
+from per_sample import coef, randomize  # tests/per_sample.py
 from verify_checks import check_verify  # tests/verify_checks.py
 
 V = 64
@@ -78,18 +79,6 @@ def test_index_share_rule():
 
 
 # ------------------------------------------------------------------------------------ stock interop
-def _randomize(model, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            r = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            p.copy_((1.0 + 0.3 * r if "norm" in name else r / max(p.shape[-1], 1) ** 0.5).to(p.dtype))
-
-
-def _coef(i: int, t: int) -> float:
-    return 0.5 + ((3 * i + 7 * t) % 11) / 10.0
-
-
 def _stock_spec(core_cls):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.experimental_attention_variant.dsa import (
@@ -127,7 +116,7 @@ def _case(name, mb):
     stock = GPTModel(cfg, _stock_spec(cdsa.stock_oracle_class()), V, 64, position_embedding_type="rope")
     tree = TreeGPTModel(cfg, get_tree_gpt_layer_spec(experimental_attention_variant="dsa", normalization="RMSNorm",
                                                      use_transformer_engine=False), V, 64, position_embedding_type="rope")
-    _randomize(stock, seed=sum(map(ord, name)))
+    randomize(stock, seed=sum(map(ord, name)))
     with torch.no_grad():  # layer 1's index queries are 0: every score is exactly 0, all candidates tie
         stock.decoder.layers[0].self_attention.core_attention.indexer.linear_wq_b.weight.zero_()
     cores = [layer.self_attention.core_attention for layer in tree.decoder.layers]
@@ -155,7 +144,7 @@ def _case(name, mb):
         with cdsa.capture_stock_selected() as sel:
             logits = stock(x[None], torch.arange(len(x))[None], None)
         lp = torch.log_softmax(logits[0], -1)
-        loss = sum(_coef(i, t) * lp[t - 1, toks[t]] for t in range(1, len(toks)))
+        loss = sum(coef(i, t) * lp[t - 1, toks[t]] for t in range(1, len(toks)))
         loss.backward()
         for t in range(1, len(toks)):
             ref[(i, t)] = lp[t - 1, toks[t]].detach()
@@ -167,7 +156,7 @@ def _case(name, mb):
     with capture_selected() as sel:
         lp = tree(psp.input_ids[None], psp.position_ids[None], None, packed_seq_params=psp)
     keys = list(zip(psp.loss_map.sample_index.tolist(), psp.loss_map.positions.tolist()))
-    sum(_coef(i, t) * lp[e] for e, (i, t) in enumerate(keys)).backward()
+    sum(coef(i, t) * lp[e] for e, (i, t) in enumerate(keys)).backward()
     res["tree_indexer_loss"] = stock_dsa.DSAIndexerLossLoggingHelper.tracker["values"].clone()
     res["lp"] = (torch.stack([lp[e] for e in range(len(keys))]).detach(), torch.stack([ref[k] for k in keys]))
     sg = dict(stock.named_parameters())

@@ -35,28 +35,10 @@ try:
 except ImportError:  # run from the repository root as tests.*
     from tests.dist import init_megatron, run_distributed
 
+from per_sample import MOE_GRAD, SAMPLES, coef, randomize, stock_logprobs, tree_logprobs  # tests/per_sample.py
+
 V = 64
 F64 = dict(rtol=1e-10, atol=1e-10)
-# Megatron 0.16.1's top-k router takes the softmax of the selected scores in float32 whatever
-# moe_router_dtype says (``torch.softmax(scores, dtype=torch.float32).type_as(logits)`` in
-# moe_utils.topk_routing_with_score_function). The forward rounds identically per token, so the
-# log-probs still agree to 1e-15, but the backward casts the incoming gradient to fp32: a shared
-# tree row receives the sum of its samples' gradients, rounded once, the per-sample runs round each
-# one. Measured: at most 1e-6 absolute on gradients up to 48 (2e-8 relative); 2e-15 when that
-# softmax is made float64. A wrong tree computation moves them by O(0.1).
-MOE_GRAD = dict(rtol=1e-6, atol=1e-5)
-
-SAMPLES = [
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
-    [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 8, 7],  # fork at depth 5
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 21, 22, 23],  # fork at depth 9
-    [1, 2, 3, 4, 5, 6, 7],  # prefix of sample 0
-    [1, 30, 31, 32],  # fork at depth 1
-    [3, 3, 3, 1, 2, 5, 6, 7, 8, 9, 10],  # second tree
-    [3, 3, 3, 1, 2, 5, 40, 41, 42, 43],  # fork at depth 6 of the second tree
-    [50, 51],  # third tree
-    [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 8, 7],  # duplicate of sample 1
-]
 
 # name -> (spec kind, num_experts, qk_layernorm, extra TransformerConfig fields)
 CASES = {
@@ -77,54 +59,6 @@ CASES = {
     "layer_spec": ("layer", None, True, dict(window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable")),
     "layer_spec_moe": ("layer", 4, False, dict(softmax_type="off-by-one")),
 }
-
-
-def _coef(i: int, t: int) -> float:
-    """Weight of occurrence (sample i, position t) in the summed loss (distinct, so grads see which)."""
-    return 0.5 + ((3 * i + 7 * t) % 11) / 10.0
-
-
-@torch.no_grad()
-def _randomize(model, seed: int):
-    """O(1) weights (Megatron's init makes attention almost uniform and sinks ~0)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        r = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-        if "norm" in name:
-            val = 1.0 + 0.3 * r
-        elif name.endswith("softmax_offset"):
-            val = r
-        else:
-            val = r / max(p.shape[-1], 1) ** 0.5
-        p.copy_(val.to(p.dtype))
-
-
-def _stock_logprobs(stock, samples, targets):
-    """{(i, t): log_softmax(stock logits of sample i alone)[t-1, tokens[t]]} for every target."""
-    out = {}
-    for i, toks in enumerate(samples):
-        x = torch.as_tensor(toks, dtype=torch.long)
-        logits = stock(x[None], torch.arange(len(x))[None], None)  # [1, L, V]: stock causal attention
-        lp = torch.log_softmax(logits[0].double(), dim=-1)
-        for t in targets[i]:
-            out[(i, t)] = lp[t - 1, toks[t]]
-    return out
-
-
-def _tree_logprobs(tree, mbs):
-    """{(sample, position): per-occurrence log-prob} of the tree model over packed microbatches."""
-    from megatron_tree.megatron.packed_seq import tree_packed_seq_params
-
-    out = {}
-    for mb in mbs:
-        psp = tree_packed_seq_params(mb)
-        lay, lm = psp.layout, psp.loss_map
-        lp = tree(lay.input_ids[None], lay.position_ids[None], None, packed_seq_params=psp)
-        assert lp.shape == (len(lm),)
-        for e, (i, t) in enumerate(zip(lm.sample_index.tolist(), lm.positions.tolist())):
-            assert (i, t) not in out
-            out[(i, t)] = lp[e]
-    return out
 
 
 def _window_layers(model):
@@ -162,7 +96,7 @@ def _case(name, samples, targets, mbs):
                                 ffn_hidden_size=48, vocab_size=V, num_experts=num_experts, moe_ffn_hidden_size=16,
                                 extra=dict(extra)), dtype=torch.float64)
     stock, tree = _build(name, cfg)
-    _randomize(stock, seed=sum(map(ord, name)))
+    randomize(stock, seed=sum(map(ord, name)))
     tree.load_state_dict(stock.state_dict(), strict=True)
     res = {"core_attention": [type(layer.self_attention.core_attention).__name__ for layer in tree.decoder.layers],
            "stock_core_attention": [type(layer.self_attention.core_attention).__name__
@@ -173,8 +107,8 @@ def _case(name, samples, targets, mbs):
            "tree_windows": [layer.self_attention.core_attention.window for layer in tree.decoder.layers],
            "mlp": [type(layer.mlp).__name__ for layer in tree.decoder.layers]}
 
-    ref = _stock_logprobs(stock, samples, targets)
-    got = _tree_logprobs(tree, mbs)
+    ref = stock_logprobs(stock, samples, targets)
+    got = tree_logprobs(tree, mbs)
     res["keys_equal"] = sorted(ref) == sorted(got)
     keys = sorted(ref)
     res["lp_tree"] = torch.stack([got[k] for k in keys]).detach()
@@ -182,8 +116,8 @@ def _case(name, samples, targets, mbs):
 
     stock.zero_grad()
     tree.zero_grad()
-    sum(_coef(*k) * ref[k] for k in keys).backward()
-    sum(_coef(*k) * got[k] for k in keys).backward()
+    sum(coef(*k) * ref[k] for k in keys).backward()
+    sum(coef(*k) * got[k] for k in keys).backward()
     sg, tg = dict(stock.named_parameters()), dict(tree.named_parameters())
     res["grad_names_equal"] = sorted(sg) == sorted(tg)
     res["grads"] = {n: (tg[n].grad.clone(), sg[n].grad.clone()) for n in sorted(sg)}
@@ -198,7 +132,7 @@ def _case(name, samples, targets, mbs):
                 sm.window_size = (sm.window_size[0] + 1, 0)
                 moved.append("window")
         if moved:
-            wider = _stock_logprobs(stock, samples, targets)
+            wider = stock_logprobs(stock, samples, targets)
             res["window_plus_one_shift"] = max(float((wider[k] - ref[k]).abs()) for k in keys)
             for layer in stock.decoder.layers:
                 sm = layer.self_attention.core_attention.scale_mask_softmax
@@ -209,7 +143,7 @@ def _case(name, samples, targets, mbs):
             saved = [c.softmax_offset for c in cores]
             for c in cores:
                 c.softmax_offset = None
-            plain = _stock_logprobs(stock, samples, targets)
+            plain = stock_logprobs(stock, samples, targets)
             for c, s in zip(cores, saved):
                 c.softmax_offset = s
             res["no_sink_shift"] = max(float((plain[k] - ref[k]).abs()) for k in keys)

@@ -32,25 +32,11 @@ except ImportError:  # run from the repository root as tests.*
     from tests.dist import init_megatron, run_distributed
 
 from megatron_tree.training.verify import VerifyConfig, run_verify_many
+from per_sample import MOE_GRAD, SAMPLES, coef, randomize, stock_logprobs, tree_logprobs  # tests/per_sample.py
 from verify_checks import check_verify  # tests/verify_checks.py
 
 V = 64
 F64 = dict(rtol=1e-10, atol=1e-10)
-# Megatron's top-k router takes its softmax in float32 whatever moe_router_dtype says (see
-# tests/test_megatron_stock_oracle.py): gradients of MoE models agree to ~1e-8 relative only.
-MOE_GRAD = dict(rtol=1e-6, atol=1e-5)
-
-SAMPLES = [
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
-    [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 8, 7],  # fork at depth 5
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 21, 22, 23],  # fork at depth 9
-    [1, 2, 3, 4, 5, 6, 7],  # prefix of sample 0
-    [1, 30, 31, 32],  # fork at depth 1
-    [3, 3, 3, 1, 2, 5, 6, 7, 8, 9, 10],  # second tree
-    [3, 3, 3, 1, 2, 5, 40, 41, 42, 43],  # fork at depth 6 of the second tree
-    [50, 51],  # third tree
-    [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 8, 7],  # duplicate of sample 1
-]
 
 # name -> (spec kind, num_experts, qk_layernorm, MLA config fields over MLA_DEFAULTS)
 CASES = {
@@ -98,42 +84,6 @@ def _with_dense_core(spec):
     return spec
 
 
-def _coef(i: int, t: int) -> float:
-    return 0.5 + ((3 * i + 7 * t) % 11) / 10.0
-
-
-@torch.no_grad()
-def _randomize(model, seed: int):
-    """O(1) weights, so that attention is far from uniform and the rotary part matters."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        r = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-        p.copy_((1.0 + 0.3 * r if "norm" in name else r / max(p.shape[-1], 1) ** 0.5).to(p.dtype))
-
-
-def _stock_logprobs(stock, samples):
-    out = {}
-    for i, toks in enumerate(samples):
-        x = torch.as_tensor(toks, dtype=torch.long)
-        logits = stock(x[None], torch.arange(len(x))[None], None)  # [1, L, V]
-        lp = torch.log_softmax(logits[0].double(), dim=-1)
-        for t in range(1, len(toks)):
-            out[(i, t)] = lp[t - 1, toks[t]]
-    return out
-
-
-def _tree_logprobs(tree, mbs):
-    from megatron_tree.megatron.packed_seq import tree_packed_seq_params
-
-    out = {}
-    for mb in mbs:
-        psp = tree_packed_seq_params(mb)
-        lp = tree(psp.input_ids[None], psp.position_ids[None], None, packed_seq_params=psp)
-        for e, (i, t) in enumerate(zip(psp.loss_map.sample_index.tolist(), psp.loss_map.positions.tolist())):
-            out[(i, t)] = lp[e]
-    return out
-
-
 def _save(model, path):
     from megatron.core import dist_checkpointing
 
@@ -173,7 +123,7 @@ def _case(name, mbs, tmp):
                                             normalization="RMSNorm", use_transformer_engine=False)
     stock = GPTModel(cfg, _with_dense_core(stock_spec), V, 64, position_embedding_type="rope")
     tree = TreeGPTModel(cfg, tree_spec, V, 64, position_embedding_type="rope")
-    _randomize(stock, seed=sum(map(ord, name)))
+    randomize(stock, seed=sum(map(ord, name)))
     res = {"attention": [type(layer.self_attention).__name__ for layer in tree.decoder.layers],
            "core_attention": [type(layer.self_attention.core_attention).__name__ for layer in tree.decoder.layers],
            "rotary": [type(layer.self_attention.rotary_pos_emb).__name__ for layer in tree.decoder.layers],
@@ -187,16 +137,16 @@ def _case(name, mbs, tmp):
     res["stock_to_tree_equal"] = sorted(sd_s) == sorted(sd_t) and all(
         torch.equal(sd_s[k], sd_t[k]) for k in sd_s if isinstance(sd_s[k], torch.Tensor))
 
-    ref = _stock_logprobs(stock, SAMPLES)
-    got = _tree_logprobs(tree, mbs)
+    ref = stock_logprobs(stock, SAMPLES)
+    got = tree_logprobs(tree, mbs)
     keys = sorted(ref)
     res["keys_equal"] = keys == sorted(got)
     res["lp_tree"] = torch.stack([got[k] for k in keys]).detach()
     res["lp_stock"] = torch.stack([ref[k] for k in keys]).detach()
     stock.zero_grad()
     tree.zero_grad()
-    sum(_coef(*k) * ref[k] for k in keys).backward()
-    sum(_coef(*k) * got[k] for k in keys).backward()
+    sum(coef(*k) * ref[k] for k in keys).backward()
+    sum(coef(*k) * got[k] for k in keys).backward()
     sg, tg = dict(stock.named_parameters()), dict(tree.named_parameters())
     res["grads"] = {n: (tg[n].grad.clone(), sg[n].grad.clone()) for n in sorted(sg)}
 
@@ -204,7 +154,7 @@ def _case(name, mbs, tmp):
     with torch.no_grad():
         for layer in tree.decoder.layers:
             layer.self_attention.rotary_positions = lambda psp: torch.arange(psp.num_local_rows)
-        phys = _tree_logprobs(tree, mbs)
+        phys = tree_logprobs(tree, mbs)
         res["physical_row_shift"] = max(float((phys[k] - ref[k]).abs()) for k in keys)
         for layer in tree.decoder.layers:
             del layer.self_attention.rotary_positions

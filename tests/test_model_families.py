@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from megatron_tree.training.verify import VerifyConfig, run_verify_many
+from per_sample import coef, randomize, stock_logprobs, tree_logprobs  # tests/per_sample.py
 from verify_checks import check_verify  # tests/verify_checks.py
 
 try:
@@ -61,49 +62,12 @@ TOL = {"mamba": (dict(rtol=1e-6, atol=1e-6), dict(rtol=1e-5, atol=2e-5)),
        "qwen3next": (dict(rtol=1e-5, atol=1e-5), dict(rtol=1e-4, atol=1e-4))}
 
 
-def _coef(i: int, t: int) -> float:
-    return 0.5 + ((3 * i + 7 * t) % 11) / 10.0
-
-
-@torch.no_grad()
-def _randomize(model, seed: int):
-    """O(1) weights, so that every path of the computation matters (Megatron's init makes attention
-    almost uniform); Mamba's decay and step parameters stay in their working range."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        r = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-        if "norm" in name:
-            val = 1.0 + 0.3 * r
-        elif name.endswith(("A_log", "dt_bias", "D")):
-            val = 0.5 * r
-        else:
-            val = r / max(p.shape[-1], 1) ** 0.5
-        p.copy_(val.to(p.dtype))
-
-
-def _stock_logprobs(stock, samples):
-    """{(i, t): log_softmax(stock logits of sample i alone)[t-1, tokens[t]]} for t >= 1."""
-    out = {}
-    for i, toks in enumerate(samples):
-        x = torch.as_tensor(toks, dtype=torch.long)
-        lp = torch.log_softmax(stock(x[None], torch.arange(len(x))[None], None)[0].double(), dim=-1)
-        for t in range(1, len(toks)):
-            out[(i, t)] = lp[t - 1, toks[t]]
-    return out
-
-
 def _tree_logprobs(tree, samples):
-    from megatron_tree.megatron.packed_seq import tree_packed_seq_params
     from megatron_tree.tree import Sample, pack
 
-    out, branched = {}, False
-    for mb in pack([Sample(tokens=s) for s in samples], 256, pad_to_multiple_of=8):
-        branched |= bool((mb.layout.segment_parent >= 0).any())
-        psp = tree_packed_seq_params(mb)
-        lp = tree(psp.input_ids[None], psp.position_ids[None], None, packed_seq_params=psp)
-        for e, (i, t) in enumerate(zip(psp.loss_map.sample_index.tolist(), psp.loss_map.positions.tolist())):
-            out[(i, t)] = lp[e]
-    return out, branched
+
+    mbs = pack([Sample(tokens=s) for s in samples], 256, pad_to_multiple_of=8)
+    return tree_logprobs(tree, mbs), any(bool((mb.layout.segment_parent >= 0).any()) for mb in mbs)
 
 
 def _build(family: str):
@@ -152,7 +116,7 @@ def _interop_body(ckpt_root: str) -> dict:
     for family in ("mamba", "qwen3next"):
         r = res[family] = {}
         stock, tree = _build(family)
-        _randomize(stock, seed=len(family))
+        randomize(stock, seed=len(family))
         r["layers"] = [(type(layer).__name__, type(getattr(layer, "mixer", getattr(layer, "self_attention", None))).__name__,
                         type(layer.mlp).__name__ if hasattr(layer, "mlp") else None) for layer in tree.decoder.layers]
         r["stock_keys"], r["tree_keys"] = _sharded_keys(stock), _sharded_keys(tree)
@@ -168,24 +132,24 @@ def _interop_body(ckpt_root: str) -> dict:
         r["params_equal"] = sorted(sp) == sorted(tp_) and all(torch.equal(sp[n], tp_[n]) for n in sp)
 
         # one unbranched sample, then a forest that branches: tree log-probs vs stock per sample
-        ref1 = _stock_logprobs(stock, SAMPLES[:1])
+        ref1 = stock_logprobs(stock, SAMPLES[:1])
         got1, branched1 = _tree_logprobs(tree, SAMPLES[:1])
         r["chain"] = (branched1, torch.stack([got1[k] for k in sorted(ref1)]).detach(),
                       torch.stack([ref1[k] for k in sorted(ref1)]).detach())
-        ref = _stock_logprobs(stock, SAMPLES)
+        ref = stock_logprobs(stock, SAMPLES)
         got, branched = _tree_logprobs(tree, SAMPLES)
         keys = sorted(ref)
         r["forest"] = (branched, sorted(got) == keys, torch.stack([got[k] for k in keys]).detach(),
                        torch.stack([ref[k] for k in keys]).detach())
         stock.zero_grad()
         tree.zero_grad()
-        sum(_coef(*k) * ref[k] for k in keys).backward()
-        sum(_coef(*k) * got[k] for k in keys).backward()
+        sum(coef(*k) * ref[k] for k in keys).backward()
+        sum(coef(*k) * got[k] for k in keys).backward()
         r["grads"] = {n: (tp_[n].grad.clone(), sp[n].grad.clone()) for n in sorted(sp) if sp[n].grad is not None}
         r["params_without_grad"] = sorted(n for n in sp if sp[n].grad is None)
 
         # tree -> stock: new weights on the tree side, saved by the tree model, loaded by a fresh stock one
-        _randomize(tree, seed=len(family) + 100)
+        randomize(tree, seed=len(family) + 100)
         d = os.path.join(ckpt_root, family, "tree")
         os.makedirs(d)
         dist_checkpointing.save(tree.sharded_state_dict(), d)
@@ -194,7 +158,7 @@ def _interop_body(ckpt_root: str) -> dict:
                                                               strict=StrictHandling.RETURN_ALL)
         r["tree_to_stock"] = (sorted(missing), sorted(unexpected), stock2.load_state_dict(loaded, strict=False))
         with torch.no_grad():
-            ref2 = _stock_logprobs(stock2, SAMPLES[:2])
+            ref2 = stock_logprobs(stock2, SAMPLES[:2])
             got2, _ = _tree_logprobs(tree, SAMPLES[:2])
         r["back"] = (torch.stack([got2[k] for k in sorted(ref2)]), torch.stack([ref2[k] for k in sorted(ref2)]))
     res["providers"] = _providers()

@@ -49,7 +49,7 @@ from ..ops.ssd import CHUNK_SIZE, tree_ssd
 from ..tree.layout import TreeLayout
 from .comm import group_rank, start_exchange
 from .plan import CPPlan
-from .schedule import _cache_get
+from .lru import lru_get
 
 __all__ = ["tree_mamba_cp", "mamba_head_shards", "MambaHeadShards", "mamba_exchange_figures"]
 
@@ -166,7 +166,7 @@ def mamba_exchange_figures(plan: CPPlan, num_heads: int, head_dim: int, num_grou
 
 
 # --------------------------------------------------------------------------------------- rows
-# Plans are immutable and identified by their hash (`schedule._cache_get` bounds these caches):
+# Plans are immutable and identified by their hash (`lru.lru_get` bounds these caches):
 # every Mamba layer of a microbatch reuses one plan's row order and its device copies.
 _ROWS_CACHE: OrderedDict = OrderedDict()
 _DEV_CACHE: OrderedDict = OrderedDict()
@@ -182,7 +182,7 @@ def _row_order(plan: CPPlan, device) -> tuple:
         to_global[by_owner] = np.arange(by_owner.shape[0], dtype=np.int64)
         return by_owner, to_global, plan.rows_per_rank()
 
-    by_owner, to_global, counts = _cache_get(_ROWS_CACHE, plan.hash, make)
+    by_owner, to_global, counts = lru_get(_ROWS_CACHE, plan.hash, make)
     return (_on(by_owner, device, ("rows", plan.hash, 0)), _on(to_global, device, ("rows", plan.hash, 1)), counts)
 
 
@@ -205,7 +205,7 @@ def _index(sh: MambaHeadShards, j: int, device) -> tuple:
 
 def _on(a: np.ndarray, device, key) -> torch.Tensor:
     """The int64 numpy array ``a`` on ``device`` (cached: the same plan serves every Mamba layer)."""
-    return _cache_get(_DEV_CACHE, key + (str(device),), lambda: torch.from_numpy(a).to(device))
+    return lru_get(_DEV_CACHE, key + (str(device),), lambda: torch.from_numpy(a).to(device))
 
 
 # --------------------------------------------------------------------------------------- exchange

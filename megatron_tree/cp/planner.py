@@ -64,6 +64,7 @@ import numpy as np
 
 from .cost_model import CostModel, DSAWork, RankLoads, default_cost_model, dsa_selected_keys, simulate
 from .evaluate import make_loads, move_rows, rank_key_work, rank_loads, rank_waves, remote_needs, wave_sends
+from .lru import lru_get
 from .pairs import (LayoutArrays, PairMatrix, block_grid, chunk_grid, count_entries, default_num_chunks,
                     layout_arrays, snapped_grid, visible_pairs)
 from .plan import CPPlan
@@ -642,19 +643,18 @@ class PlanCache:
     def get_or_plan(self, layout, cp_size: int, **kw) -> CPPlan:
         cm = kw.get("cost_model") or default_cost_model()
         kw = dict(kw, cost_model=cm)
-        k = self.key(layout, cp_size, **kw)
+        made = []
+
+        def make():
+            made.append(True)
+            return plan_context_parallel(layout, cp_size, **kw)
+
+        plan = lru_get(self._d, self.key(layout, cp_size, **kw), make, self.maxsize)
         with self._lock:
-            if k in self._d:
-                self._d.move_to_end(k)
+            if made:
+                self.misses += 1
+            else:
                 self.hits += 1
-                return self._d[k]
-        plan = plan_context_parallel(layout, cp_size, **kw)
-        with self._lock:
-            self.misses += 1
-            self._d[k] = plan
-            self._d.move_to_end(k)
-            while len(self._d) > self.maxsize:
-                self._d.popitem(last=False)
         return plan
 
 

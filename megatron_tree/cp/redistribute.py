@@ -20,7 +20,6 @@ ordered collective); a rank that owns no rows still enters it.
 """
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from .comm import fetch_rows, group_rank
+from .lru import lru_get
 from .plan import CPPlan
 
 __all__ = ["RowMove", "row_move", "redistribute_rows", "redistribution_figures", "redistribution_count"]
@@ -79,17 +79,15 @@ def _check_pair(src: CPPlan, dst: CPPlan) -> None:
 
 
 _CACHE: OrderedDict = OrderedDict()
-_LOCK = threading.Lock()
 
 
 def row_move(src: CPPlan, dst: CPPlan, rank: int) -> RowMove:
     """The `RowMove` of ``rank`` from ``src`` to ``dst`` ownership (cached per plan pair and rank)."""
     _check_pair(src, dst)
-    key = (src.hash, dst.hash, int(rank))
-    with _LOCK:
-        if key in _CACHE:
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
+    return lru_get(_CACHE, (src.hash, dst.hash, int(rank)), lambda: _row_move(src, dst, rank), 256)
+
+
+def _row_move(src: CPPlan, dst: CPPlan, rank: int) -> RowMove:
     cp = src.cp_size
     src_rows, dst_rows = src.owner_rows(rank), dst.owner_rows(rank)
     dest = dst.owner[src_rows].astype(np.int64)
@@ -100,14 +98,9 @@ def row_move(src: CPPlan, dst: CPPlan, rank: int) -> RowMove:
     by_source = np.argsort(source, kind="stable")  # received position k holds dst_rows[by_source[k]]
     recv_order = np.empty_like(by_source)
     recv_order[by_source] = np.arange(by_source.shape[0])
-    mv = RowMove(int(src_rows.shape[0]), int(dst_rows.shape[0]), send_local,
-                 tuple(int(c) for c in np.bincount(dest, minlength=cp)),
-                 tuple(int(c) for c in np.bincount(source, minlength=cp)), recv_order.astype(np.int64))
-    with _LOCK:
-        _CACHE[key] = mv
-        while len(_CACHE) > 256:
-            _CACHE.popitem(last=False)
-    return mv
+    return RowMove(int(src_rows.shape[0]), int(dst_rows.shape[0]), send_local,
+                   tuple(int(c) for c in np.bincount(dest, minlength=cp)),
+                   tuple(int(c) for c in np.bincount(source, minlength=cp)), recv_order.astype(np.int64))
 
 
 def redistribute_rows(x: torch.Tensor, src: CPPlan, dst: CPPlan, group=None, *, src_padding: int = 0,

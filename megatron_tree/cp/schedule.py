@@ -29,13 +29,13 @@ this rank owns that the destination needs in wave ``w``.
 """
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .comm import start_exchange
+from .lru import lru_get
 from .plan import CPPlan
 
 __all__ = ["CPSchedule", "WaveSchedule", "build_schedule", "remote_needs", "schedule_figures"]
@@ -45,24 +45,6 @@ __all__ = ["CPSchedule", "WaveSchedule", "build_schedule", "remote_needs", "sche
 _CACHE_SIZE = 16
 _needs_cache: OrderedDict = OrderedDict()
 _schedule_cache: OrderedDict = OrderedDict()
-
-
-# The data pipeline's lookahead thread may warm the cache (build_schedule in its plan_fn) while the
-# training thread reads it.
-_cache_lock = threading.Lock()
-
-
-def _cache_get(cache: OrderedDict, key, make):
-    with _cache_lock:
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
-    value = make()  # outside the lock: two threads may both compute one entry, identically
-    with _cache_lock:
-        cache[key] = value
-        while len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    return value
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,7 +248,7 @@ def remote_needs(plan: CPPlan, window: int | None = None) -> tuple:
         groups = _key_groups(plan)
         return tuple(_needs_of_rank(plan, r, window, groups) for r in range(plan.cp_size))
 
-    return _cache_get(_needs_cache, (plan.hash, window), make)
+    return lru_get(_needs_cache, (plan.hash, window), make, _CACHE_SIZE)
 
 
 def _wave_bounds(m: int, num_waves: int) -> np.ndarray:
@@ -337,7 +319,8 @@ def build_schedule(plan: CPPlan, rank: int, *, window: int | None = None) -> CPS
         if int(window) < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         window = int(window)
-    return _cache_get(_schedule_cache, (plan.hash, rank, window), lambda: _make_schedule(plan, rank, window))
+    return lru_get(_schedule_cache, (plan.hash, rank, window), lambda: _make_schedule(plan, rank, window),
+                   _CACHE_SIZE)
 
 
 def schedule_figures(plan: CPPlan, window: int | None = None) -> dict:

@@ -18,18 +18,16 @@ carry it too: ``(mb, (plan, gdn_plan))`` (what `island_plan_fn` makes for the da
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import partial
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 
-import threading
-from collections import OrderedDict
-
 from ..cp import PlanCache
 from ..cp.gdn_layout import plan_gdn_layout
+from ..cp.lru import lru_get
 from ..cp.planner import layout_key
 from .loss import tree_loss_func
 from .packed_seq import context_parallel_view, tree_packed_seq_params
@@ -42,7 +40,6 @@ _PLANS = PlanCache(maxsize=16)
 
 
 _GDN_PLANS: OrderedDict = OrderedDict()
-_GDN_LOCK = threading.Lock()
 
 
 def gdn_island_plan(layout, cp_size: int, attention_plan=None, **geometry):
@@ -54,16 +51,7 @@ def gdn_island_plan(layout, cp_size: int, attention_plan=None, **geometry):
     layout = layout if layout.device.type == "cpu" else layout.to("cpu")
     key = (layout_key(layout), int(cp_size), None if attention_plan is None else attention_plan.hash,
            tuple(sorted(geometry.items())))
-    with _GDN_LOCK:
-        if key in _GDN_PLANS:
-            _GDN_PLANS.move_to_end(key)
-            return _GDN_PLANS[key]
-    plan = plan_gdn_layout(layout, cp_size, attention_plan=attention_plan, **geometry)
-    with _GDN_LOCK:
-        _GDN_PLANS[key] = plan
-        while len(_GDN_PLANS) > 16:
-            _GDN_PLANS.popitem(last=False)
-    return plan
+    return lru_get(_GDN_PLANS, key, lambda: plan_gdn_layout(layout, cp_size, attention_plan=attention_plan, **geometry))
 
 
 def _unwrap(model):

@@ -1,9 +1,12 @@
 # Entry points on a fresh machine: `make demo` and `make test` (Python 3.11, megatron-core 0.16.1,
 # the local CPU torch build; they build .venv/ first). More tiers, run by .ci/run:
-#   make test-latest    the same suite on the latest supported stack: Python 3.12 (pyenv 3.12.1 where
-#                       pyenv is installed), megatron-core 0.19.2 (requirements-latest.txt) in .venv-latest/
+#   make test-latest    the version-sensitive part of the suite (conftest.py: --tier latest) on the latest
+#                       supported stack: Python 3.12 (pyenv 3.12.1 where pyenv is installed),
+#                       megatron-core 0.19.2 (requirements-latest.txt) in .venv-latest/
 #   make test-kernels   the GPU backends' real Triton kernels on CPU through Triton's interpreter
 #                       (tests_kernels/): .venv-latest plus requirements-kernels.txt in .venv-latest/kernels
+# --dist loadscope --no-loadscope-reorder: each module runs on one worker (its module fixture, one batch of
+# gloo runs, once), longest modules first (conftest.py).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -54,10 +57,10 @@ demo: venv
 	$(BIN)/megatron-tree demo
 
 test: venv
-	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS) tests
 
 test-latest: venv-latest
-	$(BIN_LATEST)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests
+	$(BIN_LATEST)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --tier latest $(PYTEST_ARGS) tests
 
 test-kernels: venv-kernels
 	TRITON_INTERPRET=1 PYTHONPATH=$(abspath $(KERNELS)) \

@@ -10,102 +10,119 @@ from __future__ import annotations
 import pytest
 
 from megatron_tree.training.verify import FAULTS, VerifyConfig, format_report, run_verify_many
+from selection import run_selected  # tests/selection.py
 from verify_checks import check_verify  # tests/verify_checks.py
 
+# Every case runs in the main tier; the latest tier (conftest.py) runs the cases wrapped in both(): one per
+# model family and parallel flavour, the paths where Megatron-Core's version matters. The others repeat
+# those paths with another loss, window, fault or layout.
+LATEST: list = []
+
+
+def both(cfg: VerifyConfig) -> VerifyConfig:
+    LATEST.append(cfg)
+    return cfg
+
+
 WS1 = [
-    VerifyConfig(model="gpt", dtype="float64"),
+    both(VerifyConfig(model="gpt", dtype="float64")),
     VerifyConfig(model="gpt", dtype="float64", loss="grpo", window=5, sinks=True, recompute="selective"),
-    VerifyConfig(model="hybrid", dtype="float64"),  # M, G, *, -, *, E
-    VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", loss="grpo", recompute="full"),
+    both(VerifyConfig(model="hybrid", dtype="float64")),  # M, G, *, -, *, E
+    both(VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", loss="grpo", recompute="full")),
     VerifyConfig(model="hybrid", pattern="GM*-", dtype="float32"),
     VerifyConfig(model="gpt", dtype="float32", window=5, sinks=True),
-    VerifyConfig(model="hybrid", pattern="GM*-", dtype="bfloat16"),  # smoke check at bf16 tolerance
 ] + [VerifyConfig(model="gpt", fault=f) for f in FAULTS if f not in ("zero_state", "mla_rope_physical")] + [
-    VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", fault="zero_state"),
+    both(VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", fault="zero_state")),
     VerifyConfig(model="hybrid", pattern="G-", dtype="float64", fault="zero_state"),
     VerifyConfig(model="hybrid", pattern="M-", dtype="float64", fault="zero_state"),
 ]
 
 WS2 = [
-    VerifyConfig(model="gpt", tp=2, sp=True, dtype="float64"),
-    VerifyConfig(model="gpt", pp=2, dtype="float64", recompute="full"),
+    both(VerifyConfig(model="gpt", tp=2, sp=True, dtype="float64")),
+    both(VerifyConfig(model="gpt", pp=2, dtype="float64", recompute="full")),
     VerifyConfig(model="hybrid", pattern="MG*-", dp=2, dtype="float64"),
-    VerifyConfig(model="hybrid", pattern="MG*E", tp=2, sp=True, dtype="float64", loss="grpo"),
+    both(VerifyConfig(model="hybrid", pattern="MG*E", tp=2, sp=True, dtype="float64", loss="grpo")),
     VerifyConfig(model="hybrid", pattern="MG*-", pp=2, dtype="float64", recompute="selective"),
     VerifyConfig(model="gpt", dp=2, ep=2, dtype="float64"),  # MoE in every layer, experts split over 2 ranks
-    VerifyConfig(model="hybrid", pattern="GE*M", dp=2, ep=2, dtype="float64", loss="grpo"),
+    both(VerifyConfig(model="hybrid", pattern="GE*M", dp=2, ep=2, dtype="float64", loss="grpo")),
     # tree context parallelism (the per-sample side runs on one CP rank, so it shares no cross-rank code)
-    VerifyConfig(model="gpt", cp=2, dtype="float64"),
+    both(VerifyConfig(model="gpt", cp=2, dtype="float64")),
     VerifyConfig(model="gpt", cp=2, cp_strategy="zigzag", dtype="float64", loss="grpo", window=5, sinks=True,
                  recompute="selective"),
     VerifyConfig(model="gpt", cp=2, ep=2, dtype="float64"),  # MoE experts over the CP ranks
     VerifyConfig(model="gpt", cp=2, fault="sibling_mask"),
     # Mamba-2 under tree CP: the token -> head transpose (2 groups == cp: one group per rank)
-    VerifyConfig(model="hybrid", pattern="M*-", cp=2, dtype="float64"),
+    both(VerifyConfig(model="hybrid", pattern="M*-", cp=2, dtype="float64")),
     VerifyConfig(model="hybrid", pattern="M-", cp=2, fault="zero_state"),
     # Gated DeltaNet under tree CP (cp/gdn.py; "auto" picks summary mode here, heads mode at CP4)
-    VerifyConfig(model="hybrid", pattern="G*-", cp=2, dtype="float64"),
+    both(VerifyConfig(model="hybrid", pattern="G*-", cp=2, dtype="float64")),
     VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", dtype="float64", loss="grpo"),
     VerifyConfig(model="hybrid", pattern="G-", cp=2, fault="zero_state"),
     # GDN layout islands (on by default under CP): "GG-G" and "GM" run on the island ownership, rows move
     # only at the two attention boundaries (zigzag: the small batch's balanced plan equals the island plan)
-    VerifyConfig(model="hybrid", pattern="GG-G*GM", cp=2, cp_strategy="zigzag", dtype="float64"),
+    both(VerifyConfig(model="hybrid", pattern="GG-G*GM", cp=2, cp_strategy="zigzag", dtype="float64")),
 ]
 
 WS4 = [
     VerifyConfig(model="gpt", cp=4, dtype="float64", loss="grpo"),
-    VerifyConfig(model="gpt", cp=2, tp=2, sp=True, dtype="float64"),
+    both(VerifyConfig(model="gpt", cp=2, tp=2, sp=True, dtype="float64")),
     VerifyConfig(model="gpt", cp=2, pp=2, dtype="float64", recompute="full", cp_strategy="contiguous"),
     VerifyConfig(model="gpt", cp=2, dp=2, dtype="float64", window=3),
     # Mamba-2 under tree CP: 2 groups < cp 4 (B/C replicated, gradients summed); TP2 + SP (4 heads,
     # 1 group per TP rank, split over 2 CP ranks); full recomputation replays the exchanges
     VerifyConfig(model="hybrid", pattern="M*-", cp=4, dtype="float64", loss="grpo"),
-    VerifyConfig(model="hybrid", pattern="M*E", cp=2, tp=2, sp=True, dtype="float64"),
+    both(VerifyConfig(model="hybrid", pattern="M*E", cp=2, tp=2, sp=True, dtype="float64")),
     VerifyConfig(model="hybrid", pattern="M*M-", cp=2, pp=2, dtype="float64", recompute="full"),
     # Gated DeltaNet under tree CP: CP4; TP2 + SP (CP works on this TP rank's heads); full recomputation
     VerifyConfig(model="hybrid", pattern="G*-", cp=4, dtype="float64", loss="grpo"),
-    VerifyConfig(model="hybrid", pattern="G*E", cp=2, tp=2, sp=True, dtype="float64"),
+    both(VerifyConfig(model="hybrid", pattern="G*E", cp=2, tp=2, sp=True, dtype="float64")),
     VerifyConfig(model="hybrid", pattern="GM*-", cp=2, dp=2, dtype="float64", recompute="full"),
     # GDN layout islands: closed at the pipeline stage boundary ("G-G|*GE") and replayed by full
     # recomputation; CP4
-    VerifyConfig(model="hybrid", pattern="G-G*GE", cp=2, pp=2, cp_strategy="zigzag", dtype="float64",
-                 recompute="full"),
+    both(VerifyConfig(model="hybrid", pattern="G-G*GE", cp=2, pp=2, cp_strategy="zigzag", dtype="float64",
+                      recompute="full")),
     VerifyConfig(model="hybrid", pattern="GM-*G", cp=4, cp_strategy="zigzag", dtype="float64", loss="grpo"),
 ]
 
 
 @pytest.fixture(scope="module")
-def ws1():
-    return run_verify_many(WS1)
+def ws1(request):
+    return run_selected(request, "test_world_size_1", WS1, run_verify_many)
 
 
 @pytest.fixture(scope="module")
-def ws2():
-    return run_verify_many(WS2)
+def ws2(request):
+    return run_selected(request, "test_world_size_2", WS2, run_verify_many)
 
 
 @pytest.fixture(scope="module")
-def ws4():
-    return run_verify_many(WS4)
+def ws4(request):
+    return run_selected(request, "test_world_size_4", WS4, run_verify_many)
 
 
 def _id(c: VerifyConfig) -> str:
     return format_report(c, {"tolerance": 0, "num_samples": 0, "flat_rows": 0, "tree_rows": 0, "loss_value": 0,
-                             "passed": True, **{m: 0 for m in ("logits", "loss", "grads", "params_after_step")}}
+                             "passed": True, **{f"{m}{s}": 0 for m in ("logits", "loss", "grads", "params_after_step")
+                                                for s in ("", "_ps")}}
                          ).splitlines()[0].split(": ", 1)[1]
 
 
-@pytest.mark.parametrize("i", range(len(WS1)), ids=[_id(c) for c in WS1])
+def _cases(configs: list) -> list:
+    return [pytest.param(i, id=_id(c), marks=[] if any(c is k for k in LATEST) else [pytest.mark.main_tier_only])
+            for i, c in enumerate(configs)]
+
+
+@pytest.mark.parametrize("i", _cases(WS1))
 def test_world_size_1(ws1, i):
     check_verify(WS1[i], ws1[i])
 
 
-@pytest.mark.parametrize("i", range(len(WS2)), ids=[_id(c) for c in WS2])
+@pytest.mark.parametrize("i", _cases(WS2))
 def test_world_size_2(ws2, i):
     check_verify(WS2[i], ws2[i])
 
 
-@pytest.mark.parametrize("i", range(len(WS4)), ids=[_id(c) for c in WS4])
+@pytest.mark.parametrize("i", _cases(WS4))
 def test_world_size_4(ws4, i):
     check_verify(WS4[i], ws4[i])
 

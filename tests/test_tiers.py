@@ -43,7 +43,8 @@ def test_makefile_tiers_and_ci_run_all_three():
         assert var in mk
     assert "--no-deps --no-build-isolation --target $(KERNELS)" in mk
     assert "TRITON_INTERPRET=1" in mk and "-c tests_kernels/pytest.ini" in mk
-    assert "\ntest: venv\n\t$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS) tests\n" in mk  # the README's command
+    assert "\ntest: venv\n\t$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS) tests\n" in mk  # README's
+    assert "--dist loadscope --no-loadscope-reorder --tier latest $(PYTEST_ARGS) tests" in mk  # the latest tier: conftest.py's selection
     ci = (ROOT / ".ci" / "run").read_text()
     assert "for target in test test-latest test-kernels" in ci and "exit $status" in ci
     dry = subprocess.run(["make", "-n", "test-kernels"], cwd=ROOT, capture_output=True, text=True)
@@ -58,3 +59,27 @@ def test_kernel_tier_is_outside_the_default_collection_and_the_library():
         assert "TRITON_INTERPRET" not in src or path.name == "backend.py", path  # backend.py documents it
         assert "allow_cpu_kernels(True)" not in src or path.name == "backend.py", path  # its own cpu_kernels()
         assert "prune_configs" not in src and "ASTTransformer" not in src, path
+
+
+def test_latest_tier_selection_names_real_tests_and_leaves_megatron_code_in():
+    """conftest.py's --tier latest list: every stack-independent module exists and runs no
+    Megatron-Core code of its own; every main-tier-only pattern still names a test function."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_root_conftest", ROOT / "conftest.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    for name in conf.STACK_INDEPENDENT:
+        src = (ROOT / "tests" / name).read_text()
+        for marker in ("megatron.core", "init_megatron", "run_verify", "TreeGPTModel"):
+            assert marker not in src or name in ("test_layers.py", "test_tiers.py"), (name, marker)  # they only name them
+    for pattern in conf.MAIN_TIER_ONLY:
+        module, _, test = pattern.partition("::")
+        prefix = re.split(r"[\[*]", test)[0]
+        assert re.search(rf"^def {re.escape(prefix)}", (ROOT / "tests" / module).read_text(), re.M), pattern
+    for name in conf.LONGEST_FIRST:
+        assert (ROOT / "tests" / name).exists(), name
+    assert conf._main_tier_only("tests/test_ops_gdn.py::test_x") and not conf._main_tier_only(
+        "tests/test_megatron_verify.py::test_world_size_2[x]")
+    assert conf._main_tier_only("tests/test_tree_loss.py::test_grpo") and not conf._main_tier_only(
+        "tests/test_tree_loss.py::test_megatron_loss_func")

@@ -1,11 +1,20 @@
 """Run a function on W local ranks: gloo on CPU, NCCL with one GPU per rank when there are enough.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn method, one
-torch/OpenMP thread each), initialises the default process group on a free 127.0.0.1 port, calls
-``fn(*args)`` on every rank and returns the per-rank results in rank order. An exception on any
-rank is re-raised as ``DistributedError`` with the first failing rank's traceback; a run past
-``timeout`` seconds raises ``TimeoutError``. Used by ``megatron-tree verify``, the CPU demo and
-the tests (multi-node jobs use torchrun/srun instead).
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (one torch/OpenMP
+thread each), initialises the default process group on a free 127.0.0.1 port, calls ``fn(*args)``
+on every rank and returns the per-rank results in rank order. An exception on any rank is re-raised
+as ``DistributedError`` with the first failing rank's traceback; a run past ``timeout`` seconds
+raises ``TimeoutError``. Used by ``megatron-tree verify``, the CPU demo, ``megatron-tree train
+--nproc`` and the tests (multi-node jobs use torchrun/srun instead).
+
+Ranks start through a *forkserver* that imported torch and Megatron-Core once (:data:`PRELOAD`):
+importing them costs about 4 s of CPU per process, which a fresh interpreter per rank (the spawn
+method) paid on every call. A forked rank is still a clean process as far as the caller can tell:
+nothing has run in the server but imports (no threads, no process group, no RNG use), the caller's
+``sys.path`` and main module are prepared as with spawn, and the caller's environment and standard
+output / error *at the time of the call* are installed in each rank (the server's own were captured
+when it started: a caller that redirected fd 2 since, as pytest's ``capfd`` does, would otherwise
+not see its ranks' messages).
 """
 from __future__ import annotations
 
@@ -21,7 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "DistributedError"]
+__all__ = ["run_distributed", "DistributedError", "PRELOAD"]
+
+#: Modules the forkserver imports once, before it forks any rank. Only imports: a module that
+#: fails to import is skipped by the server (the rank then imports or fails as usual).
+PRELOAD = ("numpy", "torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
+           "megatron.core.models.gpt", "megatron_tree.megatron")
 
 
 class DistributedError(RuntimeError):
@@ -34,7 +48,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str, timeout: float, args: tuple) -> None:
+def _same_object(obj: Any) -> Any:
+    return obj
+
+
+class _CallerFd:
+    """The caller's file descriptor ``fd``, handed to a rank as it starts: pickled while the rank is
+    launched, it becomes multiprocessing's ``DupFd`` (the descriptor travels with the launch); the
+    rank's `_adopt_stdio` duplicates it onto the same number."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _same_object, (reduction.DupFd(self.fd),)
+
+
+def _adopt_stdio(stdio: tuple) -> None:
+    import sys
+
+    for target, dup in zip((1, 2), stdio):
+        fd = dup.detach()
+        getattr(sys, "stdout" if target == 1 else "stderr").flush()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str, timeout: float, args: tuple,
+               environ: dict, stdio: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's, as spawn would have inherited it
+    _adopt_stdio(stdio)  # and its stdout / stderr
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -85,6 +131,14 @@ def _first_error(outdir: str, world_size: int) -> str | None:
     return f"rank {rank} of {world_size} raised:\n{text}{tail}"
 
 
+def _ensure_preload() -> None:
+    """Name :data:`PRELOAD` to the forkserver before it starts (later calls change nothing)."""
+    import multiprocessing.forkserver as forkserver
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
+        mp.set_forkserver_preload(list(PRELOAD))
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` gloo ranks; return the per-rank results in rank order.
 
@@ -96,8 +150,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     with tempfile.TemporaryDirectory(prefix="mtree_dist_") as outdir:
-        ctx = mp.start_processes(_rank_main, args=(fn, world_size, _free_port(), outdir, timeout, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        _ensure_preload()
+        ctx = mp.start_processes(_rank_main, args=(fn, world_size, _free_port(), outdir, timeout, args,
+                                                   dict(os.environ), (_CallerFd(1), _CallerFd(2))),
+                                 nprocs=world_size, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout
         try:
             while True:

@@ -79,10 +79,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .training.trainer import run
+    """Exit status 0, or `trainer.PREEMPTED_EXIT_CODE` (75) when SIGTERM / SIGUSR1 stopped the run early
+    (after saving its last step with --save): a job script requeues on it."""
+    from .training.trainer import exit_status, run
 
-    run(args)
-    return 0
+    return exit_status(run(args))
 
 
 def cmd_verify(args) -> int:
@@ -102,7 +103,9 @@ def cmd_launch(args) -> int:
     from .training.launch_lm import launch
 
     try:
-        return launch(args.script, args.script_args, nproc=args.nproc, dry_run=args.dry_run)
+        return launch(args.script, args.script_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                      dry_run=args.dry_run)
     except RuntimeError as e:  # megatron.training is not importable: what to install
         print(f"megatron-tree: error: {e}", file=sys.stderr)
         return 2
@@ -143,14 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     vf.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     vf.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float64",
-                    help="float64 (default) is the exact check; float32/bfloat16 use float-noise tolerances")
+                    help="float64 (default) is the exact check; float32 uses a float-noise tolerance; bfloat16 "
+                         "passes iff the tree side's error against per-sample float64 training is at most 1.5x "
+                         "that of flat-packed bf16 training (plus --tolerance, default 2^-16)")
     vf.add_argument("--loss", choices=["sft", "grpo", "ppo"], default="sft")
     vf.add_argument("--window", type=int, default=None, help="sliding-window attention (left context)")
     vf.add_argument("--sinks", action="store_true", help="learned attention sinks")
     vf.add_argument("--families", type=int, default=6, help="number of sample families in the random batch")
     vf.add_argument("--max-tokens-per-mb", type=int, default=64)
     vf.add_argument("--seed", type=int, default=1234)
-    vf.add_argument("--tolerance", type=float, default=None, help="max relative error (default by dtype)")
+    vf.add_argument("--tolerance", type=float, default=None,
+                    help="max relative error (default by dtype); bfloat16: the ratio rule's absolute floor")
     vf.add_argument("--dsa-sparse-loss", action="store_true", help="--model dsa: indexer loss over the selected keys")
     vf.add_argument("--dsa-topk-freq", type=int, default=1,
                     help="--model dsa: IndexShare, every n-th layer computes top-k and the others reuse it")
@@ -174,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .training.trainer import add_train_args
 
     tr = sub.add_parser("train", help="train a Megatron-Core model on prefix trees (torchrun/srun, or --nproc "
-                                      "local ranks)")
+                                      "local ranks); SIGTERM/SIGUSR1 save the current step and exit with status 75")
     add_train_args(tr)
     tr.set_defaults(func=cmd_train)
     from .training.plan import add_plan_args, run_plan
@@ -183,10 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
                                      "imbalance per rank, KV moved, for each CP size and strategy")
     add_plan_args(pl)
     pl.set_defaults(func=run_plan)
-    la = sub.add_parser("launch", help="run a Megatron-LM entry point (pretrain_*.py) on N local processes: "
-                                       "torchrun with CUDA; without CUDA with the CPU layer for megatron.training "
-                                       "and the non-TE CPU flags")
-    la.add_argument("--nproc", type=int, default=1, help="processes (ranks) on this machine (default 1)")
+    la = sub.add_parser("launch", help="run a Megatron-LM entry point (pretrain_*.py) on this machine's ranks, one "
+                                       "launcher per machine: torchrun with CUDA; without CUDA with the CPU layer for "
+                                       "megatron.training and the non-TE CPU flags")
+    la.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1,
+                    help="processes (ranks) on this machine (default 1)")
+    la.add_argument("--nnodes", default="1", help="machines, N or MIN:MAX (default 1: --standalone, no other flag needed)")
+    la.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
+                    help="this machine's rank (torchrun uses it with --rdzv-backend static; c10d numbers machines "
+                         "as they join)")
+    la.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None,
+                    help="rendezvous backend with --rdzv-endpoint (default c10d)")
+    la.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None,
+                    help="HOST:PORT the ranks of all machines meet on (required with --nnodes > 1)")
+    la.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None,
+                    help="rendezvous id, the same on every machine (e.g. $SLURM_JOB_ID)")
     la.add_argument("--dry-run", action="store_true", help="print the command and exit")
     la.add_argument("script", help="the entry point, e.g. examples/pretrain_tree_gpt.py")
     la.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed through")

@@ -1,10 +1,17 @@
 """Test entry point for `megatron-tree launch` (not collected by pytest).
 
-Runs the Megatron-LM entry point named by ``$MTREE_LM_SCRIPT`` as ``__main__`` and records, on every
-rank that computes the loss (last pipeline stage, tensor-parallel rank 0), each microbatch's
-``(iteration, loss_sum, num_tokens)`` in ``$MTREE_LM_LOSSES.<rank>.jsonl``. Megatron-LM's printed
-"lm loss" is rounded to 7 digits and, in 0.19.x, averaged over the first two iterations after a
-(re)start; these records are the exact per-iteration sums.
+Runs the Megatron-LM entry point named by ``$MTREE_LM_SCRIPT`` as ``__main__`` and appends to
+``$MTREE_LM_RECORD.<rank>.jsonl``, for every microbatch:
+
+* ``{"kind": "data", "iteration", "sample_ids"}`` on every rank that reads tree data, when the
+  schedule takes the microbatch (dataset line indices; padding microbatches have none; the ranks
+  of one CP group read the same microbatch);
+* ``{"kind": "loss", "iteration", "loss_sum", "num_tokens"}`` on every loss-computing rank
+  (tensor-parallel rank 0 of the last stage; under CP each rank's share of the occurrences):
+  Megatron-LM's printed "lm loss" is rounded to 7 digits and, in 0.19.x, averaged over the first
+  two iterations after a (re)start; these are the exact per-iteration sums.
+
+``iteration`` is the number Megatron-LM logs (``args.curr_iteration + 1``).
 """
 import json
 import os
@@ -13,24 +20,37 @@ import sys
 
 from megatron_tree.training import megatron_lm as hooks
 
+
+def _record(entry: dict) -> None:
+    import torch.distributed as dist
+    from megatron.training import get_args
+
+    entry = dict(entry, iteration=int(getattr(get_args(), "curr_iteration", -1)) + 1)
+    with open(f"{os.environ['MTREE_LM_RECORD']}.{dist.get_rank()}.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+_next = hooks.MicrobatchStream.__next__
 _loss_func = hooks.loss_func
+
+
+def _recording_next(self):
+    mb = _next(self)
+    if self.name == "train":
+        _record({"kind": "data", "sample_ids": [int(i) for i in mb.sample_ids]})
+    return mb
 
 
 def _recording_loss_func(loss_map, output_tensor, **kwargs):
     out = _loss_func(loss_map, output_tensor, **kwargs)
     from megatron.core import parallel_state as ps
-    from megatron.training import get_args
 
     if ps.get_tensor_model_parallel_rank() == 0:
-        import torch.distributed as dist
-
-        it = int(getattr(get_args(), "curr_iteration", -1)) + 1  # the number Megatron-LM logs
-        with open(f"{os.environ['MTREE_LM_LOSSES']}.{dist.get_rank()}.jsonl", "a") as f:
-            f.write(json.dumps({"iteration": it, "loss_sum": float(out[0].detach()),
-                                "num_tokens": int(out[1])}) + "\n")
+        _record({"kind": "loss", "loss_sum": float(out[0].detach()), "num_tokens": int(out[1])})
     return out
 
 
+hooks.MicrobatchStream.__next__ = _recording_next
 hooks.loss_func = _recording_loss_func
 script = os.environ["MTREE_LM_SCRIPT"]
 sys.argv[0] = script

@@ -13,7 +13,9 @@ import os
 import subprocess
 import sys
 import types
+from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -61,6 +63,64 @@ def test_build_command_plain_torchrun_with_cuda_worker_without():
     assert "--use-cpu-initialization" in cpu and "--no-rope-fusion" in cpu
     with pytest.raises(ValueError, match="--nproc"):
         launch_lm.build_command(str(GPT), [], nproc=0)
+
+
+def test_build_command_multi_node_flags_are_torchruns():
+    one = launch_lm.build_command(str(GPT), [], nproc=2, cuda=True)
+    assert "--standalone" in one and "--nnodes" not in one and "--rdzv-endpoint" not in one
+    cmd = launch_lm.build_command(str(GPT), ["--x"], nproc=4, nnodes="2", node_rank=1, rdzv_endpoint="node0:29500",
+                                  rdzv_id="77", cuda=True)
+    run = cmd[:cmd.index(str(GPT))]
+    assert "--standalone" not in run
+    for flag, value in (("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-backend", "c10d"),
+                        ("--rdzv-endpoint", "node0:29500"), ("--rdzv-id", "77"), ("--nproc-per-node", "4")):
+        assert run[run.index(flag) + 1] == value, flag
+    static = launch_lm.build_command(str(GPT), [], nnodes="1:4", rdzv_backend="static", rdzv_endpoint="h:1", cuda=False)
+    assert static[static.index("--rdzv-backend") + 1] == "static" and static[static.index("--nnodes") + 1] == "1:4"
+    assert launch_lm.WORKER_MODULE in static  # the CPU layer on every node alike
+    for kwargs, message in ((dict(nnodes="2"), "--rdzv-endpoint"), (dict(nnodes="two"), "--nnodes"),
+                            (dict(node_rank=1), "--rdzv-endpoint"), (dict(nnodes="2", rdzv_endpoint="h:1", node_rank=-1),
+                                                                     "--node-rank")):
+        with pytest.raises(ValueError, match=message):
+            launch_lm.build_command(str(GPT), [], cuda=True, **kwargs)
+
+
+def test_cli_launch_takes_torchruns_flags(capsys):
+    from megatron_tree.cli import main
+
+    assert main(["launch", "--dry-run", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--rdzv-backend",
+                 "c10d", "--rdzv-endpoint", "127.0.0.1:29511", "--rdzv-id", "9", str(GPT), "--nnodes", "x"]) == 0
+    out = capsys.readouterr().out
+    assert ("--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29511 --rdzv-id 9 --node-rank 1 "
+            "--nproc-per-node 2") in out
+    assert f"{GPT} --nnodes x" in out  # the script's own arguments pass through
+    assert main(["launch", "--dry-run", "--nnodes", "2", str(GPT)]) == 2
+    assert "--rdzv-endpoint" in capsys.readouterr().err
+
+
+def test_launch_becomes_torchrun(monkeypatch, capsys):
+    """No launcher process stays between the scheduler and torchrun: `launch` execs torchrun, so a
+    SIGTERM to the launcher's pid is a SIGTERM to torchrun's agent, which forwards it to every rank."""
+    seen = {}
+
+    class Execed(Exception):
+        pass
+
+    def execve(path, argv, env):
+        seen.update(path=path, argv=argv, env=env)
+        raise Execed
+
+    monkeypatch.setattr(lm_api, "megatron_training_import_error", lambda: None)
+    monkeypatch.setattr(launch_lm.os, "execve", execve)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with pytest.raises(Execed):
+        launch_lm.launch(str(GPT), ["--train-iters", "1"], nproc=2)
+    assert seen["path"] == sys.executable
+    assert seen["argv"] == launch_lm.build_command(str(GPT), ["--train-iters", "1"], nproc=2)
+    assert seen["argv"][1:3] == ["-m", "torch.distributed.run"]
+    if not torch.cuda.is_available():
+        assert seen["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "megatron-tree launch: " in capsys.readouterr().out
 
 
 def test_cli_launch_dry_run_and_missing_script(capsys):
@@ -158,6 +218,51 @@ def test_prebuilt_dataset_helpers_replace_the_make_call():
         assert not lm_api.use_prebuilt_dataset_helpers()
 
 
+@needs_megatron_training
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
+def test_cuda_draws_of_megatron_training_leave_the_weights_generator_alone():
+    """On a GPU, megatron.training's ``device="cuda"`` draws and the JIT warm-up's dropout use the CUDA
+    generator; the CPU generator --use-cpu-initialization draws the weights from must not move."""
+    from types import SimpleNamespace
+
+    from megatron_tree.compat import cpu
+
+    was_enabled = cpu.is_enabled()
+    try:
+        assert lm_cpu.enable()
+        init = __import__("megatron.training.initialize", fromlist=["_warmup_jit_function"])
+        view = init.torch
+        assert view is not torch
+        state = torch.get_rng_state()
+        on_cuda = [view.rand(4, device="cuda"), view.randn(2, 3, device=torch.device("cuda")),
+                   view.randint(0, 9, (3,), device="cuda"), view.randperm(5, device="cuda"),
+                   view.normal(0.0, 1.0, (2,), device="cuda")]
+        assert torch.equal(torch.get_rng_state(), state) and all(t.device.type == "cpu" for t in on_cuda)
+        view.rand(2)  # a CPU draw still draws from the CPU generator
+        assert not torch.equal(torch.get_rng_state(), state)
+        view.manual_seed(5)  # seeds the CUDA stand-in too, as torch.manual_seed seeds the CUDA generators
+        first = view.rand(3, device="cuda")
+        view.manual_seed(5)
+        assert torch.equal(view.rand(3, device="cuda"), first)
+
+        gv = __import__("megatron.training.global_vars", fromlist=["_GLOBAL_ARGS"])
+        saved_args = gv._GLOBAL_ARGS
+        gv._GLOBAL_ARGS = SimpleNamespace(bf16=False, fp16=False, ffn_hidden_size=16, tensor_model_parallel_size=1,
+                                          seq_length=8, context_parallel_size=2, micro_batch_size=1, swiglu=True,
+                                          sequence_parallel=False, hidden_size=8)
+        try:
+            state = torch.get_rng_state()
+            init._warmup_jit_function()
+            assert torch.equal(torch.get_rng_state(), state)
+            init._warmup_jit_function.__wrapped__()  # Megatron-LM's own: its dropout moves the CPU generator
+            assert not torch.equal(torch.get_rng_state(), state)
+        finally:
+            gv._GLOBAL_ARGS = saved_args
+    finally:
+        if not was_enabled:
+            cpu.disable()
+
+
 # ---------------------------------------------------------------------------------------------- real pretrain()
 COMMON = ["--tree-packing", "--tree-max-tokens-per-mb", "64", "--tree-global-batch-samples", "8",
           "--calculate-per-token-loss", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -194,20 +299,25 @@ def _write_data(path: Path, bad_line: int | None = None) -> Path:
     return path
 
 
-def _launch(tmp: Path, name: str, script: Path, args: list, nproc: int = 2):
-    """Run ``script`` through `megatron-tree launch`; returns (returncode, output, {iteration: loss})."""
-    losses = tmp / f"losses_{name}"
-    env = dict(os.environ, MTREE_LM_SCRIPT=str(script), MTREE_LM_LOSSES=str(losses))
+def _launch(tmp: Path, name: str, script: Path, args: list, nproc: int = 2, samples: Optional[dict] = None):
+    """Run ``script`` through `megatron-tree launch` (tests/lm_entry.py records every microbatch);
+    returns (returncode, output, {iteration: loss}). ``samples``, when given, is filled with
+    {iteration: Counter of the sample ids read, over all ranks}."""
+    record = tmp / f"record_{name}"
+    env = dict(os.environ, MTREE_LM_SCRIPT=str(script), MTREE_LM_RECORD=str(record))
     cmd = [sys.executable, "-m", "megatron_tree", "launch", "--nproc", str(nproc), str(ROOT / "tests" / "lm_entry.py"),
            *args]
     r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     sums: dict = {}
-    for f in tmp.glob(f"losses_{name}.*.jsonl"):
-        for line in f.read_text().splitlines():
-            rec = json.loads(line)
-            s, n = sums.get(rec["iteration"], (0.0, 0))
-            sums[rec["iteration"]] = (s + rec["loss_sum"], n + rec["num_tokens"])
+    for f in tmp.glob(f"record_{name}.*.jsonl"):
+        for rec in map(json.loads, f.read_text().splitlines()):
+            it = rec["iteration"]
+            if rec["kind"] == "loss":
+                s, n = sums.get(it, (0.0, 0))
+                sums[it] = (s + rec["loss_sum"], n + rec["num_tokens"])
+            elif samples is not None:
+                samples.setdefault(it, Counter()).update(rec["sample_ids"])
     return r.returncode, out, {it: s / n for it, (s, n) in sorted(sums.items())}
 
 
@@ -215,36 +325,65 @@ def _check(rc, out, what):
     assert rc == 0, f"{what} failed:\n{out[-6000:]}"
 
 
+#: The fresh tree-CP run of each model (extra flags, ranks). GPT also under TP2 + SP: its weights are full
+#: master weights split over TP (--use-cpu-initialization). Not the hybrid: Megatron-Core draws the TP
+#: shards of the Mamba-2 / GDN layers' conv1d, dt_bias and A_log from each TP rank's own RNG stream (on
+#: GPUs too), so a hybrid's initial model depends on TP by design; across TP it is compared from one
+#: checkpoint (the resumed TP2 run below).
+FRESH_CP = {"gpt": (["--context-parallel-size", "2"] + TP2_SP, 4), "hybrid": (["--context-parallel-size", "2"], 2)}
+
+
 @needs_megatron_training
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_pretrain_dp2_resume_and_tp2_sp_on_cpu(model, tmp_path):
-    """Megatron-LM's pretrain() with our hooks, 2 CPU ranks: an uninterrupted DP2 run (checkpoint at
-    iteration 2); resumed as DP2 the next iterations are bit-identical; resumed as TP2 + SP (the
-    checkpoint resharded) they agree to float32 rounding; flat packing (no prefix shared) gives the
-    tree's losses too."""
+def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
+    """Megatron-LM's pretrain() with our hooks on CPU ranks, four runs of one job:
+
+    * DP2, CP1: the reference (4 iterations, checkpoint at iteration 2);
+    * started afresh under tree CP2 (GPT: CP2 + TP2 + SP): the same model from the same seed, so the
+      iteration-1 loss (before any update) equals CP1's to float32 rounding, and so do the next
+      three steps, each reading the same samples as CP1 (each sample once per step and CP rank);
+      before the CPU layer kept Megatron-LM's JIT warm-up off the weights' generator, the model
+      depended on CP and TP (GPT iteration 1: 4.8522 CP1, 4.8658 CP2, 4.8755 CP2 + TP2 + SP);
+    * resumed at iteration 2 as DP2: bit-identical continuation;
+    * GPT only: resumed as TP2 + SP with flat packing (no prefix shared; the checkpoint resharded): the
+      tree's losses to float32 rounding."""
     script, model_args = MODELS[model]
     data = _write_data(tmp_path / "train.jsonl")
     args = COMMON + model_args + ["--tree-data-path", str(data)]
     ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
-    rc, out, full = _launch(tmp_path, "full", script, args + ckpt)
+    full_samples: dict = {}
+    rc, out, full = _launch(tmp_path, "full", script, args + ckpt, samples=full_samples)
     _check(rc, out, "DP2 run")
     assert sorted(full) == [1, 2, 3, 4] and all(np.isfinite(v) for v in full.values())
     assert "iteration        4/       4" in out and "lm loss:" in out  # Megatron-LM's own log
+    assert sorted(full_samples) == [1, 2, 3, 4] and all(set(c.values()) == {1} for c in full_samples.values())
+    assert sum(len(c) for c in full_samples.values()) == 4 * 8  # --tree-global-batch-samples 8 per step
+
+    cp_flags, cp_ranks = FRESH_CP[model]
+    cp_samples: dict = {}
+    rc, out, cp = _launch(tmp_path, "cp", script, args + cp_flags, nproc=cp_ranks, samples=cp_samples)
+    _check(rc, out, f"fresh {' '.join(cp_flags)} run")
+    assert sorted(cp) == [1, 2, 3, 4]
+    for it in (1, 2, 3, 4):
+        assert cp[it] == pytest.approx(full[it], rel=2e-5), (it, cp, full)
+        # each CP rank of the one DP group reads every sample of the step once (TP rank 0 reads, the
+        # other TP ranks get it broadcast)
+        assert cp_samples[it] == Counter({i: 2 for i in full_samples[it]}), (it, cp_samples, full_samples)
+
     load = ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "2"]
     rc, out, dp2 = _launch(tmp_path, "resume_dp2", script, args + load)
     _check(rc, out, "DP2 resume")
     assert dp2 == {3: full[3], 4: full[4]}, (dp2, full)  # bit-identical continuation
-    rc, out, tp2 = _launch(tmp_path, "resume_tp2", script, args + load + TP2_SP)
-    _check(rc, out, "TP2+SP resume")
-    assert sorted(tp2) == [3, 4]
-    for it in (3, 4):
-        assert tp2[it] == pytest.approx(full[it], rel=2e-6), (it, tp2, full)
-    rc, out, flat = _launch(tmp_path, "flat", script, args + ["--tree-flat-packing"])
-    _check(rc, out, "flat packing run")
-    for it in (1, 2, 3, 4):
-        assert flat[it] == pytest.approx(full[it], rel=2e-6), (it, flat, full)
-    print(f"\n{model}: tree {full}\n{model}: flat {flat}\n{model}: resumed DP2 {dp2}, TP2+SP {tp2}")
+    tp2 = {}
+    if model == "gpt":  # one model is enough for the resharded flat-packing resume (a launch costs ~30 s)
+        rc, out, tp2 = _launch(tmp_path, "resume_tp2_flat", script, args + load + TP2_SP + ["--tree-flat-packing"])
+        _check(rc, out, "TP2+SP flat-packing resume")
+        assert sorted(tp2) == [3, 4]
+        for it in (3, 4):
+            assert tp2[it] == pytest.approx(full[it], rel=2e-6), (it, tp2, full)
+    print(f"\n{model}: DP2 {full}\n{model}: fresh {' '.join(cp_flags)} {cp}\n"
+          f"{model}: resumed DP2 {dp2}, TP2+SP flat {tp2}")
 
 
 @needs_megatron_training
@@ -265,3 +404,9 @@ def test_examples_readme_documents_launch_cpu_recipe_and_dependencies():
     for dep in ("six", "pydantic", "pybind11", "triton", "core_v0.16.1", "0.19"):
         assert dep in readme, dep
     assert "--make-vocab-size-divisible-by" in readme and "grpo" in readme.lower()
+    # tree CP runs through the hooks: no stale "CP 1 only" advice, the way to pick CP, multi-node and signals
+    assert "not wired" not in readme and "for now" not in readme and "do not run yet" not in readme
+    assert "megatron-tree plan --data" in readme and "--context-parallel-size" in readme
+    for word in ("--nnodes", "--rdzv-endpoint", "--node-rank", "--exit-signal-handler", "#SBATCH --signal=TERM@",
+                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "consumed"):
+        assert word in readme, word

@@ -17,6 +17,17 @@ adds on a host without CUDA, and what each shim does about it:
   ``torch.cuda.*`` (timers, loss reduction, memory reports, RNG state in checkpoints) gets a
   private CPU view of ``torch`` (the one of ``compat.cpu``, plus zero memory statistics), never
   the global ``torch``.
+* Random numbers: on a GPU, ``torch.rand(..., device="cuda")`` and dropout on CUDA tensors draw from
+  the CUDA generator, while ``--use-cpu-initialization`` builds the full weights from the CPU
+  generator and splits them, so a seed gives the same model under any CP size, and under any TP
+  size too except for the TP shards Megatron-Core draws per rank from the model-parallel RNG stream
+  (Mamba-2 / GDN ``conv1d``, ``dt_bias``, ``A_log``: TP-dependent on GPUs as well). Here both
+  would be the CPU generator: ``pretrain()``'s JIT warm-up (``_warmup_jit_function``: random inputs
+  of ``seq_length / CP x ffn_hidden_size / TP`` elements, then dropout on them) ran between the
+  seeding and the model's construction, so the initial weights depended on CP and TP. The warm-up
+  runs under ``torch.random.fork_rng`` (the CPU state is restored), and every ``device="cuda"``
+  draw of a ``megatron.training`` module (``rand``, ``randn``, ``randint``, ``randperm``,
+  ``normal``) comes from a stand-in CUDA generator that their ``torch.manual_seed`` seeds too.
 * ``validate_args`` reads the GPU architecture (``get_device_properties``: architecture 0 here)
   and then, with TP or CP > 1, asserts ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (meaningless on a CPU);
   the launcher sets it (:data:`CPU_ENV`).
@@ -129,11 +140,47 @@ class _CpuDeviceProperties:
     total_memory = 0
 
 
+#: Stand-in for the CUDA default generator behind the random tensor factories of
+#: ``megatron.training`` modules: on a GPU, ``torch.rand(..., device="cuda")`` draws from the CUDA
+#: generator, never from the CPU one that ``--use-cpu-initialization`` builds the weights from.
+#: Seeded with every ``torch.manual_seed`` those modules make (as torch seeds the CUDA generators).
+_CUDA_STANDIN = torch.Generator()
+_RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal")
+
+
+def _cuda_draws_on_standin(factory: Callable) -> Callable:
+    """``factory`` (a torch random factory) with ``device='cuda'`` draws taken from
+    :data:`_CUDA_STANDIN` (unless the call names its own generator) and placed on the CPU."""
+    placed = _cpu._on_cpu(factory)
+
+    @functools.wraps(factory)
+    def draw(*args, **kwargs):
+        device = kwargs.get("device")
+        if kwargs.get("generator") is None and device is not None and _cpu._cpu_device(device) is not device:
+            kwargs["generator"] = _CUDA_STANDIN
+        return placed(*args, **kwargs)
+
+    draw.__doc__ = (f"torch.{factory.__name__} for megatron.training on a CPU host: device='cuda' draws come "
+                    "from the CUDA stand-in generator, not the CPU default one (megatron_tree.compat.lm_cpu)")
+    return draw
+
+
+def _manual_seed(seed: int) -> Any:
+    """``torch.manual_seed`` that also seeds the CUDA stand-in (torch seeds every CUDA device too)."""
+    _CUDA_STANDIN.manual_seed(int(seed))
+    return torch.manual_seed(seed)
+
+
 class _TrainingCpuTorch(_cpu._CpuTorch):
     cuda = _TrainingCpuCuda()
+    manual_seed = staticmethod(_manual_seed)
 
     def __repr__(self) -> str:
         return "<torch (CPU view for megatron.training, megatron_tree.compat.lm_cpu)>"
+
+
+for _name in _RANDOM_FACTORIES:
+    setattr(_TrainingCpuTorch, _name, staticmethod(_cuda_draws_on_standin(getattr(torch, _name))))
 
 
 _TRAINING_TORCH = _TrainingCpuTorch()
@@ -181,6 +228,20 @@ def _gloo_first(fn: Callable) -> Callable:
     return _initialize_distributed
 
 
+def _warmup_keeps_cpu_rng(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def _warmup_jit_function(*args, **kwargs):
+        # Its dropout runs on CPU tensors here, i.e. on the CPU default generator, by an amount that
+        # depends on --seq-length / CP and --ffn-hidden-size / TP: without the restore the weights
+        # --use-cpu-initialization draws next would depend on the CP and TP sizes.
+        with torch.random.fork_rng(devices=[]):
+            return fn(*args, **kwargs)
+
+    _warmup_jit_function.__doc__ = ("Megatron-LM's JIT warm-up with the CPU RNG state restored afterwards "
+                                    "(megatron_tree.compat.lm_cpu)")
+    return _warmup_jit_function
+
+
 def _replace_everywhere(name: str, original: Any, replacement: Any, why: str) -> None:
     """Point every loaded megatron.training module that binds ``name`` to ``original`` at ``replacement``."""
     for mod_name, module in list(sys.modules.items()):
@@ -223,6 +284,10 @@ def enable() -> bool:
                         "initialize_megatron(allow_no_cuda=True): Megatron-LM asserts CUDA otherwise")
     _cpu._set(init, "_initialize_distributed", _gloo_first(init._initialize_distributed),
               "the default process group is created with gloo before Megatron-LM's initialisation")
+    if hasattr(init, "_warmup_jit_function"):  # both supported versions have it; guard a rename
+        _cpu._set(init, "_warmup_jit_function", _warmup_keeps_cpu_rng(init._warmup_jit_function),
+                  "_warmup_jit_function under torch.random.fork_rng: its random inputs and dropout must not "
+                  "move the CPU generator the weights are initialised from")
     tr = importlib.import_module("megatron.training.training")
     original_get_model = tr.get_model
     _replace_everywhere("get_model", original_get_model, _cpu._cuda_method_is_identity(original_get_model),

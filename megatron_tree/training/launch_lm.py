@@ -1,16 +1,39 @@
-"""`megatron-tree launch [--nproc N] SCRIPT [SCRIPT ARGS...]`: run a Megatron-LM entry point.
+"""`megatron-tree launch [TORCHRUN FLAGS] SCRIPT [SCRIPT ARGS...]`: run a Megatron-LM entry point.
 
 ``SCRIPT`` is any Megatron-LM entry point (``examples/pretrain_tree_gpt.py``,
-``examples/pretrain_tree_hybrid.py`` or a user's ``pretrain_*.py``). It runs on ``N`` local
-processes started the way ``torchrun --standalone --nproc-per-node N`` starts them.
+``examples/pretrain_tree_hybrid.py`` or a user's ``pretrain_*.py``). The launcher is torchrun:
 
-* **With CUDA** it is plain torchrun: ``torchrun --standalone --nproc-per-node N SCRIPT ARGS``.
-* **Without CUDA** each process first applies the CPU compatibility layer for
-  ``megatron.training`` (`megatron_tree.compat.lm_cpu`: gloo, the CUDA assertion and device
-  placement bypassed, the model-parallel RNG on the CPU generator, the GPU kernels of the stock
-  Mamba/GDN modules replaced by torch stand-ins) and then runs ``SCRIPT`` as ``__main__``; the
-  non-TE CPU flags (`megatron_tree.compat.lm_cpu.CPU_FLAGS`) are appended unless the command
-  line sets them (or their opposites) itself.
+* **With CUDA** it is plain torchrun: ``torchrun FLAGS SCRIPT ARGS``.
+* **Without CUDA** torchrun starts this module as each rank's program (``--module``): it applies
+  the CPU compatibility layer for ``megatron.training`` (`megatron_tree.compat.lm_cpu`: gloo, the
+  CUDA assertion and device placement bypassed, the model-parallel RNG on the CPU generator, the
+  JIT warm-up kept off the weights' generator, the GPU kernels of the stock Mamba/GDN modules
+  replaced by torch stand-ins) and then runs ``SCRIPT`` as ``__main__``; the non-TE CPU flags
+  (`megatron_tree.compat.lm_cpu.CPU_FLAGS`) are appended unless the command line sets them (or
+  their opposites) itself.
+
+Flags (torchrun's names and meanings): ``--nproc N`` / ``--nproc-per-node N`` ranks on this machine
+(default 1). One machine: nothing else (``--standalone``: a private rendezvous on a free port).
+Several machines: ``--nnodes N`` (or ``MIN:MAX``), ``--rdzv-endpoint HOST:PORT`` (required),
+``--rdzv-backend`` (default ``c10d``), ``--rdzv-id`` (a job id, the same on every machine) and
+``--node-rank R``, which torchrun uses with ``--rdzv-backend static`` only (c10d numbers the
+machines in the order they join). One launcher per machine, e.g. one SLURM task per node
+(``examples/slurm/*.sbatch``).
+
+Signals (preemption, time limits). The launcher does not stay in between: after its checks it
+*replaces itself* with torchrun (``exec``), so the process a scheduler or ``kill`` signals is
+torchrun's agent, exactly as with plain torchrun, on GPUs and on CPUs alike; there is no second
+process to forward from, nor a second copy of the signal. On SIGTERM, SIGINT, SIGHUP or SIGQUIT the
+agent sends the same signal to every rank (each rank runs in its own session, so this also reaches
+them where a scheduler signals only the launcher's process group), waits up to
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds for them to exit (default 30; read by recent torchrun,
+2.13 tested, older ones wait a fixed 30 s), SIGKILLs those left and exits non-zero. With
+Megatron-LM's ``--exit-signal-handler`` the ranks catch the signal (``--exit-signal``, default
+SIGTERM; one rank receiving it stops all), finish the current iteration, save a checkpoint
+(``--save``) and exit: set ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` above one iteration plus one save, and
+have the scheduler signal that long before it kills (the sbatch scripts: ``#SBATCH --signal``). A
+signal torchrun does not handle (SIGUSR1 unless listed in ``--signals-to-handle`` /
+``TORCHELASTIC_SIGNALS_TO_HANDLE``) kills the agent and leaves the ranks running unsupervised.
 
 Where ``megatron.training`` comes from: the megatron-core 0.19.x wheel ships it; with 0.16.1 a
 Megatron-LM checkout at tag core_v0.16.1 must be on ``PYTHONPATH``. Without it the launcher stops
@@ -21,9 +44,9 @@ The worker side is this module run as ``python -m megatron_tree.training.launch_
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import shlex
-import subprocess
 import sys
 from typing import Optional, Sequence
 
@@ -32,16 +55,41 @@ import torch
 __all__ = ["build_command", "launch", "worker_main"]
 
 WORKER_MODULE = "megatron_tree.training.launch_lm"
+_NNODES = re.compile(r"^[1-9][0-9]*(:[1-9][0-9]*)?$")
 
 
-def build_command(script: str, script_args: Sequence[str], *, nproc: int = 1,
+def build_command(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: str = "1",
+                  node_rank: Optional[int] = None, rdzv_backend: Optional[str] = None,
+                  rdzv_endpoint: Optional[str] = None, rdzv_id: Optional[str] = None,
                   cuda: Optional[bool] = None) -> list[str]:
-    """The torchrun command line ``launch`` runs (``cuda`` defaults to ``torch.cuda.is_available()``)."""
+    """The torchrun command line ``launch`` runs (``cuda`` defaults to ``torch.cuda.is_available()``).
+
+    ``nnodes`` "1" with no ``rdzv_endpoint``: ``--standalone``. Otherwise the rendezvous flags are
+    passed as given (``rdzv_backend`` default c10d); more than one node needs ``rdzv_endpoint``."""
     if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1; got {nproc}")
+        raise ValueError(f"--nproc / --nproc-per-node must be >= 1; got {nproc}")
+    nnodes = str(nnodes)
+    if not _NNODES.match(nnodes):
+        raise ValueError(f"--nnodes must be N or MIN:MAX (positive integers); got {nnodes!r}")
+    if node_rank is not None and node_rank < 0:
+        raise ValueError(f"--node-rank must be >= 0; got {node_rank}")
     if cuda is None:
         cuda = torch.cuda.is_available()
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if nnodes == "1" and rdzv_endpoint is None:
+        run += ["--standalone"]
+        if rdzv_backend is not None or rdzv_id is not None or node_rank not in (None, 0):
+            raise ValueError("--rdzv-backend / --rdzv-id / --node-rank need a rendezvous: give --rdzv-endpoint "
+                             "HOST:PORT (and --nnodes for several machines)")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the machine the ranks meet on)")
+        run += ["--nnodes", nnodes, "--rdzv-backend", rdzv_backend or "c10d", "--rdzv-endpoint", rdzv_endpoint]
+        if rdzv_id is not None:
+            run += ["--rdzv-id", str(rdzv_id)]
+        if node_rank is not None:
+            run += ["--node-rank", str(node_rank)]
+    run += ["--nproc-per-node", str(nproc)]
     if cuda:
         return run + [script, *script_args]
     from ..compat.lm_cpu import add_cpu_flags
@@ -54,16 +102,20 @@ def _check_script(script: str) -> None:
         raise FileNotFoundError(f"no such Megatron-LM entry point: {script}")
 
 
-def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, env: Optional[dict] = None,
-           dry_run: bool = False) -> int:
-    """Run ``script`` on ``nproc`` local processes; returns the exit status (0 on success).
+def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: str = "1",
+           node_rank: Optional[int] = None, rdzv_backend: Optional[str] = None, rdzv_endpoint: Optional[str] = None,
+           rdzv_id: Optional[str] = None, env: Optional[dict] = None, dry_run: bool = False) -> int:
+    """Check, print and run the torchrun command of :func:`build_command`.
 
     Before starting anything: the script must exist and ``megatron.training`` must import (else
-    FileNotFoundError / RuntimeError with what to install)."""
+    FileNotFoundError / RuntimeError with what to install). ``dry_run`` returns 0 after printing.
+    Otherwise this process **becomes** torchrun (``os.execve``: it does not return), so signals
+    sent to it are torchrun's to handle (module docstring)."""
     from ..compat.lm_api import MISSING_MEGATRON_TRAINING, megatron_training_import_error
 
     _check_script(script)
-    cmd = build_command(script, script_args, nproc=nproc)
+    cmd = build_command(script, script_args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     print("megatron-tree launch: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     if dry_run:
         return 0
@@ -77,7 +129,10 @@ def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, env: Opti
 
         for key, value in CPU_ENV.items():
             run_env.setdefault(key, value)
-    return subprocess.run(cmd, env=run_env).returncode
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, run_env)
+    raise AssertionError("unreachable: os.execve returned")  # pragma: no cover
 
 
 def worker_main(argv: Sequence[str]) -> None:

@@ -12,7 +12,11 @@ How a microbatch travels:
   step is exactly ``--global-batch-size / DP`` microbatches per rank (`TreeMicrobatch`es, padding
   microbatches in spare slots), which is what Megatron-LM's schedule pulls per iteration. On
   resume, the stream starts at the step after ``args.iteration`` (Megatron-LM restores it from the
-  checkpoint before building data iterators), so no sample is repeated or skipped.
+  checkpoint before building data iterators), so no sample is repeated or skipped. This holds for
+  every checkpoint Megatron-LM writes: periodic (``--save-interval``, the one a job killed outright
+  resumes from) and the one ``--exit-signal-handler`` saves after the iteration in which the
+  preemption signal (``--exit-signal``, SIGTERM by default) arrived; the rerun of the same command
+  with ``--load`` trains the iterations, losses and samples of an uninterrupted run.
 * `get_batch` takes the next microbatch on TP rank 0 and broadcasts its tree metadata (layout and
   loss map, as two int64 tensors: a header of sizes, then one payload) to the other TP ranks.
   Every pipeline stage needs it: attention masks, recurrences and RoPE depths are per layer.

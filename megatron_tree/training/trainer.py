@@ -25,6 +25,21 @@ the scheduler, the data pipeline position and the step; ``SAVE/latest`` names th
 ``--load DIR`` resumes from ``DIR/latest`` (a missing directory or marker starts fresh): the
 resumed run trains exactly the steps (and samples) the uninterrupted run would have.
 
+Preemption: inside the training loop SIGTERM and SIGUSR1 (what SLURM sends ahead of a time limit or
+a preemption, ``#SBATCH --signal=TERM@120``) are recorded, not fatal. Each step's end all-reduces a
+flag with the step timings (no extra collective), so when any rank got a signal every rank stops
+after the same step; with ``--save`` that step is checkpointed as above (model, optimizer,
+scheduler, data pipeline position), and the process exits with `PREEMPTED_EXIT_CODE` (75,
+``EX_TEMPFAIL``: "try again"). Rerunning the same command with ``--load`` on the same directory
+resumes exactly (the same losses and samples as an uninterrupted run). Requeue in an sbatch script
+with ``srun megatron-tree train ... ; [ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID``. Without
+``--save`` the run says that nothing was saved and exits with the same status. The handlers are
+installed only around the loop (a signal during start-up ends the process as usual) and the
+previous ones are restored after it. The local launcher (``--nproc``) forwards the two signals to
+its ranks. A run killed outright (SIGKILL) resumes from its last ``--save-interval`` checkpoint;
+``--metrics-jsonl`` keeps every step's metrics on disk as they happen, so the steps it recomputes
+can be compared.
+
 Launch: under torchrun / srun (``RANK`` and ``WORLD_SIZE`` in the environment) `main` trains in
 the current process group (NCCL on GPU, gloo on CPU); otherwise it spawns ``--nproc`` local ranks
 with `launch.run_distributed`. On CPU the ranks enable `compat.cpu` and turn TorchDynamo off
@@ -36,7 +51,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -47,11 +64,19 @@ import torch.distributed as dist
 from .arguments import add_tree_args, validate_tree_args
 
 __all__ = ["add_train_args", "build_train_parser", "check_train_args", "load_train_samples", "train", "main",
-           "latest_checkpoint", "format_progress", "format_skipped"]
+           "latest_checkpoint", "format_progress", "format_skipped", "exit_status", "PREEMPTED_EXIT_CODE",
+           "PREEMPTION_SIGNALS"]
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 MODEL_FAMILIES = ("gpt", "mamba")
 PACKINGS = ("tree", "flat")
+# Exit status of a run stopped by a preemption signal (after saving, with --save): sysexits.h's
+# EX_TEMPFAIL, "a temporary failure; the user is invited to retry". Distinct from 0 (done), 1 (an
+# error), 2 (bad arguments) and 128+N (killed by signal N), so a job script can requeue on it alone.
+PREEMPTED_EXIT_CODE = 75
+# What SLURM sends ahead of a time limit / preemption (--signal, default SIGTERM) and the user signal
+# schedulers and users pick to ask for a checkpoint-and-exit without touching SIGTERM.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 # --------------------------------------------------------------------------------------------- arguments
@@ -140,6 +165,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--wandb-project", type=str, default=None)
     c.add_argument("--wandb-exp-name", type=str, default=None)
     c.add_argument("--metrics-json", type=str, default=None, help="write the per-step history here (rank 0)")
+    c.add_argument("--metrics-jsonl", type=str, default=None, metavar="FILE",
+                   help="append each step's metrics to FILE as one JSON line when the step ends (rank 0): a "
+                        "preempted or killed run keeps the steps it made, a resumed run appends its own")
     c.add_argument("--quiet", action="store_true", help="no progress bar / log lines")
 
     d = parser.add_argument_group("data")
@@ -458,6 +486,88 @@ class _Loggers:
             self.wandb.finish()
 
 
+# --------------------------------------------------------------------------------------------- preemption
+class _PreemptionSignals:
+    """Context manager: while active, `PREEMPTION_SIGNALS` set ``received`` (the signal number, 0 for
+    none; the largest one when several arrive) instead of ending the process. The previous handlers
+    are restored on exit. Python delivers signals to the main thread only, so on another thread
+    (a caller running `train` in a thread) nothing is installed and ``received`` stays 0."""
+
+    def __init__(self, signals=PREEMPTION_SIGNALS):
+        self.signals, self.received, self._previous = tuple(signals), 0, {}
+
+    def _record(self, signum, frame) -> None:
+        self.received = max(self.received, int(signum))
+
+    def __enter__(self) -> "_PreemptionSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class _ForwardSignals:
+    """Context manager for the local launcher (``--nproc``): `PREEMPTION_SIGNALS` reaching this
+    process are passed on to the rank processes it starts meanwhile (its multiprocessing children
+    that were not running on entry); ``received`` is the last signal number, 0 for none. A batch
+    system that signals only the job's first process (``sbatch --signal=B:TERM@120``) thus reaches
+    every rank, and each rank decides with the others when to stop (`_PreemptionSignals`)."""
+
+    def __init__(self, signals=PREEMPTION_SIGNALS):
+        self.signals, self.received, self._previous, self._before = tuple(signals), 0, {}, set()
+
+    def _forward(self, signum, frame) -> None:
+        import multiprocessing
+
+        self.received = int(signum)
+        for proc in multiprocessing.active_children():
+            if proc.pid not in self._before:
+                try:
+                    os.kill(proc.pid, signum)
+                except ProcessLookupError:  # exited meanwhile
+                    pass
+
+    def __enter__(self) -> "_ForwardSignals":
+        import multiprocessing
+
+        self._before = {p.pid for p in multiprocessing.active_children()}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def _preempted_message(preempted: dict, args) -> str:
+    head = f"megatron-tree train: received {preempted['signal']}; "
+    if preempted.get("step") is None:
+        return (head + "stopped before the first step finished, nothing new to save; rerun the same command "
+                f"to start again{' from ' + args.load if args.load else ''} (exit status {PREEMPTED_EXIT_CODE})")
+    if preempted["saved"]:
+        load = (f"--load {args.load}" if args.load and os.path.abspath(args.load) == os.path.abspath(args.save)
+                else f"--load {args.save}")
+        return (head + f"stopped after step {preempted['step']} and saved {preempted['saved']}; rerun with "
+                f"{load} to resume exactly (exit status {PREEMPTED_EXIT_CODE})")
+    return (head + f"stopped after step {preempted['step']} WITHOUT a checkpoint (no --save given): a rerun "
+            f"starts again from {'the last checkpoint in ' + args.load if args.load else 'step 0'} "
+            f"(exit status {PREEMPTED_EXIT_CODE})")
+
+
+def exit_status(result: dict) -> int:
+    """The process exit status for a `train` / `run` result: `PREEMPTED_EXIT_CODE` when a preemption
+    signal stopped it early, else 0."""
+    return PREEMPTED_EXIT_CODE if result.get("preempted") else 0
+
+
 # --------------------------------------------------------------------------------------------- training
 def _make_pipeline(samples, packing: str, **kw):
     """`TreeDataPipeline` over ``samples``; ``packing="flat"`` shares nothing (the baseline)."""
@@ -514,6 +624,9 @@ def train(args, samples=None, *, skipped=None) -> dict:
     Under context parallelism also cp_predicted_imbalance (the planner's max / mean predicted rank
     time, averaged over this rank's microbatches), cp_attention_s (the slowest CP rank's time in
     tree CP attention this step) and cp_attention_imbalance (measured max / mean of that time).
+    ``"preempted"``: None for a run that reached its last step, else ``{"step": the last step
+    trained, "signal": "SIGTERM" or "SIGUSR1", "saved": the checkpoint of that step, None without
+    --save}`` (the same on every rank; see the module docstring).
     """
     from megatron.core import parallel_state as ps
 
@@ -629,73 +742,90 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     show = rank == 0 and not args.quiet
     tty = show and sys.stdout.isatty()
     ratio_num = ratio_den = 0
+    preempted = None
+    jsonl = open(args.metrics_jsonl, "a") if args.metrics_jsonl and rank == 0 else None
     data = iter(pipeline)
     try:
-        for it in range(start, stop):
-            t0 = time.perf_counter()
-            step = next(data)
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
-            if cp_group is not None:
-                attention_seconds(reset=True)
-            reports = forward_backward(ddp, items, **loss_kwargs)
-            lr = float(opt.param_groups[0]["lr"])  # the rate this step uses (sched.step sets the next one)
-            ok, grad_norm, _ = opt.step()
-            sched.step(1)
-            step_s = time.perf_counter() - t0
+        with _PreemptionSignals() as signals:
+            for it in range(start, stop):
+                t0 = time.perf_counter()
+                step = next(data)
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
+                if cp_group is not None:
+                    attention_seconds(reset=True)
+                reports = forward_backward(ddp, items, **loss_kwargs)
+                lr = float(opt.param_groups[0]["lr"])  # the rate this step uses (sched.step sets the next one)
+                ok, grad_norm, _ = opt.step()
+                sched.step(1)
+                step_s = time.perf_counter() - t0
 
-            tot = torch.zeros(2, dtype=torch.float64)
-            if loss_owner and reports:
-                tot += torch.stack([r["lm loss"].double().cpu() for r in reports if "lm loss" in r]).sum(0)
-            rank_targets = int(tot[1])  # read before the all-reduce: on CPU ``red`` is ``tot`` itself
-            red = tot.to(dev)
-            timing = torch.tensor([step_s, step.wait_s], dtype=torch.float64, device=dev)
-            dist.all_reduce(red)
-            dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            loss_sum, n_tok = float(red[0]), float(red[1])
-            step_s, wait_s = float(timing[0]), float(timing[1])
-            ratio_num += step.flat_tokens
-            ratio_den += step.tree_tokens
-            m = dict(step=it + 1, loss=loss_sum / max(n_tok, 1.0), num_targets=int(n_tok),
-                     lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
-                     update_ok=bool(ok), tree_token_ratio=step.tree_token_ratio,
-                     rows_per_s=step.tree_tokens / step_s, samples_per_s=step.num_samples / step_s,
-                     useful_tokens_per_s=step.flat_tokens / step_s, data_wait_frac=min(wait_s / step_s, 1.0),
-                     planner_imbalance=step.balance_ratio, step_s=step_s, tree_rows=step.tree_tokens,
-                     flat_tokens=step.flat_tokens, num_samples=step.num_samples,
-                     microbatches_per_rank=step.microbatches_per_rank, sample_ids=list(step.sample_ids),
-                     epoch=step.epoch, skipped_samples=len(skipped),
-                     # from the microbatches this rank ran, not the pipeline's bookkeeping of them
-                     rank_sample_ids=sorted(i for mb in step.microbatches for i in mb.sample_ids),
-                     rank_num_targets=rank_targets)
-            if cp_group is not None:  # predicted (planner) vs measured (this step) balance of CP attention
-                att = torch.tensor([attention_seconds()], dtype=torch.float64, device=dev)
-                every = [torch.zeros_like(att) for _ in range(dist.get_world_size(cp_group))]
-                dist.all_gather(every, att, group=cp_group)
-                every = torch.cat(every)
-                m.update(cp_predicted_imbalance=float(np.mean([(p[0] if isinstance(p, tuple) else p).imbalance
-                                                                for p in step.plans])),
-                         cp_attention_s=float(every.max()),
-                         cp_attention_imbalance=float(every.max() / every.mean()) if every.mean() > 0 else 1.0)
-            history.append(m)
-            loggers.log(m)
-            if show:
-                line = format_progress(it + 1, args.train_iters, m)
-                if (it + 1) % args.log_interval == 0 or it + 1 == stop:
-                    print(("\r" if tty else "") + line, flush=True)
-                elif tty:  # between log lines only the bar and the loss move, in place
-                    print("\r" + " | ".join(line.split(" | ")[:2]), end="", flush=True)
-            if args.save and ((args.save_interval and (it + 1) % args.save_interval == 0) or it + 1 == stop):
-                saved.append(_save_checkpoint(args.save, it + 1, ddp, opt, sched, step.state, args))
+                tot = torch.zeros(2, dtype=torch.float64)
+                if loss_owner and reports:
+                    tot += torch.stack([r["lm loss"].double().cpu() for r in reports if "lm loss" in r]).sum(0)
+                rank_targets = int(tot[1])  # read before the all-reduce: on CPU ``red`` is ``tot`` itself
+                red = tot.to(dev)
+                # the preemption flag rides with the timings: MAX over the world is the largest signal
+                # number any rank received so far, so every rank takes the same decision after this step
+                timing = torch.tensor([step_s, step.wait_s, signals.received], dtype=torch.float64, device=dev)
+                dist.all_reduce(red)
+                dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                loss_sum, n_tok = float(red[0]), float(red[1])
+                step_s, wait_s, stop_signal = float(timing[0]), float(timing[1]), int(timing[2])
+                ratio_num += step.flat_tokens
+                ratio_den += step.tree_tokens
+                m = dict(step=it + 1, loss=loss_sum / max(n_tok, 1.0), num_targets=int(n_tok),
+                         lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
+                         update_ok=bool(ok), tree_token_ratio=step.tree_token_ratio,
+                         rows_per_s=step.tree_tokens / step_s, samples_per_s=step.num_samples / step_s,
+                         useful_tokens_per_s=step.flat_tokens / step_s, data_wait_frac=min(wait_s / step_s, 1.0),
+                         planner_imbalance=step.balance_ratio, step_s=step_s, tree_rows=step.tree_tokens,
+                         flat_tokens=step.flat_tokens, num_samples=step.num_samples,
+                         microbatches_per_rank=step.microbatches_per_rank, sample_ids=list(step.sample_ids),
+                         epoch=step.epoch, skipped_samples=len(skipped),
+                         # from the microbatches this rank ran, not the pipeline's bookkeeping of them
+                         rank_sample_ids=sorted(i for mb in step.microbatches for i in mb.sample_ids),
+                         rank_num_targets=rank_targets)
+                if cp_group is not None:  # predicted (planner) vs measured (this step) balance of CP attention
+                    att = torch.tensor([attention_seconds()], dtype=torch.float64, device=dev)
+                    every = [torch.zeros_like(att) for _ in range(dist.get_world_size(cp_group))]
+                    dist.all_gather(every, att, group=cp_group)
+                    every = torch.cat(every)
+                    m.update(cp_predicted_imbalance=float(np.mean([(p[0] if isinstance(p, tuple) else p).imbalance
+                                                                    for p in step.plans])),
+                             cp_attention_s=float(every.max()),
+                             cp_attention_imbalance=float(every.max() / every.mean()) if every.mean() > 0 else 1.0)
+                history.append(m)
+                loggers.log(m)
+                if jsonl is not None:  # on disk as the step ends: survives a SIGKILL of the run
+                    jsonl.write(json.dumps(m) + "\n")
+                    jsonl.flush()
                 if show:
-                    print(f"megatron-tree train: saved {saved[-1]}", flush=True)
+                    line = format_progress(it + 1, args.train_iters, m)
+                    if (it + 1) % args.log_interval == 0 or it + 1 == stop:
+                        print(("\r" if tty else "") + line, flush=True)
+                    elif tty:  # between log lines only the bar and the loss move, in place
+                        print("\r" + " | ".join(line.split(" | ")[:2]), end="", flush=True)
+                if args.save and ((args.save_interval and (it + 1) % args.save_interval == 0) or it + 1 == stop
+                                  or stop_signal):
+                    saved.append(_save_checkpoint(args.save, it + 1, ddp, opt, sched, step.state, args))
+                    if show:
+                        print(f"megatron-tree train: saved {saved[-1]}", flush=True)
+                if stop_signal and it + 1 < stop:  # the last step needs no early stop: the run is complete
+                    preempted = {"step": it + 1, "signal": signal.Signals(stop_signal).name,
+                                 "saved": saved[-1] if args.save else None}
+                    if rank == 0:  # shown even with --quiet: the run ends early
+                        print(_preempted_message(preempted, args), file=sys.stderr, flush=True)
+                    break
     finally:
         pipeline.close()
         loggers.close()
+        if jsonl is not None:
+            jsonl.close()
     out = {"history": history, "resumed_from": resumed_from, "saved": saved, "timing": pipeline.timing.as_dict(),
            "tree_token_ratio": ratio_num / max(ratio_den, 1), "dp_size": dp_size,
-           "world_size": dist.get_world_size(), "packing": args.packing, "skipped": skipped}
+           "world_size": dist.get_world_size(), "packing": args.packing, "skipped": skipped, "preempted": preempted}
     if args.metrics_json and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.metrics_json)), exist_ok=True)
         with open(args.metrics_json, "w") as f:
@@ -728,20 +858,29 @@ def run(args) -> dict:
     if _launched() or dist.is_initialized():
         _quiet_warnings()
         return train(args, samples, skipped=report.skipped)
-    from .launch import run_distributed
+    from .launch import DistributedError, run_distributed
 
-    return run_distributed(_rank_train, args.nproc, args, timeout=args.timeout)[0]
+    with _ForwardSignals() as forward:
+        try:
+            return run_distributed(_rank_train, args.nproc, args, timeout=args.timeout)[0]
+        except DistributedError:
+            if not forward.received:
+                raise
+    # a rank ended by the forwarded signal before its training loop (start-up: no handler yet)
+    preempted = {"step": None, "signal": signal.Signals(forward.received).name, "saved": None}
+    print(_preempted_message(preempted, args), file=sys.stderr, flush=True)
+    return {"history": [], "resumed_from": None, "saved": [], "preempted": preempted}
 
 
 def main(argv=None) -> int:
-    """``megatron-tree train`` entry point; exit status 0, or 2 with a message for bad arguments."""
+    """``megatron-tree train`` entry point; exit status 0, `PREEMPTED_EXIT_CODE` when a preemption
+    signal stopped the run early (checkpointed with --save), or 2 with a message for bad arguments."""
     args = build_train_parser().parse_args(argv)
     try:
-        run(args)
+        return exit_status(run(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-tree train: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,370 @@
+"""Preemption loses nothing: a run stopped by SIGTERM / SIGUSR1 (or killed by SIGKILL) and rerun with the
+same command trains exactly the steps, samples and losses of an uninterrupted run.
+
+`megatron-tree train`: one spawn of 2 gloo ranks runs the uninterrupted reference and, in the same
+processes, runs stopped by a real signal that only ONE rank receives (the collective stop); then the
+real command line, signalled from outside as a batch system does (SIGTERM to the launcher, SIGKILL
+to the whole process group), rerun until done. Megatron-LM's ``pretrain()`` with the hooks through
+`megatron-tree launch` and ``--exit-signal-handler`` (where ``megatron.training`` imports): SIGTERM
+to every process of the job after iteration k, rerun, SIGKILL past a periodic checkpoint, rerun: the
+same iterations, losses and samples.
+
+The oracle everywhere is the uninterrupted run of the same configuration on the same layout: CPU
+float32 training is deterministic, so losses, gradient norms and learning rates must be equal bit
+for bit, and the sample ids of every step equal.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_tree.training.launch import run_distributed
+from megatron_tree.training.trainer import PREEMPTED_EXIT_CODE, build_train_parser, latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 24  # the signals fall early: a run never finishes before one takes effect (margin for a slow reader)
+SAVE_EVERY = 3
+EXACT = ("loss", "grad_norm", "lr", "num_targets", "sample_ids")
+
+
+def _write_data(path: Path, families: int = 8, seed: int = 0) -> Path:
+    """GRPO-like families: a 12-token prompt, 3 completions of 2..5 tokens (prompt out of the loss)."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for g in range(families):
+        prompt = rng.integers(1, 128, 12).tolist()
+        for _ in range(3):
+            comp = rng.integers(1, 128, int(rng.integers(2, 6))).tolist()
+            lines.append(json.dumps({"tokens": prompt + comp, "loss_mask": [0] * 12 + [1] * len(comp), "group": g}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _argv(data, *extra) -> list:
+    """One configuration for every trainer run here: 1-layer GPT, 2 DP ranks, 6 samples per step."""
+    return ["--tree-data-path", str(data), "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "16",
+            "--num-attention-heads", "2", "--ffn-hidden-size", "32", "--lr", "1e-2", "--seed", "7",
+            "--tree-global-batch-samples", "6", "--tree-max-tokens-per-mb", "48", "--tree-pad-to-multiple-of", "8",
+            "--train-iters", str(STEPS), *map(str, extra)]
+
+
+def _same_steps(got: list, ref: list, what: str) -> None:
+    """``got`` (history entries) are the reference's steps of the same numbers, bit for bit."""
+    by_step = {m["step"]: m for m in ref}
+    for m in got:
+        want = by_step[m["step"]]
+        assert {k: m[k] for k in EXACT} == {k: want[k] for k in EXACT}, f"{what}: step {m['step']} differs"
+
+
+# --------------------------------------------------------------------------------------------- in-process
+def _signal_at(calls: int, sig: signal.Signals) -> None:
+    """On this rank, deliver a real ``sig`` to this process during its ``calls``-th forward-backward
+    from now (mid-step: the end of that very step must see it, on every rank)."""
+    from megatron_tree.training import models
+
+    real = models.forward_backward
+    count = [0]
+
+    def forward_backward(*a, **kw):
+        count[0] += 1
+        if count[0] == calls:
+            models.forward_backward = real
+            os.kill(os.getpid(), sig)
+        return real(*a, **kw)
+
+    models.forward_backward = forward_backward
+
+
+def _collective_body(data, ckpt):
+    """Reference; SIGTERM on rank 1 only in step 3 (rank 0, which logs, gets nothing); resumed and
+    SIGUSR1 on rank 0 only in step 6; resumed to the end; a run without --save stopped in step 2."""
+    import torch.distributed as dist
+
+    from megatron_tree.training.trainer import train
+
+    def args(*extra):
+        return build_train_parser().parse_args(_argv(data, "--quiet", *extra))
+
+    rank = dist.get_rank()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    ref = train(args())
+    if rank == 1:
+        _signal_at(3, signal.SIGTERM)
+    first = train(args("--save", ckpt, "--load", ckpt))
+    if rank == 0:
+        _signal_at(3, signal.SIGUSR1)
+    second = train(args("--save", ckpt, "--load", ckpt))
+    third = train(args("--save", ckpt, "--load", ckpt))
+    if rank == 1:
+        _signal_at(2, signal.SIGTERM)
+    unsaved = train(args())
+    restored = all(signal.getsignal(s) == h for s, h in handlers.items())
+    return ref, first, second, third, unsaved, restored
+
+
+@pytest.fixture(scope="module")
+def collective(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("preempt")
+    data, ckpt = _write_data(tmp / "d.jsonl"), str(tmp / "ckpt")
+    return data, ckpt, run_distributed(_collective_body, 2, data, ckpt, timeout=600)
+
+
+def test_one_rank_signalled_all_stop_after_that_step_and_resume_exactly(collective):
+    data, ckpt, ranks = collective
+    ref = ranks[0][0]["history"]
+    assert [m["step"] for m in ref] == list(range(1, STEPS + 1)) and ranks[0][0]["preempted"] is None
+    for rank, (_, first, second, third, unsaved, restored) in enumerate(ranks):
+        # the rank that got no signal stops with the one that did, after the step the signal fell in
+        assert first["preempted"] == {"step": 3, "signal": "SIGTERM", "saved": os.path.join(ckpt, "iter_0000003")}, rank
+        assert [m["step"] for m in first["history"]] == [1, 2, 3]
+        assert second["resumed_from"] == 3 and [m["step"] for m in second["history"]] == [4, 5, 6]
+        assert second["preempted"] == {"step": 6, "signal": "SIGUSR1", "saved": os.path.join(ckpt, "iter_0000006")}
+        assert third["resumed_from"] == 6 and third["preempted"] is None
+        assert unsaved["preempted"] == {"step": 2, "signal": "SIGTERM", "saved": None}
+        assert restored, f"rank {rank}: the previous SIGTERM / SIGUSR1 handlers were not restored"
+        # each rank's own share of every step is the reference's, too
+        resumed = first["history"] + second["history"] + third["history"]
+        assert [m["rank_sample_ids"] for m in resumed] == [m["rank_sample_ids"] for m in ranks[rank][0]["history"]]
+    resumed = ranks[0][1]["history"] + ranks[0][2]["history"] + ranks[0][3]["history"]
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))  # nothing skipped, nothing repeated
+    _same_steps(resumed, ref, "stopped by SIGTERM / SIGUSR1 and resumed")
+    assert latest_checkpoint(ckpt) == STEPS
+    epoch = 24 // 6  # steps per epoch: 24 samples, 6 per step
+    for e in range(STEPS // epoch):  # every epoch trains each sample exactly once
+        ids = [i for m in resumed[e * epoch:(e + 1) * epoch] for i in m["sample_ids"]]
+        assert sorted(ids) == list(range(24))
+
+
+# --------------------------------------------------------------------------------------------- command line
+def _run_cli(tmp: Path, argv: list, until=None, then=None):
+    """Run ``megatron-tree train`` in its own session (as a batch system starts a job step). When a
+    line of its output satisfies ``until``, call ``then(proc)`` once. Returns (exit status, output)."""
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_tree", "train", *argv], cwd=tmp, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    out, fired = [], False
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if until is not None and not fired and until(line):
+                fired = True
+                then(proc)
+        return proc.wait(timeout=300), "".join(out)
+    finally:
+        if proc.poll() is None:  # only if the test failed mid-way: end what it started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _step_line(n: int):
+    return lambda line: f" {n}/{STEPS} |" in line
+
+
+def _jsonl(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cli_sigterm_to_launcher_then_sigkill_of_the_job_resume_exactly(collective, tmp_path):
+    """The command a requeued job reruns, three times: SIGTERM to the launcher process only after
+    step 2 (it forwards to its ranks; they stop together, save, exit 75); SIGKILL to every process
+    once a step past a periodic checkpoint is logged (the steps after it are lost); a rerun that
+    resumes from that checkpoint, recomputes them identically and finishes."""
+    data, _, ranks = collective
+    ref = ranks[0][0]["history"]
+    ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    argv = _argv(data, "--nproc", "2", "--save", ckpt, "--load", ckpt, "--save-interval", SAVE_EVERY,
+                 "--metrics-jsonl", log)
+
+    rc, out = _run_cli(tmp_path, argv, _step_line(2), lambda p: os.kill(p.pid, signal.SIGTERM))
+    stopped = latest_checkpoint(str(ckpt))
+    assert rc == PREEMPTED_EXIT_CODE, out[-4000:]
+    assert stopped is not None and 2 < stopped < STEPS, out[-4000:]
+    assert (f"received SIGTERM; stopped after step {stopped} and saved {ckpt}/iter_{stopped:07d}; rerun with "
+            f"--load {ckpt} to resume exactly (exit status {PREEMPTED_EXIT_CODE})") in out
+    first = _jsonl(log)
+    assert [m["step"] for m in first] == list(range(1, stopped + 1))
+
+    periodic = (stopped // SAVE_EVERY + 1) * SAVE_EVERY  # the first periodic checkpoint after the resume
+    rc, out = _run_cli(tmp_path, argv, _step_line(periodic + 1), lambda p: os.killpg(p.pid, signal.SIGKILL))
+    assert rc == -signal.SIGKILL, out[-4000:]
+    assert f"resumed from {ckpt}/iter_{stopped:07d} (step {stopped})" in out
+    killed = _jsonl(log)[len(first):]
+    restart = latest_checkpoint(str(ckpt))
+    assert restart is not None and restart % SAVE_EVERY == 0 and periodic <= restart < killed[-1]["step"] < STEPS
+
+    rc, out = _run_cli(tmp_path, argv)
+    assert rc == 0, out[-4000:]
+    assert f"resumed from {ckpt}/iter_{restart:07d} (step {restart})" in out
+    last = _jsonl(log)[len(first) + len(killed):]
+    assert [m["step"] for m in killed] == list(range(stopped + 1, killed[-1]["step"] + 1))
+    assert [m["step"] for m in last] == list(range(restart + 1, STEPS + 1))
+    # the steps lost with the SIGKILL are recomputed identically; the final sequence is the reference
+    _same_steps(killed, ref, "run killed by SIGKILL")
+    final = first + [m for m in killed if m["step"] <= restart] + last
+    assert [m["step"] for m in final] == list(range(1, STEPS + 1))  # nothing skipped, nothing repeated
+    _same_steps(final, ref, "SIGTERM, SIGKILL, rerun")
+    assert latest_checkpoint(str(ckpt)) == STEPS
+    print(f"\nmegatron-tree train: SIGTERM after step 2 -> saved step {stopped} (exit {PREEMPTED_EXIT_CODE}); "
+          f"SIGKILL at step {killed[-1]['step']} -> resumed from {restart}")
+    for m, r in zip(final, ref):
+        print(f"step {m['step']:2d} loss {m['loss']!r} (uninterrupted {r['loss']!r}) samples {m['sample_ids']}")
+
+
+# --------------------------------------------------------------------------------------------- Megatron-LM
+def _lm():
+    """tests/test_launch_lm.py's helpers (its data, its tiny GPT configuration, its skip marker)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_launch_lm
+
+    return test_launch_lm
+
+
+LM_ITERS = 14  # margin after each signal: a run never ends before one takes effect
+LM_SAVE_EVERY = 3
+
+
+def _process_tree(pid: int) -> list:
+    """``pid`` and all its descendants now (from /proc), parents first."""
+    children: dict = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=signal.SIGTERM):
+    """`megatron-tree launch --nproc 2` of the GPT example through tests/lm_entry.py (its records:
+    every microbatch's loss sums and sample ids, by iteration). With
+    ``signal_after``: once Megatron-LM logs that iteration, ``sig`` to every process of the job, as
+    SLURM signals a job step (the launcher, torchrun and the ranks, whatever their sessions). Returns
+    (exit status, output, {iteration: loss}, {iteration: sorted sample ids}, processes still alive
+    when the launcher had exited). Iterations after ``signal_after`` are left out after a SIGKILL
+    (one may have been cut short)."""
+    lm = _lm()
+    record = tmp / f"record_{name}"
+    env = dict(os.environ, MTREE_LM_SCRIPT=str(lm.GPT), MTREE_LM_RECORD=str(record), PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "megatron_tree", "launch", "--nproc", "2", str(ROOT / "tests" / "lm_entry.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=tmp, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    out, job = [], []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if signal_after is not None and not job and f"iteration {signal_after:8d}/{LM_ITERS:8d}" in line:
+                job = _process_tree(proc.pid)
+                for pid in job:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+        rc = proc.wait(timeout=600)
+        left = [p for p in job if p != proc.pid and _alive(p)]
+    finally:
+        for pid in [proc.pid] + job + _process_tree(proc.pid):  # a failed test leaves nothing running
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    losses, samples = {}, {}
+    for f in sorted(tmp.glob(f"record_{name}.*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:  # the last line of a SIGKILLed rank may be cut short
+                continue
+            it = rec["iteration"]
+            if sig == signal.SIGKILL and signal_after is not None and it > signal_after:
+                continue
+            if rec["kind"] == "loss":
+                s, n = losses.get(it, (0.0, 0))
+                losses[it] = (s + rec["loss_sum"], n + rec["num_tokens"])
+            else:
+                samples.setdefault(it, []).extend(rec["sample_ids"])
+    return (rc, "".join(out), {it: s / n for it, (s, n) in sorted(losses.items())},
+            {it: sorted(ids) for it, ids in sorted(samples.items())}, left)
+
+
+def test_megatron_lm_sigterm_then_sigkill_reruns_resume_exactly(tmp_path):
+    """Megatron-LM's pretrain() with the hooks, DP2 on CPU, ``--exit-signal-handler``: SIGTERM to the
+    whole job after iteration 2; the ranks finish their iteration, save, exit, and the launcher
+    returns only after them. The same command rerun resumes from that checkpoint and is SIGKILLed
+    after the iteration following a periodic checkpoint; rerun again, it resumes from that one. The
+    iterations, losses and samples equal the uninterrupted run's (each sample once per epoch)."""
+    lm = _lm()
+    if not lm.lm_api.have_megatron_training():
+        pytest.skip("megatron.training is not importable (megatron-core 0.16.1 wheel): `make test-latest` runs this")
+    if lm.torch.cuda.is_available():
+        pytest.skip("the CPU layer is for CPU-only hosts")
+    script, model_args = lm.MODELS["gpt"]
+    data = lm._write_data(tmp_path / "train.jsonl")
+    args = lm.COMMON + model_args + ["--tree-data-path", str(data), "--train-iters", str(LM_ITERS)]
+    # torch format: each save takes milliseconds here, not the 10+ s of torch_dist (the resume is to the
+    # same layout; resharding resumes are tests/test_launch_lm.py's)
+    ckpt = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--save-interval",
+            str(LM_SAVE_EVERY), "--exit-signal-handler", "--ckpt-format", "torch"]
+
+    rc, out, ref, ref_samples, _ = _launch_lm(tmp_path, "ref", args)
+    assert rc == 0, out[-6000:]
+    assert sorted(ref) == list(range(1, LM_ITERS + 1)) == sorted(ref_samples)
+
+    rc, out, first, first_samples, left = _launch_lm(tmp_path, "first", args + ckpt, signal_after=2)
+    tracker = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+    assert "exiting program after receiving SIGTERM" in out, out[-6000:]
+    assert not left, f"the launcher exited while processes of its job still ran: {left}\n{out[-3000:]}"
+    assert tracker.exists(), out[-6000:]
+    stopped = int(tracker.read_text())
+    # Megatron-LM logs an iteration before it checks the signal flags, so it may stop right after it
+    assert 2 <= stopped < LM_ITERS and sorted(first) == list(range(1, stopped + 1)), (stopped, first)
+    print(f"\nMegatron-LM: SIGTERM after iteration 2 -> saved iteration {stopped}, launcher exit status {rc}")
+    print(f"Megatron-LM samples per iteration: {ref_samples}")
+
+    periodic = (stopped // LM_SAVE_EVERY + 1) * LM_SAVE_EVERY  # the first periodic checkpoint after it
+    rc, out, killed, killed_samples, left = _launch_lm(tmp_path, "killed", args + ckpt, signal_after=periodic + 1,
+                                                       sig=signal.SIGKILL)
+    assert re.search(rf"successfully loaded checkpoint from {re.escape(str(tmp_path / 'ckpt'))} .* at iteration "
+                     rf"{stopped}\b", out), out[-6000:]
+    restart = int(tracker.read_text())
+    assert not left and periodic <= restart <= periodic + 1 < LM_ITERS, (restart, out[-3000:])
+    assert sorted(killed) == list(range(stopped + 1, periodic + 2)), (stopped, killed)
+
+    rc, out, rest, rest_samples, _ = _launch_lm(tmp_path, "rest", args + ckpt)
+    assert rc == 0, out[-6000:]
+    assert sorted(rest) == list(range(restart + 1, LM_ITERS + 1)), (restart, rest)
+    # the iterations lost with the SIGKILL were recomputed identically
+    assert all(killed[it] == ref[it] and killed_samples[it] == ref_samples[it] for it in killed), (killed, ref)
+    resumed = {**first, **{it: v for it, v in killed.items() if it <= restart}, **rest}
+    assert sorted(resumed) == list(range(1, LM_ITERS + 1))  # nothing skipped or repeated
+    assert resumed == ref, (resumed, ref)  # bit for bit
+    assert {**first_samples, **{it: v for it, v in killed_samples.items() if it <= restart},
+            **rest_samples} == ref_samples
+    per_epoch = 48 // 8  # 48 samples, --tree-global-batch-samples 8
+    for e in range(LM_ITERS // per_epoch):
+        ids = [i for it in range(e * per_epoch + 1, (e + 1) * per_epoch + 1) for i in ref_samples[it]]
+        assert sorted(ids) == list(range(48))
+    print(f"Megatron-LM: SIGKILL after iteration {periodic + 1} -> resumed from {restart}\n"
+          f"Megatron-LM losses uninterrupted {ref}\nMegatron-LM losses preempted+resumed {resumed}")

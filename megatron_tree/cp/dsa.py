@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.dsa import (NO_ROW, dsa_indexer_loss_partial_stats, dsa_indexer_loss_partial_terms, merge_topk,
-                       sparse_attention, tree_dsa_topk_partial)
+                       sparse_attention, tree_dsa_topk_partial, upcast_for_accumulation)
 from .comm import group_rank, start_exchange
 from .plan import CPPlan
 from .schedule import CPSchedule, build_schedule
@@ -242,7 +242,10 @@ class _DSACPFn(torch.autograd.Function):
         loss = torch.zeros((), dtype=iq.dtype if iq is not None else q.dtype, device=dev)
         leaves = None
         if cfg.loss:
-            liq, lw, lik = (t.detach() for t in (iq, w, ik))
+            # float32 leaves (bf16 / fp16 inputs): each input's gradient is a sum over pass 1 and pass 2
+            # and over the stages, whose parts nearly cancel (d KL / d s = q - p); it is formed in
+            # float32 and rounded once, on return
+            liq, lw, lik = (upcast_for_accumulation(t.detach()) for t in (iq, w, ik))
             if keep:
                 liq, lw, lik = (t.requires_grad_(True) for t in (liq, lw, lik))
             bleaves = []
@@ -254,7 +257,7 @@ class _DSACPFn(torch.autograd.Function):
                     if blk.shape[0] == 0:
                         bleaves.append(None)
                         continue
-                    bik = blk[:, :di].detach()
+                    bik = upcast_for_accumulation(blk[:, :di].detach())
                     if keep:
                         bik.requires_grad_(True)
                     bleaves.append(bik)
@@ -281,6 +284,7 @@ class _DSACPFn(torch.autograd.Function):
         ctx.graph = (qa, buf, o, loss_graph, leaves, win) if keep else None
         ctx.shapes = (n, hk, d, dv)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.index_dtypes = tuple(None if t is None else t.dtype for t in (iq, w, ik))
         ctx.mark_non_differentiable(ids)
         return o.detach(), loss, ids
 
@@ -300,7 +304,8 @@ class _DSACPFn(torch.autograd.Function):
         gq, gbuf = torch.autograd.grad(o, (qa, buf), g, allow_unused=True)
         gq = torch.zeros_like(qa) if gq is None else gq
         gbuf = torch.zeros_like(buf) if gbuf is None else gbuf
-        dkv = gbuf[:n].clone()
+        # local dK | dV plus the winners' returned parts: summed in float32 (bf16 / fp16), rounded once
+        dkv = upcast_for_accumulation(gbuf[:n]).clone()
         if win is not None:
             back = win.give_back(gbuf[n:].contiguous())
             if back.shape[0] and cfg.fault != "no_dkv_return":
@@ -348,6 +353,8 @@ class _DSACPFn(torch.autograd.Function):
                     dkv.index_add_(0, local, ret[:, c:].to(dkv.dtype))
         dk = dkv[:, :hk * d].reshape(n, hk, d).to(ctx.dtypes[1])
         dv_ = dkv[:, hk * d:].reshape(n, hk, dv).to(ctx.dtypes[2])
+        if giq is not None:  # the float32 sums of the indexer inputs' gradients, rounded once
+            giq, gw, gik = (g.to(dt) for g, dt in zip((giq, gw, gik), ctx.index_dtypes))
         return (gq.to(ctx.dtypes[0]), dk, dv_, giq, gw, gik, None, None, None)
 
 

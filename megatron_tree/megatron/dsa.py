@@ -165,7 +165,8 @@ class TreeDSAttention(MegatronModule):
             softmax_scale = 1.0 / math.sqrt(k_channels if k_channels is not None else config.kv_channels)
         self.softmax_scale = softmax_scale
         self.kl_form = cdsa.kl_form()
-        self.fault: Optional[str] = None  # verify's planted faults ("dsa_tie_order", "dsa_loss_weight")
+        # verify's planted faults ("dsa_tie_order", "dsa_loss_weight", "dsa_bf16_grad_sum")
+        self.fault: Optional[str] = None
 
     # -- helpers
     def _loss_weight(self, psp, rows: torch.Tensor) -> torch.Tensor:
@@ -249,7 +250,8 @@ class TreeDSAttention(MegatronModule):
             if use_loss:
                 loss = tree_dsa_indexer_loss(iq, w, ik, q.detach(), k.detach(), layout, ids,
                                              self._loss_weight(psp, rows), softmax_scale=self.softmax_scale,
-                                             sparse_loss=sparse, head_group=head_group, kl_form=self.kl_form)
+                                             sparse_loss=sparse, head_group=head_group, kl_form=self.kl_form,
+                                             fp32_grad_sum=self.fault != "dsa_bf16_grad_sum")
         if not self.skip_topk:
             holder[self.layer_number] = ids
         if _HOOKS:

@@ -119,6 +119,11 @@ def _cdt(*ts) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
 
 
+def upcast_for_accumulation(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in its accumulation dtype (float64 stays, anything else float32); differentiable."""
+    return t if t.dtype in (torch.float64, torch.float32) else t.float()
+
+
 def _budget(t: torch.Tensor) -> int:
     return DEFAULT_BATCH_ELEMENTS_CUDA if t.is_cuda else DEFAULT_BATCH_ELEMENTS
 
@@ -785,14 +790,17 @@ def dsa_indexer_loss_partial_terms(index_q: torch.Tensor, weights: torch.Tensor,
 def tree_dsa_indexer_loss(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, query: torch.Tensor,
                           key: torch.Tensor, layout: TreeLayout, selected_ids: torch.Tensor | None,
                           row_weight: torch.Tensor, *, softmax_scale: float, sparse_loss: bool = False,
-                          head_group=None, kl_form: str = "eps", block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+                          head_group=None, kl_form: str = "eps", block_size: int = DEFAULT_BLOCK_SIZE,
+                          fp32_grad_sum: bool = True) -> torch.Tensor:
     """The indexer KL loss of the whole forest on one device (module docstring): a scalar.
 
     index_q [N,Hi,Di], weights [N,Hi], index_k [N,Di] (gradients flow here), query [N,H,D],
     key [N,Hk,D] (constants; detached here), ``selected_ids`` [N,topk] canonical ids (used when
     ``sparse_loss``), ``row_weight`` [N]. Equals the sum over samples of stock
     ``compute_dsa_indexer_loss`` on each sample alone when row_weight is loss_coeff / len(sample)
-    summed over the samples through each row.
+    summed over the samples through each row. ``fp32_grad_sum=False`` (bf16 / fp16 inputs; verify's
+    planted fault ``dsa_bf16_grad_sum`` only) rounds each pass's gradient to the input dtype before
+    they are summed: the accuracy bug the default avoids (below).
     """
     n = layout.num_rows
     if index_q.shape[0] != n or index_k.shape[0] != n:
@@ -804,6 +812,12 @@ def tree_dsa_indexer_loss(index_q: torch.Tensor, weights: torch.Tensor, index_k:
     vis = layout.visible_until.to(dev)
     sel = selected_ids if sparse_loss else None
     query, key = query.detach(), key.detach()
+    # bf16 / fp16: the indexer inputs' gradient is the sum of pass 1's (softmax normaliser) and pass
+    # 2's (KL terms) parts, which nearly cancel (d KL / d s = q - p); each pass rounding its part to
+    # the input dtype before autograd adds them loses the difference. Upcast once here, so the sum
+    # is formed in float32 and rounded once (the cast's backward), as stock's one-graph loss does.
+    if fp32_grad_sum:
+        index_q, weights, index_k = (upcast_for_accumulation(t) for t in (index_q, weights, index_k))
     zi, la = dsa_indexer_loss_partial_stats(index_q, weights, index_k, query, key, rows, rows, vis,
                                             softmax_scale=softmax_scale, selected_ids=sel, block_size=block_size)
     return dsa_indexer_loss_partial_terms(index_q, weights, index_k, query, key, rows, rows, vis, zi, la, row_weight,

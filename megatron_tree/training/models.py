@@ -208,13 +208,16 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
     return model
 
 
-def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False):
-    """Megatron DDP around ``model`` (grads in ``main_grad``), with ``finalize_model_grads`` wired."""
+def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False, grad_reduce_in_fp32: bool = False):
+    """Megatron DDP around ``model`` (grads in ``main_grad``), with ``finalize_model_grads`` wired.
+    ``grad_reduce_in_fp32``: ``main_grad`` in float32 whatever the parameters' dtype (Megatron-LM's
+    default under ``--bf16``: ``accumulate_allreduce_grads_in_fp32``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     config.finalize_model_grads_func = finalize_model_grads
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-        overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer), module=model)
+        overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,
+        grad_reduce_in_fp32=grad_reduce_in_fp32), module=model)
     config.no_sync_func = ddp.no_sync
     return ddp
 

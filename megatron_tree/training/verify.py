@@ -21,6 +21,22 @@ itself checked against stock by the CP=1 runs), and two more quantities are comp
 ordered top-k of every (sample, row, layer), as positions on the sample's path ("selected_ids": the
 fraction that differs), and the indexer loss per layer. Faults ``dsa_tie_order`` / ``dsa_loss_weight``.
 
+``dtype="bfloat16"`` is judged against ordinary bf16 training, not a fixed tolerance. Three runs from
+the same initial weights (the bf16 model's, upcast for the reference): per-sample float64, one sample
+per microbatch (the reference); the baseline, the tree side's microbatches flat-packed (every sample
+its own unbranched chain, `_flat_packed`: ordinary packed training); and the tree side. The tree
+side's error against the reference must be at most ``BF16_RATIO`` times the baseline's plus
+``BF16_FLOOR``, for the logits, the loss and the gradients (DSA: also the indexer loss and the
+fraction of differing selections). Errors are relative Frobenius norms (`_rel_norm`): all samples'
+logits together, the loss, each parameter's gradient (the largest over parameters on each side, as
+for every dtype). The single parameter nearest its own bound is reported beside them, not judged
+(see `_rank_body`). Both bf16 runs are what a Megatron-LM ``--bf16`` job runs: every parameter and
+activation in bf16 (``Float16Module``'s ``module.bfloat16()``, ``config.bf16``), ``main_grad``
+accumulated and reduced in float32 (``accumulate_allreduce_grads_in_fp32``, Megatron-LM's default
+under ``--bf16``). No optimizer step is compared in bf16: Megatron's bf16 optimizer (float32 master
+weights) needs CUDA tensors, and the stepped parameter is the same elementwise function of the
+gradient on both sides.
+
 Per-token loss over the global batch (``calculate_per_token_loss``) is used for both sides. MoE
 load-balancing losses are off: they are functions of the tokens the model runs, which a tree
 deduplicates by design.
@@ -41,17 +57,28 @@ FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurre
           "mla_rope_physical")
 # faults of model "dsa" only (kept apart from FAULTS, whose faults apply to the other models)
 DSA_FAULTS = ("dsa_tie_order", "dsa_loss_weight")
-ALL_FAULTS = FAULTS + DSA_FAULTS
+# faults of model "dsa" in bf16 only: an accuracy bug, exact in float64 (what the bf16 ratio rule catches)
+BF16_FAULTS = ("dsa_bf16_grad_sum",)
+ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
-MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS
+MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS
 METRICS = ("logits", "loss", "grads", "params_after_step")
+# dtype "bfloat16": the tree side passes iff err(tree vs float64 per-sample) <= BF16_RATIO * err(per-sample
+# bf16 vs float64 per-sample) + BF16_FLOOR for every metric. The floor is 2^-16 (bf16's unit roundoff
+# 2^-8 / 256): it only matters where the per-sample side's error happens to be near zero (the loss, a
+# mean of a few hundred float32 terms, lands 2e-6..2e-5 from the reference by chance) and is far below
+# the error of one bf16 rounding of anything (up to 2^-8 relative, ~2^-9 in norm).
+BF16_RATIO = 1.5
+BF16_FLOOR = 2.0 ** -16
+BF16_METRICS = ("logits", "loss", "grads")
 # model "dsa" also compares the indexer's selections (fraction of (sample, row, layer) whose ordered
 # top-k differs) and its loss per layer
 DSA_METRICS = ("selected_ids", "indexer_loss")
 
 
 def metrics_of(cfg) -> tuple:
-    return METRICS + (DSA_METRICS if cfg.model == "dsa" else ())
+    base = BF16_METRICS if cfg.dtype == "bfloat16" else METRICS
+    return base + (DSA_METRICS if cfg.model == "dsa" else ())
 
 
 @dataclass
@@ -66,7 +93,7 @@ class VerifyConfig:
     cp_strategy: str = "balanced"
     sp: bool = False
     recompute: str = "none"
-    dtype: str = "float64"  # exact check; float32/bfloat16 are smoke checks with float-noise tolerances
+    dtype: str = "float64"  # exact check; float32: float-noise tolerance; bfloat16: judged against per-sample bf16
     loss: str = "sft"
     window: Optional[int] = None
     sinks: bool = False
@@ -80,6 +107,9 @@ class VerifyConfig:
     dsa_sparse_loss: bool = False
     dsa_topk_freq: int = 1
     dsa_topk: Optional[int] = None
+    # tree CP of GDN layers: None (``$MEGATRON_TREE_GDN_CP_MODE``, else the cost model's "auto"),
+    # "summary" or "heads" (set in the rank processes for this config only)
+    gdn_cp_mode: Optional[str] = None
 
     @property
     def world_size(self) -> int:
@@ -92,15 +122,18 @@ class VerifyConfig:
         return self.ep > 1 or (default is not None and "E" in (self.pattern or default))
 
     def tol(self) -> float:
-        """Default tolerance by dtype. float64 with MoE: Megatron's router softmax runs in fp32."""
+        """Default tolerance by dtype. float64 with MoE: Megatron's router softmax runs in fp32.
+        bfloat16: the absolute floor of the ratio rule (``BF16_FLOOR`` unless ``tolerance`` is given)."""
         if self.tolerance is not None:
             return self.tolerance
+        if self.dtype == "bfloat16":
+            return BF16_FLOOR
         if self.dtype == "float64":
             return 5e-6 if self.has_moe() else 1e-9
         # float32: per-head decay gradients (GDN A_log, dt_bias) are sums over every token with heavy
         # cancellation, and the chunked kernels round differently on a tree than on a chain, so a
         # few 1e-3 relative differences are float noise there (the op itself agrees to 1e-7).
-        return 1e-2 if self.dtype == "float32" else 5e-2
+        return 1e-2
 
 
 def verify_samples(seed: int, vocab: int, families: int):
@@ -177,8 +210,11 @@ def plant_model_fault(model, fault: Optional[str]) -> None:
     ``dsa_tie_order``: every `TreeDSAttention` breaks top-k ties by the larger row id (not the smaller).
     ``dsa_loss_weight``: every `TreeDSAttention` weights each row's indexer loss term by 1 (dropping
     the per-sample weights ``sum 1/len(s)``).
+    ``dsa_bf16_grad_sum`` (CP 1, bf16): every `TreeDSAttention` rounds the indexer loss's two passes'
+    gradients to bf16 before summing them (`ops.dsa.tree_dsa_indexer_loss` ``fp32_grad_sum=False``),
+    where they nearly cancel: float64-exact, far less accurate than per-sample bf16 training.
     """
-    if fault in DSA_FAULTS:
+    if fault in DSA_FAULTS + BF16_FAULTS:
         from ..megatron.dsa import TreeDSAttention
 
         for m in model.modules():
@@ -212,14 +248,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-8)) if b.numel() else 0.0
 
 
-def _worst(items) -> tuple[float, Optional[str]]:
-    """The largest `_rel` error over ``items`` (``(where, tree, flat)`` triples) and where it is.
+def _rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / max(||b||, 1e-30) (Frobenius); inf when either side holds a NaN or inf.
+
+    The bf16 judge's error: every element counts, so it measures how accurate a side is overall. A
+    max-element error is set by the largest values' last rounding (bf16 logits out of the output
+    layer are rounded identically on both sides), which a less accurate side can hide behind."""
+    a, b = a.double(), b.double()
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.inf
+    return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+def _worst(items, rel=_rel) -> tuple[float, Optional[str]]:
+    """The largest ``rel`` error over ``items`` (``(where, tree, flat)`` triples) and where it is.
 
     ``where`` names the first item with that error, with ``(non-finite on the tree side)`` (or
     per-sample side, or both) when a NaN/inf is the reason; ``(0.0, None)`` for no items."""
     err, at = 0.0, None
     for where, a, b in items:
-        e = _rel(a, b)
+        e = rel(a, b)
         if at is None or e > err:
             err, at = e, where
             if e == math.inf:
@@ -252,7 +300,8 @@ def _logits_step(store, cp_strategy, data_iterator, model):
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
 
     def loss_func(output):
-        logits = output.detach()[0].float().cpu()  # GPTModel returns [b, s, V/tp]
+        # GPTModel returns [b, s, V/tp]; float64 stays float64 (the bf16 judge's reference)
+        logits = output.detach()[0].to(torch.float64 if output.dtype == torch.float64 else torch.float32).cpu()
         if psp.is_context_parallel:  # every CP rank computed its owned rows: gather the whole microbatch
             logits = _gather_cp_rows(logits, psp)
         store.append(logits)
@@ -302,47 +351,92 @@ def _rows_to_table(num_rows: int, rows: torch.Tensor, ids: torch.Tensor) -> torc
     return table
 
 
-def _compare_selected(tree_sel: list, flat_sel: list, mine: list, flat_mbs: list, topk: int, *, flat_is_stock: bool,
-                      cp_group=None):
-    """Fraction of (sample, row, DSA layer) whose ordered top-k differs between the tree (canonical rows,
-    mapped to positions on the sample's path) and the per-sample side (stock: positions; tree modules
-    on one sample: canonical rows of the chain, i.e. positions), and where the first difference is."""
+def _pad_topk(t: torch.Tensor, topk: int) -> torch.Tensor:
+    """[L, k] ids padded with -1 (no key) to [L, topk]: stock returns fewer columns on short samples."""
+    if t.shape[1] >= topk:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], topk - t.shape[1]), -1)], 1)
+
+
+def _tree_selected_tables(tree_sel: list, mine: list, topk: int, cp_group=None, *, local_ids: bool = False) -> list:
+    """[(sample id, {layer: [L, topk] ordered top-k as positions on the sample's path})] of the tree
+    side (canonical rows mapped through the sample's rows; -2: a row off the path), in sample order.
+    ``local_ids``: each microbatch's samples are 0, 1, ... in that order (verify's flat-packed bf16
+    baseline, `_flat_packed`), not ``mb.sample_ids``."""
     tree_by_mb = _by_token(_gather_selected(_dedupe_selected(tree_sel), cp_group))
-    flat = _dedupe_selected(flat_sel)
-    if not flat_is_stock:
-        flat = _gather_selected(flat, cp_group)
-    flat_by_sample = iter(_by_token(flat))
-    real_flat = iter([fm[0] if isinstance(fm, tuple) else fm for fm in flat_mbs])
-    bad = total = 0
-    where = None
+    out = []
     for j, mb in enumerate(mine):
         layers = tree_by_mb[j] if j < len(tree_by_mb) else {}
-        for i in mb.sample_ids:
-            ref_layers, fmb = next(flat_by_sample, {}), next(real_flat)
+        for i in (range(len(mb.sample_ids)) if local_ids else mb.sample_ids):
             rows = mb.sample_rows(i).long()
             inv = torch.full((mb.layout.num_rows,), -2, dtype=torch.long)  # -2: a row off the sample's path
             inv[rows] = torch.arange(rows.shape[0])
+            tables = {}
             for layer, (_, _, trows, tids) in sorted(layers.items()):
-                if layer not in ref_layers:
-                    continue
                 ids = _rows_to_table(mb.layout.num_rows, trows, tids)[rows]  # [L, topk] canonical rows
-                got = torch.where(ids >= 0, inv[ids.clamp_min(0)], ids)
-                ref = ref_layers[layer]
-                if flat_is_stock:
-                    ref = ref[2]
-                else:
-                    ref = _rows_to_table(fmb.layout.num_rows, ref[2], ref[3])[: rows.shape[0]]
-                if ref.shape[1] < topk:
-                    ref = torch.cat([ref, ref.new_full((ref.shape[0], topk - ref.shape[1]), -1)], 1)
-                diff = (got != ref).any(1)
-                bad += int(diff.sum())
-                total += int(diff.shape[0])
-                if where is None and bool(diff.any()):
-                    r = int(diff.nonzero()[0])
-                    where = f"sample {i} layer {layer} position {r}: tree {got[r].tolist()} per-sample {ref[r].tolist()}"
+                tables[layer] = _pad_topk(torch.where(ids >= 0, inv[ids.clamp_min(0)], ids), topk)
+            out.append((i, tables))
+    return out
+
+
+def _flat_selected_tables(flat_sel: list, mine: list, flat_mbs: list, topk: int, *, is_stock: bool,
+                          cp_group=None) -> list:
+    """`_tree_selected_tables` of a per-sample side (stock: positions; tree modules on one sample: the
+    chain's canonical rows, i.e. positions)."""
+    flat = _dedupe_selected(flat_sel)
+    if not is_stock:
+        flat = _gather_selected(flat, cp_group)
+    by_sample = iter(_by_token(flat))
+    real_flat = iter([fm[0] if isinstance(fm, tuple) else fm for fm in flat_mbs])
+    out = []
+    for mb in mine:
+        for i in mb.sample_ids:
+            layers, fmb = next(by_sample, {}), next(real_flat)
+            n = int(mb.sample_rows(i).shape[0])
+            tables = {}
+            for layer, e in layers.items():
+                t = e[2] if is_stock else _rows_to_table(fmb.layout.num_rows, e[2], e[3])[:n]
+                tables[layer] = _pad_topk(t.long(), topk)
+            out.append((i, tables))
+    return out
+
+
+def _diff_selected(got: list, ref: list):
+    """Fraction of (sample, row, DSA layer) of ``ref`` whose ordered top-k differs in ``got``, and the first."""
+    bad = total = 0
+    where = None
+    for (i, g), (_, r) in zip(got, ref):
+        for layer in sorted(g):
+            if layer not in r:
+                continue
+            diff = (g[layer] != r[layer]).any(1)
+            bad += int(diff.sum())
+            total += int(diff.shape[0])
+            if where is None and bool(diff.any()):
+                k = int(diff.nonzero()[0])
+                where = f"sample {i} layer {layer} position {k}: {g[layer][k].tolist()} vs {r[layer][k].tolist()}"
     if total == 0:
         return math.inf, "no DSA selections captured"
     return bad / total, where
+
+
+def _mb_of(item):
+    """The microbatch of a batch item (a microbatch, or a (microbatch, CPPlan) pair under CP)."""
+    return item[0] if isinstance(item, tuple) else item
+
+
+def _flat_packed(samples: list, mb, pad: int):
+    """The samples of tree microbatch ``mb`` as one flat-packed microbatch (every sample its own
+    unbranched chain, in the order of ``mb.sample_ids``; its sample ``j`` is ``mb.sample_ids[j]``):
+    ordinary packed training of the same microbatch, the bf16 judge's baseline."""
+    from ..tree import pack
+
+    chosen = [samples[i] for i in mb.sample_ids]
+    rows = sum(len(s.tokens) for s in chosen)
+    out = pack(chosen, -(-rows // pad) * pad, pad_to_multiple_of=pad, share_prefixes=False)
+    if len(out) != 1:
+        raise RuntimeError(f"flat packing of one microbatch's {len(chosen)} samples gave {len(out)} microbatches")
+    return out[0]
 
 
 def _gather_cp_rows(local: torch.Tensor, psp) -> torch.Tensor:
@@ -377,11 +471,24 @@ def _rank_body_many(cfgs: list) -> list:
     """Several configs in one set of processes (saves a Megatron import per config)."""
     from megatron.core import parallel_state as ps
 
+    import os
+
+    from ..cp.gdn import MODE_ENV
+
     out = []
     for cfg in cfgs:
-        out.append(_rank_body(cfg))
-        ps.destroy_model_parallel()
-        torch.set_default_dtype(torch.float32)
+        saved = os.environ.get(MODE_ENV)
+        if cfg.gdn_cp_mode is not None:
+            os.environ[MODE_ENV] = cfg.gdn_cp_mode
+        try:
+            out.append(_rank_body(cfg))
+        finally:
+            if saved is None:
+                os.environ.pop(MODE_ENV, None)
+            else:
+                os.environ[MODE_ENV] = saved
+            ps.destroy_model_parallel()
+            torch.set_default_dtype(torch.float32)
     return out
 
 
@@ -439,27 +546,49 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     filler = padding_microbatch(cfg.budget, num_rows=-(-8 // pad) * pad, float_fields=fields)
     n_tree = -(-len(mbs) // dp)
     n_flat = max(sum(len(m.sample_ids) for m in mbs[r::dp]) for r in range(dp))
+    bf16 = dtype == torch.bfloat16
+    # bf16: the baseline is ordinary packed training of the same microbatches (every sample its own
+    # chain): each microbatch's parameter gradients are rounded to bf16 once before Megatron adds
+    # them into the float32 main_grad, so one sample per microbatch would average that rounding over
+    # ~sqrt(#samples) more microbatches than the tree side has (5.9x on GDN's A_log at 34 samples),
+    # an effect of the microbatch count, not of the tree. The float64 reference stays per sample.
+    packed_mbs = [_flat_packed(samples, mb, pad) for mb in mine] if bf16 else None
     tree_mbs += [filler] * (n_tree - len(tree_mbs))
     flat_mbs += [padding_microbatch(cfg.budget, num_rows=pad, float_fields=fields)] * (n_flat - len(flat_mbs))
+    if bf16:
+        packed_mbs += [filler] * (n_tree - len(packed_mbs))
 
-    def fresh(stock_dsa=False):
+    def fresh(stock_dsa=False, side_dtype=dtype, init=None):
         # a new config per model: DDP hangs hooks on it, and MoE experts deep-copy it
         config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, recompute=cfg.recompute,
-                             dtype=dtype, cpu=on_cpu)
+                             dtype=side_dtype, cpu=on_cpu)
         torch.manual_seed(cfg.seed)
         model_parallel_cuda_manual_seed(cfg.seed)
         # model "dsa": the per-sample side's DSA core attention is stock DSAttention (the oracle);
         # same parameters and initial weights as the tree side
         m = build_model(config, margs, stock_dsa=stock_dsa)
+        if side_dtype == torch.bfloat16:
+            # as Megatron-LM's --bf16: Float16Module casts the whole module (norm weights, Mamba's
+            # A_log / D included) with ``module.bfloat16()``
+            config.bf16 = True
+            m = m.bfloat16()
+        if init is not None:  # the float64 reference starts from the bf16 sides' initial weights
+            named = dict(m.named_parameters())
+            if set(named) != set(init):
+                raise RuntimeError(f"reference model's parameters differ: {sorted(set(named) ^ set(init))}")
+            with torch.no_grad():
+                for n, p in named.items():
+                    p.copy_(init[n].to(p.device, p.dtype))
         if not on_cpu:
             m = m.cuda()
-        ddp = wrap_ddp(m, config)
+        ddp = wrap_ddp(m, config, grad_reduce_in_fp32=side_dtype == torch.bfloat16)
+        if bf16:  # no optimizer step is compared in bf16 (module docstring)
+            return ddp, None
         # Adam's first step is lr*sign(g): float noise on near-zero gradients flips whole updates, so
-        # float32 runs step with SGD (linear in the gradient); float64 runs use Adam. On CPU, bf16
-        # params step with the plain optimizer (Megatron's fp16/bf16 wrapper accepts CUDA tensors only).
+        # float32 runs step with SGD (linear in the gradient); float64 runs use Adam.
         opt_name = "adam" if dtype == torch.float64 else "sgd"
         opt = get_megatron_optimizer(OptimizerConfig(optimizer=opt_name, lr=1e-2, weight_decay=0.01, clip_grad=0.0,
-                                                     params_dtype=dtype, bf16=dtype == torch.bfloat16 and not on_cpu), [ddp])
+                                                     params_dtype=dtype), [ddp])
         return ddp, opt
 
     result = {m: 0.0 for m in metrics_of(cfg)}
@@ -470,11 +599,22 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
         tree_mbs = [(mb, plan_context_parallel(mb.layout, cfg.cp, strategy=cfg.cp_strategy)) for mb in tree_mbs]
         flat_mbs = [(mb, _single_owner_plan(mb, cfg.cp)) for mb in flat_mbs]
+        if bf16:
+            packed_mbs = [(mb, _single_owner_plan(mb, cfg.cp)) for mb in packed_mbs]
     # model "dsa": the per-sample side is stock DSAttention; under tree CP it is our DSA on one CP rank
     # per sample (single-owner plan, as for every model), itself checked against stock by the CP=1 runs
     stock_flat = dsa and cfg.cp == 1
-    for side, batch in (("tree", tree_mbs), ("flat", flat_mbs)):
-        ddp, opt = fresh(stock_dsa=stock_flat and side == "flat")
+    sides = [("tree", tree_mbs, dtype), ("flat", packed_mbs if bf16 else flat_mbs, dtype)]
+    if bf16:  # the reference: per-sample training in float64 from the same initial weights
+        sides.append(("ref", flat_mbs, torch.float64))
+    per_sample = ("ref",) if bf16 else ("flat",)  # the sides that run one sample per microbatch
+    init = None
+    for side, batch, side_dtype in sides:
+        torch.set_default_dtype(torch.float64 if side_dtype == torch.float64 else torch.float32)
+        stock = stock_flat and side in per_sample  # model "dsa" at CP 1: stock DSAttention per sample
+        ddp, opt = fresh(stock_dsa=stock, side_dtype=side_dtype, init=init if side == "ref" else None)
+        if side == "tree" and bf16:
+            init = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
         if side == "tree":
             plant_model_fault(ddp.module, cfg.fault)
         store: list = []
@@ -483,24 +623,27 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                                     seq_length=max((b[0] if isinstance(b, tuple) else b).num_rows for b in batch),
                                     micro_batch_size=1, forward_only=True)
         ddp.zero_grad_buffer()
-        opt.zero_grad()
+        if opt is not None:
+            opt.zero_grad()
         with contextlib.ExitStack() as stack:
             selected = None
             if dsa:
                 from ..megatron.dsa import capture_selected
 
                 compat_dsa.dsa_module().DSAIndexerLossLoggingHelper.tracker.clear()
-                selected = stack.enter_context(compat_dsa.capture_stock_selected() if side == "flat" and stock_flat
-                                               else capture_selected())
+                selected = stack.enter_context(compat_dsa.capture_stock_selected() if stock else capture_selected())
             reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy)
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
+            tot = tot.double()
             torch.distributed.all_reduce(tot, group=ps.get_data_parallel_group(with_context_parallel=True))
         if side == "tree" and cfg.fault == "nan":
             _plant_nan(ddp, store, mine)
         grads = {n: p.main_grad.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
-        opt.step()
-        params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
+        params = None
+        if opt is not None:
+            opt.step()
+            params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
         runs[side] = dict(logits=store, loss=tot, grads=grads, params=params)
         if dsa:
             tracker = compat_dsa.dsa_module().DSAIndexerLossLoggingHelper.tracker
@@ -509,25 +652,75 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                 torch.distributed.all_reduce(vals, group=ps.get_context_parallel_group())
             runs[side]["indexer_loss"] = vals
             runs[side]["selected"] = selected
+    torch.set_default_dtype(torch.float64 if dtype == torch.float64 else torch.float32)
+    cp_group = ps.get_context_parallel_group() if cfg.cp > 1 else None
+    topk = margs.extra.get("dsa_indexer_topk", 4)
+
+    def sample_logits(side):
+        """[(sample name, [L, V/tp] logits at the sample's rows in path order)], in the order of ``mine``."""
+        logits = runs[side]["logits"]
+        if side == "tree":
+            return [(f"sample {i}", logits[j][mb.sample_rows(i)]) for j, mb in enumerate(mine) for i in mb.sample_ids]
+        if side not in per_sample:  # flat-packed: microbatch j holds mine[j]'s samples as 0, 1, ...
+            return [(f"sample {i}", logits[j][_mb_of(packed_mbs[j]).sample_rows(p)])
+                    for j, mb in enumerate(mine) for p, i in enumerate(mb.sample_ids)]
+        it = iter(logits)  # one per-sample microbatch per sample, in the order of ``mine``
+        return [(f"sample {i}", next(it)[: len(mb.sample_rows(i))]) for mb in mine for i in mb.sample_ids]
+
+    def selected_tables(side):
+        if side == "tree":
+            return _tree_selected_tables(runs[side]["selected"], mine, topk, cp_group)
+        if side not in per_sample:
+            return _tree_selected_tables(runs[side]["selected"], [_mb_of(b) for b in packed_mbs[:len(mine)]], topk,
+                                         cp_group, local_ids=True)
+        return _flat_selected_tables(runs[side]["selected"], mine, flat_mbs, topk, is_stock=stock_flat,
+                                     cp_group=cp_group)
+
+    def errors(a, b) -> dict:
+        """{metric: (max rel. error of side ``a`` against side ``b``, where)}."""
+        x, y = runs[a], runs[b]
+        worst = partial(_worst, rel=_rel_norm if bf16 else _rel)
+        out = {}
+        if x["logits"]:  # last pipeline stage
+            pairs = [(n, u, v) for (n, u), (_, v) in zip(sample_logits(a), sample_logits(b))]
+            if bf16 and pairs:  # one norm over every sample's rows: the worst sample is often unshared
+                pairs = [("every sample", torch.cat([u for _, u, _ in pairs]), torch.cat([v for _, _, v in pairs]))]
+            out["logits"] = worst(pairs)
+            la, lb = x["loss"][0] / x["loss"][1], y["loss"][0] / y["loss"][1]
+            out["loss"] = worst([("loss", la.reshape(1), lb.reshape(1))])
+        else:
+            out["logits"] = out["loss"] = (0.0, None)
+        out["grads"] = worst((n, x["grads"][n], y["grads"][n]) for n in y["grads"])
+        if x["params"] is not None:
+            out["params_after_step"] = worst((n, x["params"][n], y["params"][n]) for n in y["params"])
+        if dsa:
+            out["indexer_loss"] = worst([("indexer loss per layer", x["indexer_loss"], y["indexer_loss"])])
+            out["selected_ids"] = _diff_selected(selected_tables(a), selected_tables(b))
+        return out
+
+    judged = errors("tree", "ref" if bf16 else "flat")
+    for m in metrics_of(cfg):
+        result[m], result[f"{m}_at"] = judged[m]
+    if bf16:  # the per-sample bf16 side's error against the same reference: the standard to meet
+        for m, (e, at) in errors("flat", "ref").items():
+            result[f"{m}_ps"], result[f"{m}_ps_at"] = e, at
+        # "grads" (judged) is, on each side, the largest error over the parameters, as for every dtype.
+        # Reported beside it, not judged: the single parameter nearest (or past) its own bound. A few
+        # parameters summed over every row (norm weights, GDN's A_log) are structurally up to ~sqrt(k)
+        # less accurate on a tree whose rows k samples share: bf16 activation gradients round the sum
+        # of k aligned contributions once, where packed training rounds each and the errors partly
+        # cancel in the parameter's sum (the whole gradient vector's error stays within a few %).
+        ref_g = runs["ref"]["grads"]
+        if ref_g:
+            pairs = {n: (_rel_norm(runs["tree"]["grads"][n], g), _rel_norm(runs["flat"]["grads"][n], g))
+                     for n, g in ref_g.items()}
+            at = max(pairs, key=lambda n: _bound_use(*pairs[n], cfg.tol()))
+            (result["param_grad"], result["param_grad_ps"]), result["param_grad_at"] = pairs[at], at
     t, f = runs["tree"], runs["flat"]
-    if t["logits"]:  # last pipeline stage
-        flat_logits = iter(f["logits"])  # one flat microbatch per sample, in the order of ``mine``
-        result["logits"], result["logits_at"] = _worst(
-            (f"sample {i}", t["logits"][j][mb.sample_rows(i)], next(flat_logits)[: len(mb.sample_rows(i))])
-            for j, mb in enumerate(mine) for i in mb.sample_ids)
-        lt, lf = t["loss"][0] / t["loss"][1], f["loss"][0] / f["loss"][1]
-        result["loss"], result["loss_at"] = _worst([("loss", lt.reshape(1), lf.reshape(1))])
+    if t["logits"]:
+        lf = f["loss"][0] / f["loss"][1]
         result["loss_value"] = float(lf)
         result["num_tokens_tree"], result["num_tokens_flat"] = int(t["loss"][1]), int(f["loss"][1])
-    result["grads"], result["grads_at"] = _worst((n, t["grads"][n], f["grads"][n]) for n in f["grads"])
-    result["params_after_step"], result["params_after_step_at"] = _worst(
-        (n, t["params"][n], f["params"][n]) for n in f["params"])
-    if dsa:
-        result["indexer_loss"], result["indexer_loss_at"] = _worst(
-            [("indexer loss per layer", t["indexer_loss"], f["indexer_loss"])])
-        result["selected_ids"], result["selected_ids_at"] = _compare_selected(
-            t["selected"], f["selected"], mine, flat_mbs, margs.extra.get("dsa_indexer_topk", 4),
-            flat_is_stock=stock_flat, cp_group=ps.get_context_parallel_group() if cfg.cp > 1 else None)
     stats = [mb.stats for mb in mine]
     result["tree_rows"] = sum(s.tree_tokens for s in stats)
     result["flat_rows"] = sum(s.flat_tokens for s in stats)
@@ -554,6 +747,9 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
             raise ValueError("verify --model dsa has no sequence parallelism: the per-sample side pads each sample "
                              "to a multiple of the TP size, and stock DSA's indexer loss averages over those padding "
                              "rows too")
+        if cfg.fault in BF16_FAULTS and (cfg.model != "dsa" or cfg.dtype != "bfloat16" or cfg.cp != 1):
+            raise ValueError(f"fault {cfg.fault} is an accuracy bug of DSA's indexer loss in bf16 at CP 1: it needs "
+                             "model='dsa', dtype='bfloat16' and cp=1")
         if cfg.fault in DSA_FAULTS and cfg.model != "dsa":
             raise ValueError(f"fault {cfg.fault} plants a bug in DeepSeek sparse attention: it needs model='dsa' "
                              "(--model dsa)")
@@ -567,13 +763,43 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
     return [_combine(cfg, [r[i] for r in per_rank]) for i, cfg in enumerate(cfgs)]
 
 
+def _bound_use(err: float, err_ps: float, floor: float) -> float:
+    """err / (BF16_RATIO * err_ps + floor): above 1 fails; inf when either error is non-finite."""
+    if not (math.isfinite(err) and math.isfinite(err_ps)):
+        return math.inf
+    return err / (BF16_RATIO * err_ps + floor)
+
+
+def bf16_bound(cfg: VerifyConfig, out: dict, m: str) -> float:
+    """The most the tree side's bf16 error in metric ``m`` may be: ``BF16_RATIO`` x the per-sample bf16
+    side's error against the same float64 reference, plus the floor (``cfg.tol()``)."""
+    return BF16_RATIO * out[f"{m}_ps"] + cfg.tol()
+
+
+def metric_passes(cfg: VerifyConfig, out: dict, m: str) -> bool:
+    """bfloat16: the ratio rule (`bf16_bound`); other dtypes: the fixed tolerance."""
+    if cfg.dtype == "bfloat16":  # a non-finite error on either side fails (inf <= 1.5 * inf would not)
+        return math.isfinite(out[m]) and math.isfinite(out[f"{m}_ps"]) and out[m] <= bf16_bound(cfg, out, m)
+    return out[m] <= cfg.tol()
+
+
 def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
     out = {}
+    bf16 = cfg.dtype == "bfloat16"
     for m in metrics_of(cfg):  # the worst rank names where; `_rel` is never NaN, so ``max`` sees every error
+        if bf16:  # the rank nearest (or furthest past) its bound, both sides' errors from it
+            worst = max(per_rank, key=lambda r: _bound_use(r[m], r[f"{m}_ps"], cfg.tol()))
+            for key in (m, f"{m}_ps"):
+                out[key], out[f"{key}_at"] = worst[key], worst.get(f"{key}_at")
+            continue
         worst = max(per_rank, key=lambda r: r[m])
         out[m], out[f"{m}_at"] = worst[m], worst.get(f"{m}_at")
     out["tolerance"] = cfg.tol()
-    out["passed"] = all(out[m] <= cfg.tol() for m in metrics_of(cfg))
+    out["passed"] = all(metric_passes(cfg, out, m) for m in metrics_of(cfg))
+    if bf16 and all("param_grad" in r for r in per_rank):  # reported only: the parameter nearest its bound
+        worst = max(per_rank, key=lambda r: _bound_use(r["param_grad"], r["param_grad_ps"], cfg.tol()))
+        for key in ("param_grad", "param_grad_ps", "param_grad_at"):
+            out[key] = worst[key]
     last = [r for r in per_rank if "loss_value" in r]
     out["loss_value"] = last[0]["loss_value"] if last else float("nan")
     # ranks of one DP group hold the same samples: count each DP rank once (TP/PP/CP replicas share them)
@@ -589,10 +815,32 @@ def format_report(cfg: VerifyConfig, out: dict) -> str:
               + (f"cp={cfg.cp}({cfg.cp_strategy}) " if cfg.cp > 1 else "") +
               f"loss={cfg.loss}" + (f" fault={cfg.fault}" if cfg.fault else "")
               + (f" dsa(sparse_loss={cfg.dsa_sparse_loss}, topk_freq={cfg.dsa_topk_freq})" if cfg.model == "dsa" else ""))
+    if cfg.gdn_cp_mode is not None:
+        layout += f" gdn_cp_mode={cfg.gdn_cp_mode}"
     lines = [f"megatron-tree verify: {layout}",
              f"batch: {out['num_samples']} samples, {out['flat_rows']} flat rows -> {out['tree_rows']} tree rows; "
-             f"loss {out['loss_value']:.6f}",
-             f"{'quantity':<20} {'max rel. error':>14}  status (tolerance {out['tolerance']:.0e})"]
+             f"loss {out['loss_value']:.6f}"]
+    if cfg.dtype == "bfloat16":
+        lines.append(f"||side - ref|| / ||ref|| against per-sample float64 training from the same "
+                     f"initial weights; "
+                     f"pass: tree <= {BF16_RATIO} x packed (flat) bf16 + {out['tolerance']:.1e}")
+        lines.append(f"{'quantity':<20} {'tree bf16':>10} {'packed':>10} {'ratio':>7}  status")
+        for m in metrics_of(cfg):
+            e, ps_e = out[m], out[f"{m}_ps"]
+            ratio = e / ps_e if ps_e > 0 else (math.inf if e > 0 else 1.0)
+            at = out.get(f"{m}_at")
+            where = f"  (worst: {at})" if at and at != m else ""
+            lines.append(f"{m:<20} {e:>10.3e} {ps_e:>10.3e} {ratio:>7.3f}  "
+                         f"{'ok' if metric_passes(cfg, out, m) else 'FAIL'}{where}")
+        if "param_grad" in out:
+            e, ps_e = out["param_grad"], out["param_grad_ps"]
+            ratio = e / ps_e if ps_e > 0 else math.inf
+            lines.append(f"{'(one parameter)':<20} {e:>10.3e} {ps_e:>10.3e} {ratio:>7.3f}  "
+                         f"reported, not judged  (nearest its own bound: {out['param_grad_at']})")
+        lines.append("PASSED: tree bf16 training is as accurate as ordinary bf16 training" if out["passed"]
+                     else "FAILED: tree bf16 training is less accurate than ordinary bf16 training")
+        return "\n".join(lines)
+    lines.append(f"{'quantity':<20} {'max rel. error':>14}  status (tolerance {out['tolerance']:.0e})")
     for m in metrics_of(cfg):
         ok = out[m] <= out["tolerance"]
         at = out.get(f"{m}_at")

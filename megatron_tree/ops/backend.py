@@ -8,9 +8,19 @@ never a silent fallback.
 **CPU kernels switch** (off by default): :func:`allow_cpu_kernels` lets a *named* GPU backend
 accept CPU tensors. Its only use is the kernel test tier (``make test-kernels``), which runs the
 real Triton kernels of FLA / mamba-ssm / FlexAttention on CPU tensors through Triton's
-interpreter (``TRITON_INTERPRET=1``, with harness-side patches in ``tests_kernels/conftest.py``)
-to test the exact calls the GPU backends make. ``"auto"`` never picks a GPU backend for CPU
-tensors, switch or not. Nothing in the library turns it on.
+interpreter (``TRITON_INTERPRET=1``, with harness-side patches in ``tests_kernels/harness.py``)
+to test the exact calls the GPU backends make. By default ``"auto"`` never picks a GPU backend for
+CPU tensors, switch or not. Nothing in the library turns it on.
+
+**auto as on a GPU** (``allow_cpu_kernels(True, auto=True)`` / ``with cpu_kernels(auto=True):``,
+off by default, needs the switch): ``"auto"`` then resolves for CPU tensors exactly as it does for
+CUDA tensors, so a whole model built with the default ``backend="auto"`` takes the GPU code path
+(FLA, mamba-ssm, FlexAttention where their packages import, and the same dtype rules) on CPU. The
+kernel tier uses it to run whole models on the GPU path (``tests_kernels/test_model_gpu_path.py``).
+
+**Dispatch log** (:func:`record_dispatch`): every `select_backend` call inside the block appends
+``(op, backend)`` (the resolved name) to a list, so a test can assert which implementation each op
+of a model really took. Costs nothing when no log is open.
 """
 from __future__ import annotations
 
@@ -35,13 +45,17 @@ def module_available(name: str) -> bool:
 
 
 _CPU_KERNELS = False
+_CPU_AUTO = False  # "auto" resolves CPU tensors as CUDA ones (only while _CPU_KERNELS is on)
+_DISPATCH_LOGS: list[list] = []  # open record_dispatch() lists, innermost last
 
 
-def allow_cpu_kernels(enabled: bool = True) -> bool:
-    """Let named GPU backends take CPU tensors (kernel tier only; see the module doc). Returns the
-    previous setting."""
-    global _CPU_KERNELS
+def allow_cpu_kernels(enabled: bool = True, *, auto: bool = False) -> bool:
+    """Let named GPU backends take CPU tensors (kernel tier only; see the module doc); with ``auto``
+    also let ``"auto"`` pick them for CPU tensors, as on a GPU. Returns the previous ``enabled``
+    setting (``auto`` is reset to the given value on every call)."""
+    global _CPU_KERNELS, _CPU_AUTO
     previous, _CPU_KERNELS = _CPU_KERNELS, bool(enabled)
+    _CPU_AUTO = bool(enabled) and bool(auto)
     return previous
 
 
@@ -49,14 +63,42 @@ def cpu_kernels_allowed() -> bool:
     return _CPU_KERNELS
 
 
+def cpu_kernels_auto() -> bool:
+    """True while ``"auto"`` resolves CPU tensors as CUDA tensors (``allow_cpu_kernels(True, auto=True)``)."""
+    return _CPU_KERNELS and _CPU_AUTO
+
+
 @contextlib.contextmanager
-def cpu_kernels() -> Iterator[None]:
-    """``with cpu_kernels():`` the switch is on inside the block, restored after."""
-    previous = allow_cpu_kernels(True)
+def cpu_kernels(*, auto: bool = False) -> Iterator[None]:
+    """``with cpu_kernels():`` the switch is on inside the block (with ``auto=True`` for ``"auto"``
+    too), both settings restored after."""
+    global _CPU_AUTO
+    previous_auto = _CPU_AUTO
+    previous = allow_cpu_kernels(True, auto=auto)
     try:
         yield
     finally:
         allow_cpu_kernels(previous)
+        _CPU_AUTO = previous and previous_auto
+
+
+@contextlib.contextmanager
+def record_dispatch() -> Iterator[list]:
+    """``with record_dispatch() as log:`` every `select_backend` call in the block appends
+    ``(op, resolved backend)`` to ``log`` (nested logs each get every entry). Ops that resolve a
+    backend once per stage or level (CP waves, recurrent levels) log once per call."""
+    log: list = []
+    _DISPATCH_LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _DISPATCH_LOGS.remove(log)
+
+
+def _logged(op: str, name: str) -> str:
+    for log in _DISPATCH_LOGS:
+        log.append((op, name))
+    return name
 
 
 def select_backend(op: str, backend: str, tensor: torch.Tensor, gpu_backends: dict[str, str]) -> str:
@@ -65,10 +107,14 @@ def select_backend(op: str, backend: str, tensor: torch.Tensor, gpu_backends: di
     ``gpu_backends`` maps backend name -> module it needs, in order of preference. Returns
     ``"torch"`` or one of its keys; raises ValueError/RuntimeError with the reason otherwise.
     """
+    return _logged(op, _select(op, backend, tensor, gpu_backends))
+
+
+def _select(op: str, backend: str, tensor: torch.Tensor, gpu_backends: dict[str, str]) -> str:
     if backend == TORCH:
         return TORCH
     if backend == "auto":
-        if tensor.is_cuda:
+        if tensor.is_cuda or cpu_kernels_auto():
             for name, module in gpu_backends.items():
                 if module_available(module):
                     return name

@@ -488,21 +488,22 @@ class _Loggers:
 
 # --------------------------------------------------------------------------------------------- preemption
 class _PreemptionSignals:
-    """Context manager: while active, `PREEMPTION_SIGNALS` set ``received`` (the signal number, 0 for
-    none; the largest one when several arrive) instead of ending the process. The previous handlers
-    are restored on exit. Python delivers signals to the main thread only, so on another thread
-    (a caller running `train` in a thread) nothing is installed and ``received`` stays 0."""
+    """Context manager for a rank's training loop: while active, `PREEMPTION_SIGNALS` set
+    ``received`` (the signal number, 0 for none; the largest one when several arrive) instead of
+    ending the process; the loop stops after the step in which any rank got one. The previous
+    handlers are restored on exit. Python delivers signals to the main thread only, so on another
+    thread (a caller running `train` in a thread) nothing is installed and ``received`` stays 0."""
 
     def __init__(self, signals=PREEMPTION_SIGNALS):
         self.signals, self.received, self._previous = tuple(signals), 0, {}
 
-    def _record(self, signum, frame) -> None:
-        self.received = max(self.received, int(signum))
+    def _handle(self, signum: int) -> None:
+        self.received = max(self.received, signum)
 
-    def __enter__(self) -> "_PreemptionSignals":
+    def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._record)
+                self._previous[sig] = signal.signal(sig, lambda signum, frame: self._handle(int(signum)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -511,40 +512,29 @@ class _PreemptionSignals:
         self._previous.clear()
 
 
-class _ForwardSignals:
-    """Context manager for the local launcher (``--nproc``): `PREEMPTION_SIGNALS` reaching this
-    process are passed on to the rank processes it starts meanwhile (its multiprocessing children
-    that were not running on entry); ``received`` is the last signal number, 0 for none. A batch
-    system that signals only the job's first process (``sbatch --signal=B:TERM@120``) thus reaches
-    every rank, and each rank decides with the others when to stop (`_PreemptionSignals`)."""
+class _ForwardSignals(_PreemptionSignals):
+    """For the local launcher (``--nproc``): signals reaching this process are passed on to the rank
+    processes it starts meanwhile (its multiprocessing children that were not running on entry);
+    ``received`` is the last signal number. A batch system that signals only the job's first process
+    (``sbatch --signal=B:TERM@120``) thus reaches every rank, and each rank decides with the others
+    when to stop (`_PreemptionSignals`)."""
 
-    def __init__(self, signals=PREEMPTION_SIGNALS):
-        self.signals, self.received, self._previous, self._before = tuple(signals), 0, {}, set()
-
-    def _forward(self, signum, frame) -> None:
+    def __enter__(self):
         import multiprocessing
 
-        self.received = int(signum)
+        self._before = {p.pid for p in multiprocessing.active_children()}
+        return super().__enter__()
+
+    def _handle(self, signum: int) -> None:
+        import multiprocessing
+
+        self.received = signum
         for proc in multiprocessing.active_children():
             if proc.pid not in self._before:
                 try:
                     os.kill(proc.pid, signum)
                 except ProcessLookupError:  # exited meanwhile
                     pass
-
-    def __enter__(self) -> "_ForwardSignals":
-        import multiprocessing
-
-        self._before = {p.pid for p in multiprocessing.active_children()}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._forward)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
 
 def _preempted_message(preempted: dict, args) -> str:

@@ -222,6 +222,36 @@ def test_harness_reports_failing_rank():
         run_distributed(_raises_body, 2, timeout=60)
 
 
+def _env_and_stderr_body(tag):
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    print(f"{tag} from rank {dist.get_rank()}", file=sys.stderr, flush=True)
+    return os.environ.get("MTREE_HARNESS_TAG"), "megatron.core" in sys.modules
+
+
+@pytest.mark.parametrize("cuda_host", [False, True], ids=["forkserver", "spawn"])
+def test_harness_ranks_see_the_callers_environment_and_stderr_now(cuda_host, monkeypatch, capfd):
+    """Ranks get the caller's environment and stderr as they are at the call, whichever way they
+    start: the forkserver (CPU hosts; started earlier by other tests, with other fds and variables)
+    preloads Megatron-Core; spawn (CUDA hosts, here faked) does not need to."""
+    from megatron_tree.training import launch
+
+    with capfd.disabled():  # a forkserver started here holds the real stderr, not this test's capture
+        run_distributed(_env_and_stderr_body, 1, "warm-up", timeout=60)
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: cuda_host)
+    monkeypatch.setenv("MTREE_HARNESS_TAG", "set after the server started")
+    capfd.readouterr()
+    out = run_distributed(_env_and_stderr_body, 2, "hello", timeout=60)
+    assert [o[0] for o in out] == ["set after the server started"] * 2
+    if not cuda_host:
+        assert all(o[1] for o in out)  # preloaded by the forkserver
+    err = capfd.readouterr().err
+    assert "hello from rank 0" in err and "hello from rank 1" in err, err
+
+
 # ==============================================================================================
 # Tiny GPT on CPU through Megatron's schedules
 # ==============================================================================================

@@ -7,9 +7,10 @@ as ``DistributedError`` with the first failing rank's traceback; a run past ``ti
 raises ``TimeoutError``. Used by ``megatron-tree verify``, the CPU demo, ``megatron-tree train
 --nproc`` and the tests (multi-node jobs use torchrun/srun instead).
 
-Ranks start through a *forkserver* that imported torch and Megatron-Core once (:data:`PRELOAD`):
-importing them costs about 4 s of CPU per process, which a fresh interpreter per rank (the spawn
-method) paid on every call. A forked rank is still a clean process as far as the caller can tell:
+On a CPU host ranks start through a *forkserver* that imported torch and Megatron-Core once
+(:data:`PRELOAD`): importing them costs about 4 s of CPU per process, which a fresh interpreter per
+rank (the spawn method) paid on every call. With CUDA they are spawned, since an import such as
+Transformer Engine's may touch the CUDA driver, which a forked process cannot reuse. A forked rank is still a clean process as far as the caller can tell:
 nothing has run in the server but imports (no threads, no process group, no RNG use), the caller's
 ``sys.path`` and main module are prepared as with spawn, and the caller's environment and standard
 output / error *at the time of the call* are installed in each rank (the server's own were captured
@@ -71,6 +72,8 @@ def _adopt_stdio(stdio: tuple) -> None:
 
     for target, dup in zip((1, 2), stdio):
         fd = dup.detach()
+        if fd == target:  # spawn passes the caller's descriptors under their own numbers
+            continue
         getattr(sys, "stdout" if target == 1 else "stderr").flush()
         os.dup2(fd, target)
         os.close(fd)
@@ -150,10 +153,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     with tempfile.TemporaryDirectory(prefix="mtree_dist_") as outdir:
-        _ensure_preload()
+        method = "spawn" if torch.cuda.is_available() else "forkserver"
+        if method == "forkserver":
+            _ensure_preload()
         ctx = mp.start_processes(_rank_main, args=(fn, world_size, _free_port(), outdir, timeout, args,
                                                    dict(os.environ), (_CallerFd(1), _CallerFd(2))),
-                                 nprocs=world_size, join=False, start_method="forkserver")
+                                 nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout
         try:
             while True:

@@ -228,7 +228,8 @@ def _env_and_stderr_body(tag):
 
     import torch.distributed as dist
 
-    print(f"{tag} from rank {dist.get_rank()}", file=sys.stderr, flush=True)
+    if tag:
+        print(f"{tag} from rank {dist.get_rank()}", file=sys.stderr, flush=True)
     return os.environ.get("MTREE_HARNESS_TAG"), "megatron.core" in sys.modules
 
 
@@ -240,7 +241,7 @@ def test_harness_ranks_see_the_callers_environment_and_stderr_now(cuda_host, mon
     from megatron_tree.training import launch
 
     with capfd.disabled():  # a forkserver started here holds the real stderr, not this test's capture
-        run_distributed(_env_and_stderr_body, 1, "warm-up", timeout=60)
+        run_distributed(_env_and_stderr_body, 1, "", timeout=60)  # prints nothing
     monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: cuda_host)
     monkeypatch.setenv("MTREE_HARNESS_TAG", "set after the server started")
     capfd.readouterr()

@@ -22,7 +22,7 @@ _EXPORTS = {
     "get_local_transformer_block_with_experimental_attention_variant_spec": "family_specs",
     "get_tree_gpt_layer_spec": "specs", "get_tree_gpt_decoder_block_spec": "specs",
     "get_tree_hybrid_stack_spec": "specs", "treeify_spec": "specs",
-    "vocab_parallel_logprobs": "loss", "tree_loss_func": "loss",
+    "vocab_parallel_logprobs": "loss", "tree_loss_func": "loss", "vocab_parallel_logprobs_entropy": "loss",
     "tree_forward_step": "forward_step",
 }
 __all__ = sorted(_EXPORTS)

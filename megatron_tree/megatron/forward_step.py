@@ -145,13 +145,19 @@ def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced"
 
 
 def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps: float = 0.2, clip_eps_high=None,
-                      kl_coef: float = 0.0, device=None, cp_strategy: str = "balanced"):
-    """Megatron ``forward_step_func`` for `TreeMicrobatch` iterators (every stage reads the batch)."""
+                      kl_coef: float = 0.0, device=None, cp_strategy: str = "balanced", return_entropy: bool = False,
+                      entropy_coef: float = 0.0):
+    """Megatron ``forward_step_func`` for `TreeMicrobatch` iterators (every stage reads the batch).
+
+    ``return_entropy`` (implied by a nonzero ``entropy_coef``): the model also returns per-occurrence
+    entropies; the loss then reports their mean (``report["entropy"]``) and adds the bonus
+    ``-entropy_coef * H`` per target (`tree_loss_func`)."""
     item = next(data_iterator)
     # (mb, plan), (mb, (plan, gdn_plan)), (mb, plan, gdn_plan) or a bare microbatch
     mb, plan = (item[0], item[1] if len(item) == 2 else tuple(item[1:])) if isinstance(item, tuple) else (item, None)
     dev = device if device is not None else next(model.parameters()).device
-    psp = context_parallel_params(tree_packed_seq_params(mb, dev), model, plan=plan, strategy=cp_strategy)
+    psp = tree_packed_seq_params(mb, dev, return_entropy=bool(return_entropy or entropy_coef))
+    psp = context_parallel_params(psp, model, plan=plan, strategy=cp_strategy)
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
     return out, partial(tree_loss_func, psp.loss_map, loss_type=loss_type, clip_eps=clip_eps,
-                        clip_eps_high=clip_eps_high, kl_coef=kl_coef)
+                        clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)

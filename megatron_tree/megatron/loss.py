@@ -10,13 +10,20 @@ Loss normalisation follows Megatron's per-token convention: ``loss_func`` return
 ``(loss_sum, num_tokens, report)``; with ``calculate_per_token_loss=True`` Megatron all-reduces
 ``num_tokens`` over DP x CP and divides gradients by it, which is exactly per-sample token-mean
 training over the global batch.
+
+Entropy (`vocab_parallel_logprobs_entropy`): the entropy of the next-token distribution of every
+occurrence, ``H(z_u) = lse(z_u) - sum_v p_v z_v``, computed once per distinct source row u with the
+same two all-reduces (max, then the sums of ``exp``, ``exp * z`` and the target logits together:
+no vocabulary all-gather, no ``[M, vocab]`` tensor) and indexed per occurrence. Its backward is
+``dH/dz_u = -p (z_u - lse + H)``, local on every rank, and the gradients of the occurrences of a
+shared row are summed per row before that (float32 or wider).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..tree.loss import policy_loss, sft_loss
+from ..tree.loss import entropy_loss, policy_loss, sft_loss
 from ..tree.loss_map import LossMap
 
 
@@ -51,6 +58,68 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
+# Test-only fault switch (None in normal use): "entropy_row_shift" reads each occurrence's entropy
+# from the next distinct source row (a row off by one), which the entropy tests must catch.
+_FAULT = None
+
+
+class _VocabParallelLogprobsEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, inverse, targets, vocab_start, group):
+        z = logits if logits.dtype == torch.float64 else logits.float()
+        Vl = z.shape[-1]
+        tp = group is not None and dist.get_world_size(group) > 1
+        m = z.max(dim=-1).values
+        if tp:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        zm = z - m.unsqueeze(-1)
+        e = torch.exp(zm)
+        sumexp = e.sum(-1)
+        sez = (e * zm).sum(-1)  # sum_v exp(z_v - m) (z_v - m): H = log S - sez / S
+        del e, zm
+        local_t = targets - vocab_start
+        in_range = (local_t >= 0) & (local_t < Vl)
+        tz = torch.where(in_range, z[inverse, local_t.clamp(0, Vl - 1)], torch.zeros((), dtype=z.dtype, device=z.device))
+        if tp:
+            U = sumexp.numel()
+            buf = torch.cat([sumexp, sez, tz])
+            dist.all_reduce(buf, group=group)
+            sumexp, sez, tz = buf[:U], buf[U:2 * U], buf[2 * U:]
+        log_s = torch.log(sumexp)
+        lse = m + log_s
+        ent = log_s - sez / sumexp  # [U]
+        ctx.save_for_backward(z, lse, ent, inverse, local_t, in_range)
+        ctx.in_dtype = logits.dtype
+        rows = inverse
+        if _FAULT == "entropy_row_shift":
+            rows = (inverse + 1) % max(ent.numel(), 1)
+        return tz - lse[inverse], ent[rows]
+
+    @staticmethod
+    def backward(ctx, g, g_ent):
+        z, lse, ent, inverse, local_t, in_range = ctx.saved_tensors
+        U = z.shape[0]
+        gsum = torch.zeros(U, dtype=z.dtype, device=z.device).index_add_(0, inverse, g.to(z.dtype))
+        hsum = torch.zeros(U, dtype=z.dtype, device=z.device).index_add_(0, inverse, g_ent.to(z.dtype))
+        logp = z - lse.unsqueeze(-1)
+        # d logp_e / dz = onehot - p ;  d H_u / dz = -p (log p + H_u)
+        grad = -torch.exp(logp) * (gsum.unsqueeze(-1) + hsum.unsqueeze(-1) * (logp + ent.unsqueeze(-1)))
+        grad.index_put_((inverse[in_range], local_t[in_range]), g.to(z.dtype)[in_range], accumulate=True)
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_logprobs_entropy(logits: torch.Tensor, inverse: torch.Tensor, targets: torch.Tensor, *,
+                                    vocab_start: int = 0, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp [M], entropy [M])``: `vocab_parallel_logprobs` and, per occurrence e, the entropy
+    ``-sum_v p_v log p_v`` of ``softmax(full-vocab logits[inverse[e]])`` (in nats), both differentiable.
+
+    Computed on the ``U`` distinct rows of ``logits`` (this rank's vocab shard ``[U, V_local]``) with
+    two all-reduces over ``group`` (the TP group, or None), then indexed by ``inverse``; float64 for
+    float64 logits, float32 for any other dtype. Identical on every TP rank.
+    """
+    return _VocabParallelLogprobsEntropy.apply(logits, inverse, targets, vocab_start, group)
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, inverse: torch.Tensor, targets: torch.Tensor, *,
                             vocab_start: int = 0, group=None) -> torch.Tensor:
     """logp[e] = log softmax(full-vocab logits[inverse[e]])[targets[e]] -> [M].
@@ -63,13 +132,27 @@ def vocab_parallel_logprobs(logits: torch.Tensor, inverse: torch.Tensor, targets
     return _VocabParallelLogprobs.apply(logits, inverse, targets, vocab_start, group)
 
 
-def tree_loss_func(loss_map: LossMap, logprobs: torch.Tensor, *, loss_type: str = "sft", clip_eps: float = 0.2,
-                   clip_eps_high=None, kl_coef: float = 0.0):
+def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_eps: float = 0.2,
+                   clip_eps_high=None, kl_coef: float = 0.0, entropy_coef: float = 0.0):
     """Megatron ``loss_func`` body: returns ``(loss_sum, num_tokens, report)``.
 
-    ``loss_sum`` is the sum over this microbatch's occurrences (weighted); Megatron divides by the
-    global token count when ``calculate_per_token_loss=True``.
+    ``logprobs``: the model's output, ``[M]`` per-occurrence log-probs or ``(logprobs, entropy)``
+    (a model run with ``TreePackedSeqParams.return_entropy``). ``loss_sum`` is the sum over this
+    microbatch's occurrences (weighted); Megatron divides by the global token count when
+    ``calculate_per_token_loss=True``.
+
+    ``entropy_coef`` (needs the entropy): an entropy bonus. Sign convention: ``loss -= entropy_coef *
+    sum_e w_e H_e``, reduced like the main loss (the same weights and the same global per-token
+    denominator), so a positive coefficient raises the entropy and a negative one lowers it.
+    ``report["entropy"]`` is ``[sum_e H_e, M]`` whenever the entropy is there (Megatron-LM logs the
+    ratio, the mean entropy per target token).
     """
+    entropy = None
+    if isinstance(logprobs, (tuple, list)):
+        logprobs, entropy = logprobs
+    if entropy_coef and entropy is None:
+        raise ValueError("entropy_coef needs the per-occurrence entropy: run the model with "
+                         "TreePackedSeqParams(return_entropy=True) (tree_forward_step(..., return_entropy=True))")
     if loss_type == "sft":
         loss_sum = sft_loss(logprobs, loss_map, reduction="sum")
         metrics = {}
@@ -78,9 +161,13 @@ def tree_loss_func(loss_map: LossMap, logprobs: torch.Tensor, *, loss_type: str 
                                         kl_coef=kl_coef, reduction="sum")
     else:
         raise ValueError(f"loss_type must be sft, grpo or ppo, got {loss_type!r}")
+    if entropy_coef:
+        loss_sum = loss_sum + entropy_loss(entropy, loss_map, coef=entropy_coef, reduction="sum")
     num_tokens = torch.tensor(len(loss_map), dtype=torch.int, device=logprobs.device)
     acc = torch.float64 if loss_sum.dtype == torch.float64 else torch.float32
     report = {"lm loss": torch.stack([loss_sum.detach().clone().to(acc), num_tokens.to(acc)])}
+    if entropy is not None:
+        report["entropy"] = torch.stack([entropy.detach().sum().to(acc), num_tokens.to(acc)])
     for k, v in metrics.items():
         if k != "num_tokens":
             report[k] = torch.tensor([v * len(loss_map), float(len(loss_map))], device=logprobs.device)

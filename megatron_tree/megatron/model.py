@@ -14,7 +14,10 @@ shared by both models; everything else, including the module tree, is the stock 
   stage returns per-occurrence target log-probs ``[M]`` instead of logits (float32, or float64 when
   the model runs in float64: softmax is never taken in a lower precision than float32): the output
   layer runs on the distinct source rows only, and `vocab_parallel_logprobs` handles the TP vocab
-  shards. Without a loss map it returns ordinary logits for every row.
+  shards. Without a loss map it returns ordinary logits for every row. With
+  ``packed_seq_params.return_entropy`` it returns ``(logprobs, entropy)``: the entropy of each
+  occurrence's next-token distribution, computed once per distinct source row, vocab-parallel
+  (`vocab_parallel_logprobs_entropy`), same dtype rule.
 
 A third thing only matters under context parallelism: **GDN layout islands**. Each maximal run of
 consecutive non-attention layers of a pipeline stage (GDN 'G', Mamba-2 'M', MLP '-', MoE 'E') that
@@ -50,7 +53,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from ..cp.redistribute import redistribute_rows
-from .loss import vocab_parallel_logprobs
+from .loss import vocab_parallel_logprobs, vocab_parallel_logprobs_entropy
 from .packed_seq import TreePackedSeqParams
 
 # Test-only fault switch (None in normal use): "skip_exit" leaves the hidden states in GDN ownership
@@ -222,8 +225,9 @@ class TreeLanguageModelMixin:
         return (self.post_process and _is_tree(packed_seq_params) and packed_seq_params.loss_map is not None
                 and labels is None)
 
-    def tree_logprobs(self, hidden_states: torch.Tensor, loss_map) -> torch.Tensor:
-        """[M] log-probs of every loss occurrence from final hidden states [s(/tp), 1, h].
+    def tree_logprobs(self, hidden_states: torch.Tensor, loss_map, *, return_entropy: bool = False):
+        """[M] log-probs of every loss occurrence from final hidden states [s(/tp), 1, h]; with
+        ``return_entropy`` the pair ``(logprobs, entropy)`` (both [M], differentiable).
 
         float64 for a float64 model, float32 otherwise (bf16 / fp16 / fp32 logits are upcast).
         """
@@ -240,8 +244,9 @@ class TreeLanguageModelMixin:
                   else self.output_layer.weight)
         logits = F.linear(h_u, weight, getattr(self.output_layer, "bias", None))
         v_local = weight.shape[0]
-        return vocab_parallel_logprobs(logits, inverse, loss_map.targets, vocab_start=tp_group.rank() * v_local,
-                                       group=tp_group if tp_group.size() > 1 else None)
+        fn = vocab_parallel_logprobs_entropy if return_entropy else vocab_parallel_logprobs
+        return fn(logits, inverse, loss_map.targets, vocab_start=tp_group.rank() * v_local,
+                  group=tp_group if tp_group.size() > 1 else None)
 
 
 class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
@@ -272,8 +277,15 @@ class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
 
     def _postprocess(self, hidden_states, **kwargs):
         psp = kwargs.get("packed_seq_params")
+        if self.wants_tree_logprobs(psp, kwargs.get("labels")) and kwargs.get("mtp_in_postprocess"):
+            from .mtp import tree_mtp_postprocess  # MTP layers on the tree; their losses ride on hidden_states
+
+            hidden_states = tree_mtp_postprocess(self, hidden_states, psp, input_ids=kwargs.get("input_ids"),
+                                                 position_ids=kwargs.get("position_ids"),
+                                                 attention_mask=kwargs.get("attention_mask"))
+            kwargs = dict(kwargs, mtp_in_postprocess=False)
         if self.wants_tree_logprobs(psp, kwargs.get("labels")) and not kwargs.get("mtp_in_postprocess"):
-            return self.tree_logprobs(hidden_states, psp.loss_map)
+            return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy)
         return super()._postprocess(hidden_states=hidden_states, **kwargs)
 
 
@@ -313,7 +325,7 @@ class TreeMambaModel(TreeLanguageModelMixin, MambaModel):
         if not self.post_process:
             return hidden_states
         if self.wants_tree_logprobs(psp, labels):
-            return self.tree_logprobs(hidden_states, psp.loss_map)
+            return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
         if labels is None:

@@ -65,6 +65,10 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="PPO/GRPO upper clip range: ratio <= 1 + eps_high (default: --tree-clip-eps).")
     g.add_argument("--tree-kl-coef", type=float, default=0.0,
                    help="Coefficient of the k3 KL estimator to ref_logprobs (default 0: off).")
+    g.add_argument("--tree-entropy-coef", type=float, default=0.0,
+                   help="Entropy bonus: the loss becomes loss - coef * mean per-token entropy of the policy "
+                        "(same per-token denominator as the loss; > 0 raises the entropy, < 0 lowers it). "
+                        "Default 0: off (the mean entropy is logged either way).")
     g.add_argument("--tree-bad-sample", choices=BAD_SAMPLE_POLICIES, default="error",
                    help="A malformed sample in the data: stop with file:line (error) or skip it and "
                         "count it (skip). Default: error.")
@@ -139,6 +143,8 @@ def validate_tree_args(args) -> argparse.Namespace:
             errors.append(f"--tree-clip-eps-high must be > 0, got {high}")
     if not _get(args, "tree_kl_coef", 0.0) >= 0:
         errors.append(f"--tree-kl-coef must be >= 0, got {args.tree_kl_coef}")
+    if not math.isfinite(_get(args, "tree_entropy_coef", 0.0)):
+        errors.append(f"--tree-entropy-coef must be finite, got {args.tree_entropy_coef}")
     if _get(args, "tree_cp_planner", "balanced") not in CP_PLANNERS:
         errors.append(f"--tree-cp-planner must be one of {CP_PLANNERS}, got {args.tree_cp_planner!r}")
     if _get(args, "tree_bad_sample", "error") not in BAD_SAMPLE_POLICIES:

@@ -333,15 +333,19 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
 
 
 # -------------------------------------------------------------------------------------------- step
-def loss_func(loss_map: LossMap, output_tensor: torch.Tensor, *, loss_type: str = "sft", clip_eps: float = 0.2,
-              clip_eps_high: Optional[float] = None, kl_coef: float = 0.0, check_for_nan: bool = False):
+def loss_func(loss_map: LossMap, output_tensor, *, loss_type: str = "sft", clip_eps: float = 0.2,
+              clip_eps_high: Optional[float] = None, kl_coef: float = 0.0, check_for_nan: bool = False,
+              entropy_coef: float = 0.0):
     """Megatron ``loss_func``: ``(loss_sum, num_tokens, report)`` from the [M] per-occurrence log-probs
-    the last stage returns. ``report["lm loss"]`` is ``[loss_sum, num_tokens]`` (Megatron-LM sums it
-    over microbatches and DP ranks and logs the ratio); policy losses add their metrics likewise."""
+    (or ``(logprobs, entropy)``) the last stage returns. ``report["lm loss"]`` is ``[loss_sum,
+    num_tokens]`` (Megatron-LM sums it over microbatches and DP ranks and logs the ratio); policy
+    losses add their metrics likewise, and ``report["entropy"]`` (``[sum of entropies, num_tokens]``:
+    Megatron-LM logs the mean per-token entropy) when the entropy is there. ``entropy_coef``
+    (``--tree-entropy-coef``): the loss minus ``entropy_coef`` x the entropy (`tree_loss_func`)."""
     from ..megatron.loss import tree_loss_func
 
     out = tree_loss_func(loss_map, output_tensor, loss_type=loss_type, clip_eps=clip_eps,
-                         clip_eps_high=clip_eps_high, kl_coef=kl_coef)
+                         clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
     if check_for_nan:
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
@@ -367,11 +371,13 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, ar
     psp = get_batch(data_iterator, device=next(model.parameters()).device)
     # under CP each rank keeps its owned rows of the plan --tree-cp-planner makes (the same on every rank)
     psp = context_parallel_params(psp, model, strategy=args.tree_cp_planner)
+    psp.return_entropy = True  # the mean entropy is logged (and --tree-entropy-coef may use it)
     if timers is not None:
         timers("batch-generator").stop()
     output = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
     return output, partial(loss_func, psp.loss_map, loss_type=args.tree_loss, clip_eps=args.tree_clip_eps,
                            clip_eps_high=args.tree_clip_eps_high, kl_coef=args.tree_kl_coef,
+                           entropy_coef=float(getattr(args, "tree_entropy_coef", 0.0) or 0.0),
                            check_for_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
 
 

@@ -427,7 +427,8 @@ def format_progress(step: int, total: int, m: dict, width: int = 20) -> str:
     done = int(width * step / max(total, 1))
     bar = "#" * done + "-" * (width - done)
     gn = m.get("grad_norm")
-    return (f"[{bar}] {step:>{len(str(total))}}/{total} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | "
+    ent = f"entropy {m['entropy']:.4f} | " if m.get("entropy") is not None else ""
+    return (f"[{bar}] {step:>{len(str(total))}}/{total} | loss {m['loss']:.4f} | {ent}lr {m['lr']:.3e} | "
             f"grad norm {gn if gn is None else f'{gn:.3f}'} | tree_token_ratio {m['tree_token_ratio']:.2f} | "
             f"rows/s {m['rows_per_s']:,.0f} | samples/s {m['samples_per_s']:,.1f} | "
             f"useful tok/s {m['useful_tokens_per_s']:,.0f} | data wait {100 * m['data_wait_frac']:.1f}% | "
@@ -603,7 +604,8 @@ def train(args, samples=None, *, skipped=None) -> dict:
     bad samples dropped while reading them (default: those of that read; none with given samples).
     Returns, on every rank, ``{"history": [per-step metric dicts], "resumed_from": step or None,
     "saved": [paths], "timing": data-pipeline timing, "tree_token_ratio": over the run, "skipped":
-    [(where, reason)]}``. History entries: step (1-based), loss, num_targets (all ranks), lr,
+    [(where, reason)]}``. History entries: step (1-based), loss (with the ``--tree-entropy-coef``
+    bonus when set), entropy (mean per-token entropy of the policy, nats), num_targets (all ranks), lr,
     grad_norm, tree_token_ratio, rows_per_s, samples_per_s, useful_tokens_per_s, data_wait_frac,
     planner_imbalance, step_s, tree_rows, flat_tokens, num_samples, sample_ids (the window, all
     ranks), skipped_samples (bad samples dropped so far: the data is read before step 1, so it is
@@ -723,7 +725,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     loggers = _Loggers(args, active=rank == 0)
     stop = min(args.train_iters, args.exit_interval or args.train_iters)
     loss_kwargs = dict(loss_type=args.tree_loss, clip_eps=args.tree_clip_eps, clip_eps_high=args.tree_clip_eps_high,
-                       kl_coef=args.tree_kl_coef)
+                       kl_coef=args.tree_kl_coef, return_entropy=True, entropy_coef=args.tree_entropy_coef)
     dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     cp_group = ps.get_context_parallel_group() if args.context_parallel_size > 1 else None
     if cp_group is not None:
@@ -751,9 +753,10 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
                 sched.step(1)
                 step_s = time.perf_counter() - t0
 
-                tot = torch.zeros(2, dtype=torch.float64)
+                tot = torch.zeros(3, dtype=torch.float64)  # loss sum, targets, entropy sum
                 if loss_owner and reports:
-                    tot += torch.stack([r["lm loss"].double().cpu() for r in reports if "lm loss" in r]).sum(0)
+                    tot[:2] += torch.stack([r["lm loss"].double().cpu() for r in reports if "lm loss" in r]).sum(0)
+                    tot[2] += sum(float(r["entropy"][0]) for r in reports if "entropy" in r)
                 rank_targets = int(tot[1])  # read before the all-reduce: on CPU ``red`` is ``tot`` itself
                 red = tot.to(dev)
                 # the preemption flag rides with the timings: MAX over the world is the largest signal
@@ -761,11 +764,12 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
                 timing = torch.tensor([step_s, step.wait_s, signals.received], dtype=torch.float64, device=dev)
                 dist.all_reduce(red)
                 dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                loss_sum, n_tok = float(red[0]), float(red[1])
+                loss_sum, n_tok, ent_sum = float(red[0]), float(red[1]), float(red[2])
                 step_s, wait_s, stop_signal = float(timing[0]), float(timing[1]), int(timing[2])
                 ratio_num += step.flat_tokens
                 ratio_den += step.tree_tokens
-                m = dict(step=it + 1, loss=loss_sum / max(n_tok, 1.0), num_targets=int(n_tok),
+                m = dict(step=it + 1, loss=loss_sum / max(n_tok, 1.0), entropy=ent_sum / max(n_tok, 1.0),
+                         num_targets=int(n_tok),
                          lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
                          update_ok=bool(ok), tree_token_ratio=step.tree_token_ratio,
                          rows_per_s=step.tree_tokens / step_s, samples_per_s=step.num_samples / step_s,

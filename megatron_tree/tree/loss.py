@@ -62,6 +62,15 @@ def sft_loss(logprobs: torch.Tensor, loss_map: LossMap, *, reduction: str = "tok
     return _reduce(-logprobs, loss_map, reduction, denominator)
 
 
+def entropy_loss(entropy: torch.Tensor, loss_map: LossMap, *, coef: float, reduction: str = "token",
+                 denominator=None) -> torch.Tensor:
+    """The entropy-bonus term to add to a loss: ``-coef * reduce(w_e H_e)`` with the same weights,
+    reduction and ``denominator`` as `sft_loss` / `policy_loss`. ``entropy`` [M] per occurrence
+    (`megatron_tree.megatron.loss.vocab_parallel_logprobs_entropy`). Sign convention: a positive
+    ``coef`` rewards entropy (the total loss is ``main - coef * mean H``)."""
+    return -coef * _reduce(entropy, loss_map, reduction, denominator)
+
+
 def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | torch.Tensor = 0.2,
                 clip_eps_high: float | torch.Tensor | None = None, kl_coef: float = 0.0, reduction: str = "token",
                 denominator=None) -> tuple[torch.Tensor, dict]:

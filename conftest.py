@@ -45,6 +45,7 @@ STACK_INDEPENDENT = {
     "test_slurm_scripts.py": "bash dry runs of the sbatch scripts",
     "test_tiers.py": "Makefile / CI wiring",
     "test_tree_pack.py": "packing and layout",
+    "test_tree_routes.py": "route-aware packing, route columns of the readers, stats route report (numpy)",
 }
 
 #: node-id patterns (fnmatch) of cases the latest tier leaves out, with the case that covers their

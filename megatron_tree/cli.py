@@ -40,6 +40,7 @@ def cmd_stats(args) -> int:
         ("attention pairs saved", f"{saved:.1%} ({tot['attention_pair_ratio']:.2f}x fewer)"),
         ("loss targets", f"{tot['num_targets']:,}"),
     ]
+    rows += _route_rows(samples)
     w = max(len(k) for k, _ in rows)
     print("megatron-tree sharing report")
     print("-" * (w + 24))
@@ -52,6 +53,28 @@ def cmd_stats(args) -> int:
         plot_microbatch_tree(big, args.plot)
         print(f"tree plot of the largest microbatch written to {args.plot}")
     return 0
+
+
+def _route_rows(samples) -> list:
+    """Report lines on routing-replay routes (none when no record carries ``routed_experts``): the forks
+    routes cause (same token, different experts) and the rows route-aware sharing costs over token-only
+    sharing (whole forest, no row budget)."""
+    from .tree.routes import route_sharing_cost
+
+    n = sum(s.routed_experts is not None for s in samples)
+    if n == 0:
+        return []
+    if n < len(samples):
+        return [("routed records", f"{n} of {len(samples)} (route-aware packing needs routes on every record)")]
+    c = route_sharing_cost(samples)
+    extra = c["route_extra_rows"] / max(c["token_rows"], 1)
+    return [
+        ("routed records", f"{n:,} ([moe_layers, topk] = {list(samples[0].routed_experts.shape[1:])})"),
+        ("route forks", f"{c['route_forks']:,} (same token, routes disagree)"),
+        ("trie rows token-only", f"{c['token_rows']:,} (flat/tree {c['flat_rows'] / max(c['token_rows'], 1):.3f})"),
+        ("trie rows route-aware", f"{c['route_rows']:,} (flat/tree {c['flat_rows'] / max(c['route_rows'], 1):.3f})"),
+        ("rows cost by route forks", f"{c['route_extra_rows']:,} (+{extra:.1%})"),
+    ]
 
 
 def cmd_demo(args) -> int:

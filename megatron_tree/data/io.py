@@ -1,7 +1,8 @@
 """Reading samples from files. JSONL: one sample per line, ``{"tokens": [...], "loss_mask": [...], ...}``.
 
 Recognised keys are `Sample`'s fields (tokens, loss_mask, advantage, old_logprobs, ref_logprobs,
-weight, group); other keys go to ``meta``. A bad line raises ValueError naming ``file:line`` (the
+weight, group, routed_experts: a list per token of ``[moe_layers][topk]`` expert ids, as vLLM / SGLang
+report them for routing replay); other keys go to ``meta``. A bad line raises ValueError naming ``file:line`` (the
 file as the caller spelled it, 1-based line; ``file:line:column: invalid JSON: ...`` when the line
 does not parse) and the rule it breaks (``bad_sample="error"``), or is skipped and recorded in a
 `ReadReport` (``bad_sample="skip"``).
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..tree.sample import Sample, validate_sample
 
-_FIELDS = ("tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight", "group")
+_FIELDS = ("tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight", "group", "routed_experts")
 
 
 @dataclass
@@ -56,7 +57,7 @@ class ReadReport:
         return "\n".join(lines)
 
 
-def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None) -> Sample:
+def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None, route_spec=None) -> Sample:
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "tokens" not in rec:
@@ -67,22 +68,24 @@ def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None) 
         s = Sample(**kw, meta=meta)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
-    validate_sample(0, s, vocab_size=vocab_size, where=where)
+    validate_sample(0, s, vocab_size=vocab_size, where=where, route_spec=route_spec)
     return s
 
 
 def collect_samples(records, *, vocab_size: int | None = None, bad_sample: str = "error",
-                    report: ReadReport | None = None) -> list[Sample]:
+                    report: ReadReport | None = None, route_spec=None) -> list[Sample]:
     """Samples from ``records``: an iterable of ``(where, make_record)``; ``make_record()`` returns a
     dict of Sample fields (other keys become ``meta``) or raises ValueError naming ``where``.
-    The one place that applies the bad-sample policy for every file format."""
+    The one place that applies the bad-sample policy for every file format. ``route_spec``
+    (`megatron_tree.tree.routes.RouteSpec`): the model's MoE layers / top-k / experts that a record's
+    ``routed_experts`` must match."""
     if bad_sample not in ("error", "skip"):
         raise ValueError(f"bad_sample must be 'error' or 'skip', got {bad_sample!r}")
     report = report if report is not None else ReadReport()
     out = []
     for where, make_record in records:
         try:
-            s = sample_from_record(make_record(), where, vocab_size=vocab_size)
+            s = sample_from_record(make_record(), where, vocab_size=vocab_size, route_spec=route_spec)
         except ValueError as e:
             if bad_sample == "error":
                 raise
@@ -94,7 +97,7 @@ def collect_samples(records, *, vocab_size: int | None = None, bad_sample: str =
 
 
 def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error",
-               report: ReadReport | None = None) -> list[Sample]:
+               report: ReadReport | None = None, route_spec=None) -> list[Sample]:
     """Samples of a JSONL file, in file order. Locations read ``path:line`` with ``path`` as given
     (not resolved, not shortened to its base name), so a message points at the file the user named."""
     name = os.fspath(path)
@@ -106,7 +109,8 @@ def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error"
                     where = f"{name}:{lineno}"
                     yield where, lambda line=line, where=where: _parse_json(line, where)
 
-    return collect_samples(records(), vocab_size=vocab_size, bad_sample=bad_sample, report=report)
+    return collect_samples(records(), vocab_size=vocab_size, bad_sample=bad_sample, report=report,
+                           route_spec=route_spec)
 
 
 def _parse_json(line: str, where: str):

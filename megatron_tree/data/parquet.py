@@ -8,6 +8,8 @@ Columns (one row per sample; any other column is carried into ``Sample.meta``):
   old_logprobs  list<float>          optional, one entry per token
   ref_logprobs  list<float>          optional, one entry per token
   group         any scalar           group id (e.g. GRPO prompt group)
+  routed_experts  list<list<list<int>>>  optional: per token, per MoE layer, the top-k expert ids
+                                     (routing replay; `megatron_tree.tree.routes`)
 
 A bad row (empty or null tokens, a null inside a list, a length mismatch, a non-finite advantage at a
 target, a token id >= vocab size, ...) raises ValueError naming ``file:row R`` (R = 0-based row index
@@ -26,7 +28,7 @@ from .io import ReadReport, collect_samples
 
 _LIST_FIELDS = ("tokens", "loss_mask", "old_logprobs", "ref_logprobs")
 _SCALAR_OR_LIST_FIELDS = ("advantage", "weight")
-_FIELDS = _LIST_FIELDS + _SCALAR_OR_LIST_FIELDS + ("group",)
+_FIELDS = _LIST_FIELDS + _SCALAR_OR_LIST_FIELDS + ("group", "routed_experts")
 
 
 def _pa():
@@ -71,8 +73,56 @@ class _ListColumn:
         return self.values[self.offsets[i]: self.offsets[i + 1]]
 
 
+class _RoutesColumn:
+    """The ``routed_experts`` column (``list<list<list<int>>>``) of one record batch as flat values and
+    the offsets of each nesting level; a row becomes an ``[tokens, moe_layers, topk]`` array when every
+    token has the same number of layers and every layer the same top-k (else the row's error)."""
+
+    def __init__(self, arr, name: str):
+        pa, pc, _ = _pa()
+        self.name = name
+        self.row_null = arr.is_null().to_numpy(zero_copy_only=False)
+        self.offsets, level = [], arr
+        for depth in range(3):
+            t = level.type
+            if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+                raise ValueError(f"column '{name}' must be a list<list<list<int>>> column (per token, per MoE layer, "
+                                 f"the top-k expert ids), got type {arr.type}")
+            lengths = pc.list_value_length(level).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            off = np.zeros(len(level) + 1, np.int64)
+            np.cumsum(lengths, out=off[1:])
+            self.offsets.append(off)
+            level = pc.list_flatten(level)
+        if not pa.types.is_integer(level.type):
+            raise ValueError(f"column '{name}' must hold integer expert ids, got {level.type}")
+        self.has_null = bool(level.null_count)
+        self.null = level.is_null().to_numpy(zero_copy_only=False)
+        self.values = level.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    def row(self, i: int, where: str):
+        if self.row_null[i]:
+            return None
+        o0, o1, o2 = self.offsets
+        t0, t1 = o0[i], o0[i + 1]  # tokens of row i
+        layers = np.diff(o1[t0: t1 + 1])
+        if len(layers) and (layers != layers[0]).any():
+            raise ValueError(f"{where}: {self.name} must have the same number of MoE layers at every token "
+                             f"(got {sorted(set(layers.tolist()))})")
+        l0, l1 = o1[t0], o1[t1]
+        topk = np.diff(o2[l0: l1 + 1])
+        if len(topk) and (topk != topk[0]).any():
+            raise ValueError(f"{where}: {self.name} must have the same top-k at every token and MoE layer "
+                             f"(got {sorted(set(topk.tolist()))})")
+        v0, v1 = o2[l0], o2[l1]
+        if self.has_null and self.null[v0:v1].any():
+            raise ValueError(f"{where}: {self.name} contains a null value")
+        n_layers = int(layers[0]) if len(layers) else 0
+        k = int(topk[0]) if len(topk) else 0
+        return self.values[v0:v1].reshape(t1 - t0, n_layers, k)
+
+
 def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "error",
-                 report: ReadReport | None = None, batch_size: int = 4096) -> list[Sample]:
+                 report: ReadReport | None = None, batch_size: int = 4096, route_spec=None) -> list[Sample]:
     """Samples of a Parquet file, in row order (see the module docstring for columns and policy)."""
     if bad_sample not in ("error", "skip"):
         raise ValueError(f"bad_sample must be 'error' or 'skip', got {bad_sample!r}")
@@ -93,6 +143,11 @@ def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "erro
             arr = batch.column(f)
             if f == "group":
                 cols[f] = arr.to_pylist()
+            elif f == "routed_experts":
+                try:
+                    cols[f] = _RoutesColumn(arr, f)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
             elif pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or \
                     pa.types.is_fixed_size_list(arr.type):
                 cols[f] = _ListColumn(arr, f)
@@ -104,7 +159,7 @@ def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "erro
         def record(i, where, cols=cols, extra=extra):
             rec = {c: v[i] for c, v in extra.items()}
             for f, col in cols.items():
-                v = col.row(i, where) if isinstance(col, _ListColumn) else col[i]
+                v = col.row(i, where) if isinstance(col, (_ListColumn, _RoutesColumn)) else col[i]
                 if v is not None:
                     rec[f] = v
             if "tokens" not in rec:
@@ -113,7 +168,8 @@ def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "erro
 
         rows = ((f"{name}:row {row0 + i}", lambda i=i, w=f"{name}:row {row0 + i}": record(i, w))
                 for i in range(batch.num_rows))
-        out += collect_samples(rows, vocab_size=vocab_size, bad_sample=bad_sample, report=report)
+        out += collect_samples(rows, vocab_size=vocab_size, bad_sample=bad_sample, report=report,
+                               route_spec=route_spec)
         row0 += batch.num_rows
     return out
 
@@ -142,4 +198,7 @@ def write_parquet(samples, path, *, row_group_size: int | None = None) -> None:
                                type=pa.list_(pa.float64()))
     if any(s.group is not None for s in samples):
         data["group"] = pa.array([s.group for s in samples])
+    if any(s.routed_experts is not None for s in samples):
+        data["routed_experts"] = pa.array([None if s.routed_experts is None else np.asarray(s.routed_experts).tolist()
+                                           for s in samples], type=pa.list_(pa.list_(pa.list_(pa.int64()))))
     pq.write_table(pa.table(data), path, row_group_size=row_group_size)

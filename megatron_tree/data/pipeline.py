@@ -59,7 +59,7 @@ _OPTIONAL_FIELDS = {"advantage": "advantages", "old_logprobs": "old_logprobs", "
 
 # ---------------------------------------------------------------------------------------------- readers
 def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "error",
-                 report: ReadReport | None = None) -> list[Sample]:
+                 report: ReadReport | None = None, route_spec=None) -> list[Sample]:
     """Samples of one or more files, in the order given, then file order.
 
     ``.jsonl`` / ``.json`` files go to `io.read_jsonl`, ``.parquet`` / ``.pq`` to
@@ -67,7 +67,8 @@ def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "err
     ``report.sources`` gets ``file:line`` (JSONL) or ``file:row R`` (Parquet, 0-based) of each kept
     sample, ``report.skipped`` ``(where, reason)`` of each skipped one (``bad_sample="skip"``).
     ``file`` is spelled as given (a directory's files as ``os.path.join(directory, name)``), so
-    messages point at what the user typed.
+    messages point at what the user typed. ``route_spec``: the model's MoE shape that records'
+    ``routed_experts`` must match (`megatron_tree.tree.routes.RouteSpec`).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -83,11 +84,11 @@ def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "err
     for f in files:
         suffix = Path(f).suffix
         if suffix in (".jsonl", ".json"):
-            out += read_jsonl(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report)
+            out += read_jsonl(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report, route_spec=route_spec)
         elif suffix in (".parquet", ".pq"):
             from .parquet import read_parquet
 
-            out += read_parquet(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report)
+            out += read_parquet(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report, route_spec=route_spec)
         else:
             raise ValueError(f"{f}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet or .pq)")
     return out
@@ -218,6 +219,10 @@ class TreeDataPipeline:
     read_report           optional `io.ReadReport` of the read that produced ``samples`` (`from_files`
                           passes its own): kept as ``self.read_report``; ``self.skipped`` is its number
                           of samples dropped by ``bad_sample="skip"`` (0 without a report)
+    route_aware           routing replay: pack with ``route_aware=True`` (rows shared only where tokens
+                          and ``routed_experts`` agree; microbatches, padding ones too, carry per-row
+                          routes); every sample must carry routes (error naming the first that does not)
+    route_spec            `megatron_tree.tree.routes.RouteSpec` the routes must match
 
     Iterate it (``for step in pipe``) to get `TreeStep`s from the current state; `build_step`
     builds any step directly. `state_dict` / `load_state_dict` resume; `timing` reports production
@@ -232,7 +237,7 @@ class TreeDataPipeline:
                  cost_fn: Callable[[TreeMicrobatch], float] | None = None, balance_budget: bool = True,
                  share_prefixes: bool = True, lookahead: int = 0,
                  plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None,
-                 read_report: ReadReport | None = None):
+                 read_report: ReadReport | None = None, route_aware: bool = False, route_spec=None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         if global_batch_samples < 1:
@@ -266,6 +271,7 @@ class TreeDataPipeline:
         self.share_prefixes = share_prefixes
         self.lookahead = int(lookahead)
         self.plan_fn = plan_fn
+        self.route_aware, self.route_spec = bool(route_aware), route_spec
         self._float_fields = self._validate(vocab_size)
         self._group_code, self._num_groups = self._group_codes()
         self._fingerprint = self._dataset_fingerprint()
@@ -274,7 +280,7 @@ class TreeDataPipeline:
         # Immutable, so one object serves every padding slot of every step.
         self._pad_mb = padding_microbatch(
             self.max_tokens_per_mb, num_rows=self.max_tokens_per_mb if pad_to_budget else pad_to_multiple_of,
-            pad_id=pad_id, float_fields=self._float_fields)
+            pad_id=pad_id, float_fields=self._float_fields, route_shape=self._route_shape)
         self.timing = PipelineTiming()
         self._active: Lookahead | None = None
         self._generation = 0
@@ -288,7 +294,8 @@ class TreeDataPipeline:
         ``read_report``: ``pipe.skipped`` counts the samples ``bad_sample="skip"`` dropped and
         ``pipe.read_report.summary()`` lists them; ``read_report.sources`` names every sample."""
         report = report if report is not None else ReadReport()
-        samples = read_samples(paths, vocab_size=vocab_size, bad_sample=bad_sample, report=report)
+        samples = read_samples(paths, vocab_size=vocab_size, bad_sample=bad_sample, report=report,
+                               route_spec=kwargs.get("route_spec"))
         return cls(samples, vocab_size=vocab_size, sources=report.sources, read_report=report, **kwargs)
 
     @property
@@ -304,7 +311,22 @@ class TreeDataPipeline:
     def _validate(self, vocab_size) -> tuple[str, ...]:
         """Validate every sample once; returns the optional loss-map fields the run carries."""
         for i, s in enumerate(self.samples):
-            validate_sample(i, s, max_tokens=self.max_tokens_per_mb, vocab_size=vocab_size, where=self._where(i))
+            validate_sample(i, s, max_tokens=self.max_tokens_per_mb, vocab_size=vocab_size, where=self._where(i),
+                            route_spec=self.route_spec)
+        self._route_shape = None
+        if self.route_aware:
+            from ..tree.routes import routes_shape
+
+            has = np.array([s.routed_experts is not None for s in self.samples])
+            if not has.all():
+                i = int(np.argmin(has))
+                raise ValueError(f"{self._where(i)}: has no routed_experts, but routing replay (route-aware packing) "
+                                 "needs routes on every sample: a sample without them would be re-routed, not replayed")
+            try:
+                self._route_shape = routes_shape(self.samples)
+            except ValueError as e:  # names "sample i": say where it came from
+                i = int(str(e).split(":")[0].split()[-1])
+                raise ValueError(f"{self._where(i)}: {str(e).split(': ', 1)[1]}") from None
         present = []
         for f, lm_name in _OPTIONAL_FIELDS.items():
             has = np.array([getattr(s, f) is not None for s in self.samples])
@@ -382,7 +404,8 @@ class TreeDataPipeline:
         return [self._to_dataset_ids(mb, window)
                 for mb in pack([self.samples[i] for i in window.tolist()], budget,
                                pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
-                               pad_to_budget=self.pad_to_budget, share_prefixes=self.share_prefixes)]
+                               pad_to_budget=self.pad_to_budget, share_prefixes=self.share_prefixes,
+                               route_aware=self.route_aware)]
 
     def _slots_makespan(self, rows: Sequence[int]) -> float:
         """Slowest rank's rows when microbatches of ``rows`` are balanced (inf if they cannot fit)."""
@@ -407,7 +430,8 @@ class TreeDataPipeline:
         if not self.balance_budget or self.pad_to_budget or self.dp_size == 1 or not self.share_prefixes:
             return B
         m = self.pad_to_multiple_of
-        plan = PrefixPlan([self.samples[i].tokens.astype(np.int64, copy=False) for i in window.tolist()])
+        plan = PrefixPlan([self.samples[i].tokens.astype(np.int64, copy=False) for i in window.tolist()],
+                          [self.samples[i].routed_experts for i in window.tolist()] if self.route_aware else None)
 
         def bin_rows(budget):
             return plan.microbatch_rows(budget, m)

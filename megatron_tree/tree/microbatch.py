@@ -65,6 +65,10 @@ class TreeMicrobatch:
     stats       `MicrobatchStats`
     sample_rows(sample_id) -> [L] int64 physical rows of that sample in path order; gathering any
     token-wise op output at these rows equals running the op on the sample alone (the test oracle).
+    routes      [N, moe_layers, topk] int64 expert choices of every physical row (routing replay), or
+                None: set by ``pack(..., route_aware=True)``, where rows are shared only where tokens
+                and routes agree, so ``routes[sample_rows(i)]`` is sample i's ``routed_experts``;
+                padding rows hold a valid route (experts 0..topk-1)
     """
 
     layout: TreeLayout
@@ -73,6 +77,7 @@ class TreeMicrobatch:
     stats: MicrobatchStats
     _path_rows: np.ndarray  # concatenated sample paths, in ``sample_ids`` order
     _path_offsets: np.ndarray  # [n+1]
+    routes: torch.Tensor | None = None
 
     def sample_rows(self, sample_id: int) -> torch.Tensor:
         i = self._slot(sample_id)
@@ -102,7 +107,8 @@ class TreeMicrobatch:
 
     def to(self, device) -> "TreeMicrobatch":
         return TreeMicrobatch(self.layout.to(device), self.loss_map.to(device), self.sample_ids, self.stats,
-                              self._path_rows, self._path_offsets)
+                              self._path_rows, self._path_offsets,
+                              None if self.routes is None else self.routes.to(device))
 
     def __repr__(self) -> str:
         s = self.stats
@@ -111,7 +117,7 @@ class TreeMicrobatch:
 
 
 def padding_microbatch(max_tokens_per_mb: int, *, num_rows: int = 1, pad_id: int = 0,
-                       float_fields=()) -> TreeMicrobatch:
+                       float_fields=(), route_shape=None) -> TreeMicrobatch:
     """A microbatch of ``num_rows`` padding rows and no samples: zero loss, zero gradient.
 
     Used to give every data-parallel rank the same number of microbatches (collectives such as the
@@ -119,6 +125,8 @@ def padding_microbatch(max_tokens_per_mb: int, *, num_rows: int = 1, pad_id: int
     segment, so every op runs on it without special cases. The `LossMap` has M = 0 occurrences;
     ``float_fields`` names optional per-occurrence fields ("advantages", "old_logprobs",
     "ref_logprobs") to create as empty float64 tensors, matching the real microbatches of a run.
+    ``route_shape`` ``(moe_layers, topk)``: give the rows valid routes (routing replay runs every row
+    through the experts it names), as the real microbatches of a route-aware run carry.
     """
     if not 1 <= num_rows <= max_tokens_per_mb:
         raise ValueError(f"num_rows={num_rows} must lie in [1, max_tokens_per_mb={max_tokens_per_mb}]")
@@ -135,8 +143,13 @@ def padding_microbatch(max_tokens_per_mb: int, *, num_rows: int = 1, pad_id: int
     stats = MicrobatchStats(num_samples=0, num_trees=0, num_segments=0, num_targets=0, flat_tokens=0, tree_tokens=0,
                             padding_tokens=num_rows, flat_attention_pairs=0, tree_attention_pairs=0,
                             max_tokens_per_mb=max_tokens_per_mb)
+    routes = None
+    if route_shape is not None:
+        from .routes import padding_routes
+
+        routes = torch.from_numpy(padding_routes(num_rows, *route_shape))
     return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=(), stats=stats,
-                          _path_rows=np.zeros(0, np.int64), _path_offsets=np.zeros(1, np.int64))
+                          _path_rows=np.zeros(0, np.int64), _path_offsets=np.zeros(1, np.int64), routes=routes)
 
 
 def summarize(microbatches) -> dict:

@@ -24,6 +24,11 @@ How it works (vectorised; the only Python loops run once per sample or per tree,
 Samples arriving in any order give the same microbatches (same layouts and loss maps, holding the
 same samples): every decision depends only on the sorted token sequences, and with prefix sharing
 identical samples are never cut apart, so the index tie-break between them changes nothing.
+
+Route-aware packing (``route_aware=True``, routing replay): steps 1-5 run on symbol sequences
+(`routes.route_symbols`: one symbol per (token, routes) position), so two samples share a row only
+where their tokens and their MoE routes agree; the layout keeps the tokens and the microbatch
+carries each row's routes (``TreeMicrobatch.routes``).
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ from .sample import Sample, as_sample, validate_sample
 
 def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int = 1, pad_id: int = 0,
          pad_to_budget: bool = False, vocab_size: int | None = None,
-         share_prefixes: bool = True) -> list[TreeMicrobatch]:
+         share_prefixes: bool = True, route_aware: bool = False, route_spec=None) -> list[TreeMicrobatch]:
     """Pack ``samples`` into prefix-shared microbatches of at most ``max_tokens_per_mb`` rows.
 
     samples            `Sample`s, dicts with Sample's fields, or bare token sequences
@@ -51,9 +56,13 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
     vocab_size         if given, token ids must be below it
     share_prefixes     False gives flat packing (every sample its own unbranched chain, same bins):
                        the baseline tree packing is measured against
+    route_aware        share a row only where tokens and ``routed_experts`` agree, and give every
+                       microbatch its rows' routes (``TreeMicrobatch.routes``); every sample must carry
+                       routes of one ``[moe_layers, topk]`` shape
+    route_spec         `routes.RouteSpec` the routes must match (the model's MoE layers, top-k, experts)
 
     Every sample lands in exactly one microbatch. Raises ValueError naming the sample for an empty
-    sample, a sample longer than the budget, or malformed fields.
+    sample, a sample longer than the budget, malformed fields, or (route_aware) missing routes.
     """
     if max_tokens_per_mb <= 0:
         raise ValueError(f"max_tokens_per_mb must be positive, got {max_tokens_per_mb}")
@@ -62,11 +71,24 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
                          f"pad_to_multiple_of={pad_to_multiple_of}")
     samples = [as_sample(s) for s in samples]
     for i, s in enumerate(samples):
-        validate_sample(i, s, max_tokens=max_tokens_per_mb, vocab_size=vocab_size)
+        validate_sample(i, s, max_tokens=max_tokens_per_mb, vocab_size=vocab_size, route_spec=route_spec)
     if not samples:
         return []
     toks = [s.tokens.astype(np.int64, copy=False) for s in samples]
-    order, lcp = sort_and_lcp(toks)
+    routes = None
+    if route_aware:
+        from .routes import route_symbols, routes_shape
+
+        missing = [i for i, s in enumerate(samples) if s.routed_experts is None]
+        if missing:
+            raise ValueError(f"sample {missing[0]}: route_aware packing (routing replay) needs routed_experts on every "
+                             f"sample; {len(missing)} of {len(samples)} have none (a sample without routes would be "
+                             "re-routed, not replayed)")
+        routes_shape(samples)
+        routes = [s.routed_experts for s in samples]
+        order, lcp = sort_and_lcp(route_symbols(toks, routes))
+    else:
+        order, lcp = sort_and_lcp(toks)
     if not share_prefixes:
         lcp[:] = 0
     lens = np.array([len(t) for t in toks], dtype=np.int64)[order]
@@ -77,7 +99,7 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
         mb_lcp = _subset_lcp(lcp, pos)
         assert int((lens[pos] - mb_lcp).sum()) == rows  # the bin's trie is what first-fit priced
         out.append(_build_microbatch(samples, toks, order[pos], mb_lcp, max_tokens_per_mb, pad_to_multiple_of,
-                                     pad_id, pad_to_budget))
+                                     pad_id, pad_to_budget, routes))
     return out
 
 
@@ -99,11 +121,18 @@ class PrefixPlan:
     token sequences, each one's LCP with its predecessor, and the rows each tree needs.
 
     ``tree_rows()`` rows per prefix tree; ``microbatch_rows(budget)`` rows of each microbatch `pack`
-    would build at that budget (padding included). Planning a budget costs O(samples).
+    would build at that budget (padding included). Planning a budget costs O(samples). With
+    ``routes`` (one ``[len, moe_layers, topk]`` array per sequence) it plans route-aware packing.
     """
 
-    def __init__(self, toks: Sequence[np.ndarray]):
-        self.order, self.lcp = sort_and_lcp(toks)
+    def __init__(self, toks: Sequence[np.ndarray], routes=None):
+        if routes is not None:
+            from .routes import route_symbols
+
+            toks, keys = toks, route_symbols(toks, routes)
+        else:
+            keys = toks
+        self.order, self.lcp = sort_and_lcp(keys)
         self.lens = np.array([len(t) for t in toks], dtype=np.int64)[self.order]
 
     def tree_rows(self) -> np.ndarray:
@@ -267,7 +296,7 @@ def _marginal_rows(lcp: np.ndarray, others: list[tuple[int, int]], a: int, b: in
 
 
 def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.ndarray, lcp: np.ndarray, budget: int,
-                      pad_multiple: int, pad_id: int, pad_to_budget: bool) -> TreeMicrobatch:
+                      pad_multiple: int, pad_id: int, pad_to_budget: bool, routes=None) -> TreeMicrobatch:
     """Lay out the samples ``ids`` (in sorted order, ``lcp`` relative to the previous one, 0 = new root)."""
     lens = np.array([len(toks[i]) for i in ids], dtype=np.int64)
     tails = lens - lcp
@@ -332,5 +361,10 @@ def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.nda
         num_targets=len(loss_map), flat_tokens=int(lens.sum()), tree_tokens=n_real,
         padding_tokens=n_rows - n_real, flat_attention_pairs=int((lens * (lens + 1) // 2).sum()),
         tree_attention_pairs=layout.visible_pairs(), max_tokens_per_mb=budget)
+    mb_routes = None
+    if routes is not None:
+        from .routes import row_routes
+
+        mb_routes = torch.from_numpy(row_routes(path_rows, [routes[i] for i in sample_ids.tolist()], n_rows))
     return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=tuple(sample_ids.tolist()), stats=stats,
-                          _path_rows=path_rows, _path_offsets=path_offsets)
+                          _path_rows=path_rows, _path_offsets=path_offsets, routes=mb_routes)

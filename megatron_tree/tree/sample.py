@@ -27,6 +27,9 @@ class Sample:
     weight        scalar or [L]; loss weight of each target (default 1)
     group         optional group id (e.g. GRPO prompt group); carried, never interpreted by packing
     meta          free-form user data, carried untouched
+    routed_experts  [L, moe_layers, topk] int: the experts each MoE layer chose for token t when the
+                  rollout was generated (routing replay, `megatron_tree.tree.routes`); entry t is the
+                  routing of row t itself (not a target)
     """
 
     tokens: Any
@@ -37,9 +40,15 @@ class Sample:
     weight: Any = None
     group: Any = None
     meta: dict = field(default_factory=dict)
+    routed_experts: Any = None
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens)
+        if self.routed_experts is not None and not isinstance(self.routed_experts, np.ndarray):
+            try:
+                self.routed_experts = np.asarray(self.routed_experts)
+            except ValueError:  # ragged: validate_sample names the rule
+                self.routed_experts = np.asarray(self.routed_experts, dtype=object)
         if self.loss_mask is not None:
             self.loss_mask = np.asarray(self.loss_mask)
         for name in _TOKEN_FIELDS:
@@ -80,8 +89,10 @@ def as_sample(x) -> Sample:
 
 
 def validate_sample(index: int, s: Sample, *, max_tokens: int | None = None, vocab_size: int | None = None,
-                    where: str | None = None) -> None:
-    """Raise ValueError naming the sample (``where`` overrides, e.g. "file.jsonl:12") and the broken rule."""
+                    where: str | None = None, route_spec=None) -> None:
+    """Raise ValueError naming the sample (``where`` overrides, e.g. "file.jsonl:12") and the broken rule.
+    ``route_spec`` (`megatron_tree.tree.routes.RouteSpec`): the model's MoE layers, top-k and expert
+    count that ``routed_experts`` must match (their per-token shape is checked whatever it is)."""
     name = where or f"sample {index}"
     t = s.tokens
     if t.ndim != 1:
@@ -116,6 +127,10 @@ def validate_sample(index: int, s: Sample, *, max_tokens: int | None = None, voc
         checked = vals[mask] if vals.shape == (L,) else vals
         if not np.all(np.isfinite(checked)):
             raise ValueError(f"{name}: {f} has a non-finite value at a target position")
+    if s.routed_experts is not None:
+        from .routes import validate_routes
+
+        s.routed_experts = validate_routes(name, s.routed_experts, L, route_spec)
 
 
 def samples_from(seq: Sequence) -> list[Sample]:

@@ -1,0 +1,61 @@
+"""Multi-token prediction (MTP): what differs between the Megatron-Core versions we serve (0.16.1, 0.19.x).
+
+Feature checks, never version numbers:
+
+* **Inner layer name.** The transformer layer inside a ``MultiTokenPredictionLayer`` is
+  ``transformer_layer`` (0.16) or ``mtp_model_layer`` (0.19): `mtp_inner_layer`.
+* **Loss scaling under ``calculate_per_token_loss``.** 0.19's ``process_mtp_loss`` multiplies each
+  depth's loss by ``original_num_tokens / num_tokens`` (the microbatch's loss-mask sum before and
+  after rolling) so that the main loss's token count, by which ``finalize_model_grads`` divides every
+  gradient, does not shrink the MTP gradients; 0.16's ``GPTModel._postprocess`` adds the depth's
+  loss unscaled. `rescales_per_token_mtp_loss` says which the installed version does (it reads the
+  source of ``process_mtp_loss``: there is no flag for it).
+* **Loss logging.** 0.16's ``MTPLossLoggingHelper.save_loss_to_tracker(loss, layer, num_layers, ...)``
+  vs 0.19's ``save_metrics_to_tracker(loss, correct, total, layer, num_layers, ...)`` (acceptance
+  counts beside the loss): `save_mtp_metrics`.
+"""
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+__all__ = ["mtp_inner_layer", "rescales_per_token_mtp_loss", "save_mtp_metrics", "tracks_acceptance"]
+
+
+def mtp_inner_layer(layer):
+    """The transformer layer inside a stock ``MultiTokenPredictionLayer``."""
+    inner = getattr(layer, "mtp_model_layer", None)
+    return inner if inner is not None else layer.transformer_layer
+
+
+@lru_cache(maxsize=None)
+def rescales_per_token_mtp_loss() -> bool:
+    """True when the installed Megatron-Core scales each depth's per-token MTP loss by the
+    microbatch's ``original_num_tokens / num_tokens`` (0.19's ``process_mtp_loss``)."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    fn = getattr(mtp, "process_mtp_loss", None)
+    if fn is None:
+        return False
+    try:
+        return "original_num_tokens" in inspect.getsource(fn)
+    except (OSError, TypeError):  # no source shipped: the newer behaviour
+        return True
+
+
+def tracks_acceptance() -> bool:
+    """True when the stock tracker also records MTP acceptance counts (0.19)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    return hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker")
+
+
+def save_mtp_metrics(loss, correct, total, layer_number: int, num_layers: int, avg_group=None) -> None:
+    """Record one depth's logged loss (and, where stock tracks them, its acceptance counts) in
+    Megatron's ``MTPLossLoggingHelper`` tracker, as stock ``GPTModel`` does in training."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as H
+
+    if hasattr(H, "save_metrics_to_tracker"):
+        H.save_metrics_to_tracker(loss, correct, total, layer_number, num_layers, avg_group=avg_group)
+    else:
+        H.save_loss_to_tracker(loss, layer_number, num_layers, avg_group=avg_group)

@@ -1,0 +1,417 @@
+"""Multi-token prediction (MTP) on trees: Megatron's ``MultiTokenPredictionBlock`` on the tree layout.
+
+Per sample, stock MTP depth k at anchor position i combines the depth-(k-1) hidden state at i with
+the embedding of token i+k, runs one transformer layer (causal over anchors 0..i, rotary position
+i) and predicts token i+k+1 with the shared output head; the shifted inputs and labels are made by
+rolling ``input_ids`` / labels / the loss mask left by one per depth (``roll_tensor``; per
+``cu_seqlens`` segment when packed). On a tree "token i+k" is ambiguous at a fork, so a depth-k
+position is indexed by the row ``l`` whose token it embeds (l = the anchor's k-th descendant on one
+path):
+
+* its input is the depth-(k-1) state at ``path_prev[l]`` (depth 0: the decoder's output) and the
+  embedding of row ``l``'s own token (``input_ids`` are never rolled);
+* it exists for rows of depth >= k; rows of depth < k stay in the sequence as isolated one-row
+  segments (they attend only to themselves, feed nothing and reach no loss), so the row set, the
+  TP/SP shapes and the CP ownership are the decoder's;
+* it sees exactly the rows of depth >= k on its own path: `mtp_layout` cuts every path at depth k
+  (rows of depth k become roots) and its ``position_ids`` are ``depth - k``, the anchor position
+  stock's rotary table uses;
+* it predicts what the main loss predicts from row ``l`` (each occurrence of the loss map whose
+  source row has depth >= k), once per occurrence, weighted like the main loss (the loss map's
+  weights are stock's loss mask), scaled like stock: ``mtp_loss_scaling_factor / mtp_num_layers``,
+  attached to the main hidden states with stock's ``MTPLossAutoScaler`` (so the schedule's
+  ``MTPLossAutoScaler.set_loss_scale`` applies), and, on Megatron-Core versions whose per-token MTP
+  loss is multiplied by ``original_num_tokens / num_tokens`` (`compat.mtp
+  .rescales_per_token_mtp_loss`), by that ratio of each occurrence's own sample (what stock computes
+  for one sample per microbatch; under CP the per-sample sums are combined over the CP group).
+
+Parallelism: under sequence parallelism the ``path_prev`` gather all-gathers the hidden states over
+TP, indexes and scatters them back (one all-gather per depth); under tree CP the parent row of an
+owned row may live on another rank: a halo of one row per such edge, fetched with one all-to-all per
+depth (`mtp_halo`, `megatron_tree.cp.comm.fetch_rows`, whose backward adds the gradients back at the
+owner), over the planner's ownership unchanged; each depth's attention runs on the plan with the
+depth-k visibility (`dataclasses.replace` of the plan: same owners, new ``visible_until`` /
+``position_ids``). MTP layers sit on the last pipeline stage, as stock places them.
+
+Module classes keep stock's names: `TreeMultiTokenPredictionLayer` is a
+``MultiTokenPredictionLayer`` (same parameters, so stock MTP checkpoints load) whose embeddings are
+not rolled on a tree; `get_tree_gpt_mtp_block_spec` is the tree counterpart of stock's
+``get_gpt_mtp_block_spec`` (tree core attention inside the MTP layers). `tree_mtp_postprocess` is
+what `TreeGPTModel` runs on the last stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MultiTokenPredictionLayer
+from megatron.core.utils import make_viewless_tensor
+
+from ..compat.mtp import rescales_per_token_mtp_loss, save_mtp_metrics, tracks_acceptance
+from ..cp.comm import fetch_rows
+from ..cp.lru import lru_get
+from ..tree.layout import TreeLayout
+from .loss import vocab_parallel_logprobs
+from .packed_seq import TreePackedSeqParams
+
+__all__ = ["TreeMultiTokenPredictionLayer", "get_tree_gpt_mtp_block_spec", "mtp_layout", "mtp_view", "mtp_halo",
+           "MTPHalo", "mtp_cp_figures", "tree_mtp_postprocess", "FAULTS"]
+
+# Test-only fault switch (None in normal use), each a bug the stock oracle must catch:
+#   "physical_roll"    depth-k input from the previous physical row (stock's roll) instead of path_prev
+#   "shallow_visible"  a depth-k layer also sees the rows of depth < k on its path
+#   "per_row_loss"     each source row's MTP loss counted once instead of once per occurrence
+FAULTS = ("physical_roll", "shallow_visible", "per_row_loss")
+_FAULT = None
+
+
+def _is_tree(psp) -> bool:
+    return isinstance(psp, TreePackedSeqParams) and psp.layout is not None
+
+
+# ------------------------------------------------------------------------------------ layouts
+def mtp_layout(layout: TreeLayout, k: int) -> TreeLayout:
+    """The layout MTP depth ``k`` attends over: the same rows, every root path cut at depth ``k``.
+
+    Rows of depth >= k keep their segments (a row of depth k starts a new root segment), so a row
+    sees exactly its ancestors of depth >= k; ``position_ids`` are ``depth - k`` (the anchor's
+    position). Rows of depth < k (and padding) are one-row root segments: isolated. Host-side,
+    vectorised; the result is on ``layout``'s device.
+    """
+    if k < 1:
+        raise ValueError(f"MTP depth must be >= 1, got {k}")
+    dev = layout.device
+    cpu = layout if dev.type == "cpu" else layout.to("cpu")
+    pos, prev = cpu.position_ids.numpy(), cpu.path_prev.numpy()
+    n_real = cpu.num_real_rows
+    if _FAULT == "shallow_visible":  # the stock visibility with the depth-k positions
+        return dataclasses.replace(cpu, position_ids=torch.from_numpy(np.maximum(pos - k, 0))).to(dev)
+    seg_start = np.zeros(n_real, bool)
+    seg_start[cpu.segment_offsets.numpy()[:-1][cpu.segment_offsets.numpy()[:-1] < n_real]] = True
+    start = seg_start | (pos[:n_real] <= k)
+    new_seg = np.cumsum(start) - 1
+    first = np.nonzero(start)[0]
+    lengths = np.bincount(new_seg, minlength=len(first)) if n_real else np.zeros(0, np.int64)
+    parent = np.where(pos[first] <= k, -1, new_seg[np.maximum(prev[first], 0)])
+    pad_id = int(cpu.input_ids[n_real]) if layout.num_padding else 0
+    out = TreeLayout.from_segments(lengths, parent, cpu.input_ids.numpy()[:n_real], num_padding=layout.num_padding,
+                                   pad_id=pad_id)
+    return out.to(dev)
+
+
+def mtp_view(psp: TreePackedSeqParams, k: int) -> TreePackedSeqParams:
+    """The packed-seq params MTP depth ``k``'s layer runs on: `mtp_layout` (and, under CP, the plan
+    with the same owners and the depth-k visibility), no loss map, no GDN islands. Made once per
+    microbatch view and depth (kept on ``psp``), so recomputation reuses it."""
+    views = psp.__dict__.setdefault("_mtp_views", {})
+    if k not in views:
+        layout = mtp_layout(psp.layout, k)
+        plan = psp.cp_plan
+        if plan is not None:
+            cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
+            plan = dataclasses.replace(plan, visible_until=cpu.visible_until.numpy().copy(),
+                                       position_ids=cpu.position_ids.numpy().copy())
+        view = dataclasses.replace(psp, layout=layout, loss_map=None, cp_plan=plan, gdn_plan=None,
+                                   gdn_local_rows=None, gdn_num_local_padding=0, in_island=False, attention_view=None)
+        view.max_seqlen_q, view.max_seqlen_kv = psp.max_seqlen_q, psp.max_seqlen_kv
+        views[k] = view
+    return views[k]
+
+
+def _path_prev(layout: TreeLayout) -> np.ndarray:
+    cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
+    if _FAULT == "physical_roll":  # stock's roll: the previous physical row
+        return np.arange(cpu.num_rows, dtype=np.int64) - 1
+    return cpu.path_prev.numpy()
+
+
+# ------------------------------------------------------------------------------------ CP halo
+@dataclasses.dataclass(frozen=True)
+class MTPHalo:
+    """One rank's ``path_prev`` input of MTP depth k under tree CP.
+
+    send_local   [n_send] local indices of owned rows other ranks need (grouped by destination rank)
+    send_splits, recv_splits  [cp] rows sent to / received from each rank
+    index        [n_local_total] row of ``cat(local rows, received rows, one zero row)`` that is the
+                 input of each local row (the zero row for rows of depth < k and padding)
+    """
+
+    send_local: np.ndarray
+    send_splits: tuple
+    recv_splits: tuple
+    index: np.ndarray
+
+
+_HALOS: OrderedDict = OrderedDict()
+
+
+def mtp_halo(plan, layout: TreeLayout, rank: int, k: int, num_padding: int = 0) -> MTPHalo:
+    """`MTPHalo` of ``rank`` (cached per plan, rank, depth, padding, fault): every owned row of depth
+    >= k reads its ``path_prev`` row; those owned elsewhere are fetched, once per (rank, row)."""
+    return lru_get(_HALOS, (plan.hash, rank, k, num_padding, _FAULT),
+                   lambda: _make_halo(plan, layout, rank, k, num_padding), 64)
+
+
+def _halo_edges(plan, layout: TreeLayout, k: int):
+    """(dst rank, src row) of every cross-rank edge of depth k, unique, sorted by (dst, src)."""
+    cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
+    pos, prev, owner = cpu.position_ids.numpy(), _path_prev(cpu), plan.owner.astype(np.int64)
+    rows = np.nonzero((pos >= k) & (np.arange(cpu.num_rows) < cpu.num_real_rows))[0]
+    src = prev[rows]
+    cross = owner[src] != owner[rows]
+    n = cpu.num_rows
+    key = np.unique(owner[rows[cross]] * n + src[cross])
+    return key // n, key % n
+
+
+def _make_halo(plan, layout: TreeLayout, rank: int, k: int, num_padding: int) -> MTPHalo:
+    cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
+    n = cpu.num_rows
+    owner = plan.owner.astype(np.int64)
+    pos, prev = cpu.position_ids.numpy(), _path_prev(cpu)
+    mine = plan.owner_rows(rank)
+    dst, src = _halo_edges(plan, cpu, k)
+    send = owner[src] == rank  # (dst, src) sorted: grouped by destination, ascending row within
+    send_local = np.searchsorted(mine, src[send])
+    send_splits = np.bincount(dst[send], minlength=plan.cp_size)
+    recv = dst == rank
+    r_src = src[recv]
+    order = np.lexsort((r_src, owner[r_src]))  # grouped by source rank, ascending row within
+    r_src = r_src[order]
+    recv_splits = np.bincount(owner[r_src], minlength=plan.cp_size)
+    n_local = len(mine) + num_padding
+    zero = n_local + len(r_src)
+    index = np.full(n_local, zero, np.int64)
+    valid = (pos[mine] >= k) & (mine < cpu.num_real_rows)
+    p = prev[mine[valid]]
+    local = owner[p] == rank
+    idx = np.empty(p.shape[0], np.int64)
+    idx[local] = np.searchsorted(mine, p[local])
+    srt = np.argsort(r_src, kind="stable")  # r_src is grouped by owner: look rows up through a sorted copy
+    idx[~local] = n_local + srt[np.searchsorted(r_src[srt], p[~local])]
+    index[np.nonzero(valid)[0]] = idx
+    return MTPHalo(send_local=send_local.astype(np.int64), send_splits=tuple(int(x) for x in send_splits),
+                   recv_splits=tuple(int(x) for x in recv_splits), index=index)
+
+
+def mtp_cp_figures(plan, layout: TreeLayout, num_layers: int, row_bytes: int) -> dict:
+    """What MTP adds to CP traffic per microbatch: ``halo_rows`` [K] cross-rank parent rows per depth
+    (summed over ranks), ``bytes`` forward + backward halo bytes of all depths (each row travels once
+    forward and its gradient once back)."""
+    rows = [int(_halo_edges(plan, layout, k)[0].size) for k in range(1, num_layers + 1)]
+    return {"halo_rows": rows, "bytes": 2 * sum(rows) * int(row_bytes)}
+
+
+# ------------------------------------------------------------------------------------ input shift
+def _parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, config, pg) -> torch.Tensor:
+    """[s(/tp), 1, h] -> the same shape: every row of depth >= k gets its ``path_prev`` row's state,
+    every other row zeros."""
+    sp = config.sequence_parallel and pg.tp.size() > 1
+    if sp:  # backward: reduce-scatter of the (TP-identical) gradient slices
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=pg.tp)
+    layout = psp.layout
+    if psp.is_context_parallel:
+        halo = mtp_halo(psp.cp_plan, layout, psp.cp_rank, k, psp.num_local_padding)
+        dev = hidden.device
+        recv = fetch_rows(hidden, torch.from_numpy(halo.send_local).to(dev), halo.send_splits, halo.recv_splits,
+                          pg.cp)
+        buf = torch.cat([hidden, recv, hidden.new_zeros((1,) + tuple(hidden.shape[1:]))])
+        out = buf.index_select(0, torch.from_numpy(halo.index).to(dev))
+    else:
+        cache = psp.__dict__.setdefault("_mtp_index", {})
+        if (k, _FAULT) not in cache:
+            cache[(k, _FAULT)] = _local_index(layout if layout.device.type == "cpu" else layout.to("cpu"), k)
+        index = cache[(k, _FAULT)]
+        buf = torch.cat([hidden, hidden.new_zeros((1,) + tuple(hidden.shape[1:]))])
+        out = buf.index_select(0, index.to(hidden.device))
+    if sp:
+        out = scatter_to_sequence_parallel_region(out, group=pg.tp)
+    return out
+
+
+def _local_index(layout: TreeLayout, k: int) -> torch.Tensor:
+    pos, prev = layout.position_ids.numpy(), _path_prev(layout)
+    valid = (pos >= k) & (np.arange(layout.num_rows) < layout.num_real_rows)
+    return torch.from_numpy(np.where(valid, prev, layout.num_rows))
+
+
+# ------------------------------------------------------------------------------------ module
+class TreeMultiTokenPredictionLayer(MultiTokenPredictionLayer):
+    """Stock ``MultiTokenPredictionLayer`` (same submodules and parameters); on a tree its
+    embeddings are not rolled: the row a depth-k position is indexed by embeds its own token, and
+    the caller (`tree_mtp_postprocess`) has already moved the depth-(k-1) states along ``path_prev``.
+    Any other input takes the stock path."""
+
+    def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None, **kwargs):
+        if not _is_tree(packed_seq_params):
+            return super()._get_embeddings(input_ids=input_ids, position_ids=position_ids, embedding=embedding,
+                                           hidden_states=hidden_states, packed_seq_params=packed_seq_params, **kwargs)
+        decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
+        if getattr(self.config, "mtp_detach_heads", False):
+            decoder_input = decoder_input.detach()
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if not hidden_states.requires_grad:
+            hidden_states.requires_grad_(True)
+        if "padding_mask" in kwargs:  # megatron-core 0.19's signature
+            return input_ids, position_ids, kwargs["padding_mask"], decoder_input, hidden_states
+        return input_ids, position_ids, decoder_input, hidden_states
+
+
+def get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine: Optional[bool] = None,
+                                vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """Tree counterpart of Megatron's ``get_gpt_mtp_block_spec``: stock's MTP block spec built from the
+    (treeified) decoder ``spec`` (a block spec: its last layer; or a layer spec), with every MTP layer
+    a `TreeMultiTokenPredictionLayer` and its core attention tree attention. None where stock returns
+    None (no MTP layers on this pipeline stage)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from .specs import te_available, treeify_spec
+
+    use_te = te_available() if use_transformer_engine is None else use_transformer_engine
+    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage,
+                                   pp_rank=pp_rank)
+    if block is None:
+        return None
+    block = dataclasses.replace(block, layer_specs=[
+        dataclasses.replace(treeify_spec(s), module=TreeMultiTokenPredictionLayer) for s in block.layer_specs])
+    return block
+
+
+# ------------------------------------------------------------------------------------ loss
+def _sample_ratios(lm, depth: torch.Tensor, num_layers: int, cp_group) -> torch.Tensor:
+    """[M, K] per occurrence: its sample's ``sum(w) / sum(w over occurrences of depth >= k)`` (stock's
+    ``original_num_tokens / num_tokens`` for a microbatch of that sample alone), over every CP rank."""
+    w = lm.weights.to(torch.float64)
+    ids, slot = torch.unique(lm.sample_index, return_inverse=True)
+    cols = [w] + [w * (depth >= k).to(w) for k in range(1, num_layers + 1)]
+    sums = torch.zeros(len(ids), num_layers + 1, dtype=torch.float64, device=w.device)
+    sums.index_add_(0, slot, torch.stack(cols, 1))
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        cp = dist.get_world_size(cp_group)
+        size = torch.tensor([len(ids)], dtype=torch.int64, device=w.device)
+        sizes = [torch.zeros_like(size) for _ in range(cp)]
+        dist.all_gather(sizes, size, group=cp_group)
+        m = int(max(int(s) for s in sizes))
+        pad_ids = torch.full((m,), -1, dtype=torch.int64, device=w.device)
+        pad_ids[: len(ids)] = ids
+        pad_sums = torch.zeros(m, num_layers + 1, dtype=torch.float64, device=w.device)
+        pad_sums[: len(ids)] = sums
+        all_ids = [torch.empty_like(pad_ids) for _ in range(cp)]
+        all_sums = [torch.empty_like(pad_sums) for _ in range(cp)]
+        dist.all_gather(all_ids, pad_ids, group=cp_group)
+        dist.all_gather(all_sums, pad_sums, group=cp_group)
+        g_ids, g_sums = torch.cat(all_ids), torch.cat(all_sums)
+        keep = g_ids >= 0
+        g_ids, g_sums = g_ids[keep], g_sums[keep]
+        pos = torch.searchsorted(ids, g_ids).clamp(max=max(len(ids) - 1, 0))
+        hit = (ids[pos] == g_ids) if len(ids) else torch.zeros_like(g_ids, dtype=torch.bool)
+        sums = torch.zeros_like(sums).index_add_(0, pos[hit], g_sums[hit])
+    ratio = sums[:, :1] / sums[:, 1:].clamp(min=torch.finfo(torch.float64).tiny)
+    return ratio[slot]
+
+
+def _head(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, acceptance: bool):
+    """Shared output head on ``rows`` of [s(/tp), 1, h]: (log-probs of ``targets`` [m], correct, total)
+    with the TP vocab shards never gathered (as `TreeLanguageModelMixin.tree_logprobs`)."""
+    tp = model.pg_collection.tp
+    if model.config.sequence_parallel:
+        h = gather_from_sequence_parallel_region(hidden, group=tp)
+    else:
+        h = copy_to_tensor_model_parallel_region(hidden, group=tp)
+    uniq, inverse = torch.unique(rows, return_inverse=True)
+    weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+              else model.output_layer.weight)
+    if getattr(model.config, "mtp_detach_heads", False):
+        weight = weight.detach()
+    logits = F.linear(h[uniq, 0], weight, getattr(model.output_layer, "bias", None))
+    v_local = weight.shape[0]
+    group = tp if tp.size() > 1 else None
+    logp = vocab_parallel_logprobs(logits, inverse, targets, vocab_start=tp.rank() * v_local, group=group)
+    correct = total = None
+    if acceptance:
+        with torch.no_grad():
+            best, arg = logits.max(dim=-1) if logits.shape[0] else (logits.new_zeros(0), inverse.new_zeros(0))
+            gid = arg + tp.rank() * v_local
+            if group is not None:
+                top = best.clone()
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+                gid = torch.where(best == top, gid, torch.full_like(gid, torch.iinfo(torch.int64).max))
+                dist.all_reduce(gid, op=dist.ReduceOp.MIN, group=group)  # first rank, first id: stock's tie rule
+            correct = (gid[inverse] == targets).sum().float()
+            total = torch.tensor(float(targets.numel()), device=targets.device)
+    return logp, correct, total
+
+
+def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqParams, *, input_ids, position_ids,
+                         attention_mask=None) -> torch.Tensor:
+    """Run ``model.mtp``'s layers on the tree and attach every depth's loss to ``hidden_states`` with
+    stock's ``MTPLossAutoScaler`` (returned: feed it to the main head). Records, on ``psp``,
+    ``mtp_loss_sums`` [K]: each depth's summed loss ``sum w * CE`` (unscaled, detached, this rank's
+    occurrences) and ``mtp_num_tokens`` [K] (their weight sums); in training, the stock tracker gets
+    each depth's mean (and acceptance counts where stock records them)."""
+    from megatron.core.transformer.multi_token_prediction import get_mtp_layer_offset
+
+    cfg = model.config
+    K = int(cfg.mtp_num_layers)
+    if get_mtp_layer_offset(cfg, getattr(model, "vp_stage", None)) != 0:
+        raise ValueError("tree MTP needs every MTP layer on the last pipeline stage (no custom pipeline layout "
+                         "that splits them)")
+    if attention_mask is not None:
+        raise ValueError("tree MTP takes no attention_mask: visibility comes from the tree layout")
+    layers = model.mtp.layers
+    repeated = bool(getattr(cfg, "mtp_use_repeated_layer", False))
+    h = hidden_states.detach() if getattr(cfg, "mtp_detach_heads", False) else hidden_states
+    outs = []
+    for d in range(K):
+        k = d + 1
+        view = mtp_view(psp, k)
+        h_in = _parent_states(h, psp, k, cfg, model.pg_collection)
+        out = layers[0 if repeated else d](input_ids=input_ids, position_ids=position_ids, hidden_states=h_in,
+                                          attention_mask=None, rotary_pos_emb=model.tree_rotary_pos_emb(view),
+                                          packed_seq_params=view, embedding=model.embedding)
+        h = out[0] if isinstance(out, tuple) else out
+        outs.append(h)
+
+    lm = psp.loss_map
+    depth = psp.position_ids[lm.source_rows]
+    cp_group = model.pg_collection.cp if psp.is_context_parallel else None
+    ratios = _sample_ratios(lm, depth, K, cp_group) if rescales_per_token_mtp_loss() else None
+    scale = cfg.mtp_loss_scaling_factor / K
+    acceptance = model.training and tracks_acceptance()
+    sums, counts = [], []
+    for k, h_k in enumerate(outs, 1):
+        sel = torch.nonzero(depth >= k).squeeze(1)
+        if _FAULT == "per_row_loss":  # one occurrence per source row
+            rows = lm.source_rows[sel]
+            first = torch.full((int(rows.max()) + 1 if rows.numel() else 1,), sel.numel(), dtype=torch.long,
+                               device=rows.device).scatter_reduce(0, rows, torch.arange(sel.numel(), device=rows.device),
+                                                                  reduce="amin")
+            sel = sel[first[first < sel.numel()].sort().values]
+        logp, correct, total = _head(model, h_k, lm.source_rows[sel], lm.targets[sel], acceptance)
+        w = lm.weights[sel].to(logp.dtype)
+        loss = -logp * w
+        s, n = loss.sum(), w.sum()
+        sums.append(s.detach())
+        counts.append(n.detach())
+        if model.training:
+            from megatron.core import parallel_state
+
+            avg = parallel_state.get_data_parallel_group(with_context_parallel=True) \
+                if parallel_state.model_parallel_is_initialized() else None
+            save_mtp_metrics(s.detach() / n.clamp(min=1), correct, total, k - 1, K, avg_group=avg)
+        if ratios is not None:
+            loss = loss * ratios[sel, k - 1].to(loss.dtype)
+        hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * loss)
+    psp.__dict__["mtp_loss_sums"] = torch.stack(sums) if sums else None
+    psp.__dict__["mtp_num_tokens"] = torch.stack(counts) if counts else None
+    return hidden_states

@@ -1,0 +1,261 @@
+"""Multi-token prediction on trees (`megatron_tree.megatron.mtp`) against **stock** Megatron-Core MTP per sample.
+
+Oracle: the installed Megatron-Core's own ``GPTModel`` with ``mtp_block_spec=get_gpt_mtp_block_spec(...)``
+(local spec, stock ``DotProductAttention``, stock ``MultiTokenPredictionLayer`` rolling ``input_ids``,
+labels and loss mask), run on each sample alone (batch of one, positions 0..L-1) in training mode with
+``labels`` and a weighted ``loss_mask``; its MTP losses reach the gradients through stock's
+``MTPLossAutoScaler`` (scale 1) and each depth's loss is read from stock's ``MTPLossLoggingHelper``
+tracker (its per-token mean times the sample's rolled mask sum). One change to the oracle:
+``compute_language_model_loss`` is a float64 cross entropy on the stock instance (stock's
+``vocab_parallel_cross_entropy`` upcasts to float32, not to float64; the math is the same).
+
+The tree side: `TreeGPTModel` with `get_tree_gpt_mtp_block_spec`, the stock model's state dict, the
+samples packed into one forest, loss ``-sum(w * logp)`` over the main occurrences (the MTP losses ride
+on the hidden states as in stock). Compared in float64: the total loss, each depth's summed loss,
+every parameter gradient. The forest forks at depth 0 (three trees), 1, 2 (= K) and 5 (> K), holds a
+one-token sample, a sample that is a prefix of another, a duplicate and prompt tokens without loss.
+Planted faults (`megatron_tree.megatron.mtp.FAULTS`) must each move the result far past tolerance.
+"""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+try:
+    from dist import init_megatron, run_distributed
+except ImportError:  # run from the repository root as tests.*
+    from tests.dist import init_megatron, run_distributed
+
+from per_sample import randomize  # tests/per_sample.py
+
+V = 64
+F64 = dict(rtol=1e-10, atol=1e-10)
+SCALE = 0.3  # mtp_loss_scaling_factor (not stock's default 0.1, so a wrong scale shows)
+
+SAMPLES = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    [1, 2, 3, 4, 5, 9, 9, 9, 8],  # fork at depth 5 (> K)
+    [1, 2, 3, 4, 5, 6, 7],  # prefix of sample 0
+    [1, 30, 31, 32, 33],  # fork at depth 1
+    [1, 2, 57, 58, 59, 61],  # fork at depth 2
+    [3, 3, 3, 1, 2, 5],  # second tree (fork at depth 0)
+    [50, 51],  # third tree, one target
+    [60],  # one token: no target at all
+    [1, 2, 3, 4, 5, 9, 9, 9, 8],  # duplicate of sample 1
+]
+NO_LOSS = {3: 2}  # sample 3: its first 2 targets are prompt (weight 0 / loss mask 0)
+
+
+def coef(i: int, t: int) -> float:
+    """Weight of target t of sample i: distinct values exact in float32 (the loss map's dtype)."""
+    return 0.0 if t <= NO_LOSS.get(i, 0) else 0.5 + ((3 * i + 7 * t) % 11) / 8.0
+
+
+def _models(K: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    from megatron_tree.megatron.model import TreeGPTModel
+    from megatron_tree.megatron.mtp import get_tree_gpt_mtp_block_spec
+    from megatron_tree.megatron.specs import get_tree_gpt_layer_spec
+    from megatron_tree.training.models import ModelArgs, make_config
+
+    cfg = make_config(ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                ffn_hidden_size=48, vocab_size=V,
+                                extra=dict(mtp_num_layers=K, mtp_loss_scaling_factor=SCALE)), dtype=torch.float64)
+    s_spec = get_gpt_layer_local_spec(None, False, False)
+    t_spec = get_tree_gpt_layer_spec(None, False, False, use_transformer_engine=False)
+    stock = GPTModel(cfg, s_spec, V, 64, position_embedding_type="rope",
+                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, s_spec, False))
+    tree = TreeGPTModel(cfg, t_spec, V, 64, position_embedding_type="rope",
+                        mtp_block_spec=get_tree_gpt_mtp_block_spec(cfg, t_spec, False))
+    randomize(stock, seed=11 + K)
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    stock.compute_language_model_loss = lambda labels, logits: torch.nn.functional.cross_entropy(
+        logits.permute(1, 2, 0), labels, reduction="none")  # float64 (see the module docstring)
+    return stock, tree
+
+
+def _stock_side(stock, K):
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    total, depth = torch.zeros((), dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for i, toks in enumerate(SAMPLES):
+        L = len(toks)
+        x = torch.tensor(toks)[None]
+        labels = torch.tensor(toks[1:] + [0])[None]
+        mask = torch.tensor([coef(i, t) for t in range(1, L)] + [0.0], dtype=torch.float64)[None]
+        MTPLossLoggingHelper.tracker.clear()
+        ce = stock(x, torch.arange(L)[None], None, labels=labels, loss_mask=mask)
+        loss = (ce * mask).sum()
+        loss.backward()
+        total += loss.detach()
+        tracked = MTPLossLoggingHelper.tracker.get("values", MTPLossLoggingHelper.tracker.get("loss_values"))
+        for k in range(1, K + 1):
+            n = mask[0, k:].sum()  # the rolled mask's sum: stock's num_tokens of depth k
+            if n > 0:
+                depth[k - 1] += tracked[k - 1].double() * n
+    return total, depth
+
+
+def _tree_side(tree, K):
+    from megatron_tree.megatron.packed_seq import tree_packed_seq_params
+    from megatron_tree.tree import pack
+
+    samples = [dict(tokens=t, weight=[0.0] + [coef(i, u) for u in range(1, len(t))]) for i, t in enumerate(SAMPLES)]
+    mbs = pack(samples, 64, pad_to_multiple_of=16)
+    total, depth = torch.zeros((), dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for mb in mbs:
+        psp = tree_packed_seq_params(mb)
+        lp = tree(psp.input_ids[None], psp.position_ids[None], None, packed_seq_params=psp)
+        loss = -(lp * psp.loss_map.weights.to(lp.dtype)).sum()
+        loss.backward()
+        total += loss.detach()
+        depth += psp.mtp_loss_sums
+    lay = mbs[0].layout
+    fork_depths = sorted({int(lay.position_ids[int(lay.segment_offsets[s])])
+                          for s in range(len(lay.segment_parent)) if int(lay.segment_parent[s]) >= 0})
+    structure = dict(num_mbs=len(mbs), trees=int((lay.segment_parent == -1).sum()) - lay.num_padding,
+                     padding=lay.num_padding, fork_depths=fork_depths)
+    return total, depth, structure
+
+
+def _case(K, fault=None):
+    import megatron_tree.megatron.mtp as mtp
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    from megatron_tree.compat.mtp import rescales_per_token_mtp_loss
+
+    mtp._FAULT = fault
+    try:
+        stock, tree = _models(K)
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+        stock.train()
+        tree.train()
+        s_total, s_depth = _stock_side(stock, K)
+        t_total, t_depth, structure = _tree_side(tree, K)
+        sg, tg = dict(stock.named_parameters()), dict(tree.named_parameters())
+        res = dict(total=(t_total, s_total), depth=(t_depth, s_depth), structure=structure,
+                   mtp_layer=type(tree.mtp.layers[0]).__name__, rescaled=rescales_per_token_mtp_loss(),
+                   grad_names_equal=sorted(sg) == sorted(tg),
+                   grads={n: (tg[n].grad.clone(), sg[n].grad.clone()) for n in sorted(sg)})
+        res["worst_grad"] = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+                                for a, b in res["grads"].values())
+        if fault is not None:
+            res.pop("grads")
+        return res
+    finally:
+        mtp._FAULT = None
+
+
+def _body():
+    init_megatron(tp=1)
+    torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype
+    from megatron_tree.megatron.mtp import FAULTS
+
+    out = {}
+    for key in [(1, None), (2, None)] + [(2, f) for f in FAULTS]:
+        try:
+            out[key] = _case(*key)
+        except Exception:  # noqa: BLE001 - reported by the test of that case
+            out[key] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return run_distributed(_body, 1, timeout=300)[0]
+
+
+def _result(oracle, key):
+    r = oracle[key]
+    if "error" in r:
+        pytest.fail(f"case {key} raised:\n{r['error']}")
+    return r
+
+
+def test_forest_really_branches(oracle):
+    s = _result(oracle, (2, None))["structure"]
+    assert s["num_mbs"] == 1 and s["trees"] == 4 and s["padding"] > 0  # 3 trees + the one-token sample
+    assert s["fork_depths"] == [1, 2, 5]
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_tree_mtp_equals_stock_mtp_per_sample(oracle, K):
+    r = _result(oracle, (K, None))
+    assert r["mtp_layer"] == "TreeMultiTokenPredictionLayer" and r["grad_names_equal"]
+    assert any(n.startswith("mtp.layers.") for n in r["grads"])
+    torch.testing.assert_close(*r["total"], **F64)
+    t_depth, s_depth = r["depth"]
+    assert t_depth.shape == (K,) and (s_depth > 1).all()
+    torch.testing.assert_close(t_depth, s_depth, **F64)
+    for n, (g_tree, g_stock) in r["grads"].items():
+        assert g_stock.abs().max() > 0, n  # every parameter takes part, MTP layers included
+        torch.testing.assert_close(g_tree, g_stock, **F64, msg=lambda m: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("fault", ["physical_roll", "shallow_visible", "per_row_loss"])
+def test_planted_fault_fails(oracle, fault):
+    """Each bug moves the MTP depth losses and gradients far past tolerance (the main loss is untouched)."""
+    r = _result(oracle, (2, fault))
+    torch.testing.assert_close(*r["total"], **F64)
+    t_depth, s_depth = r["depth"]
+    assert float((t_depth - s_depth).abs().max()) > 1e-2
+    assert r["worst_grad"] > 1e-2
+
+
+def _forest():
+    from megatron_tree.tree import pack
+
+    return pack(SAMPLES, 64, pad_to_multiple_of=16)[0].layout
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_layout_cuts_paths_at_depth_k(k):
+    """Depth k's visibility is the tree's, restricted to keys of depth >= k, for queries of depth >= k;
+    rows of depth < k see only themselves; positions are depth - k (independent dense construction)."""
+    from megatron_tree.megatron.mtp import mtp_layout
+
+    lay = _forest()
+    got = mtp_layout(lay, k)
+    got.validate()
+    depth = lay.position_ids
+    deep = (depth >= k) & ~lay.is_padding
+    want = lay.dense_mask() & deep[:, None] & deep[None, :]
+    want |= torch.eye(lay.num_rows, dtype=torch.bool)
+    assert torch.equal(got.dense_mask(), want)
+    assert torch.equal(got.position_ids, torch.where(deep, depth - k, 0))
+    assert torch.equal(got.input_ids, lay.input_ids) and got.num_padding == lay.num_padding
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_mtp_halo_gives_every_row_its_path_parent(cp):
+    """Under every rank's halo, each owned row of depth >= k reads its path_prev row (local or fetched,
+    each fetched row sent by its owner), every other row the zero row: simulated over all ranks on the host."""
+    import numpy as np
+
+    from megatron_tree.cp import plan_context_parallel
+    from megatron_tree.megatron.mtp import mtp_halo
+
+    lay = _forest()
+    plan = plan_context_parallel(lay, cp, strategy="contiguous")
+    prev, depth = lay.path_prev.numpy(), lay.position_ids.numpy()
+    for k in (1, 2):
+        halos = [mtp_halo(plan, lay, r, k, num_padding=1) for r in range(cp)]
+        crossing = 0
+        for r, h in enumerate(halos):
+            mine = plan.owner_rows(r)
+            recv = []  # what rank r receives, grouped by source rank
+            for s in range(cp):
+                hs, before = halos[s], sum(halos[s].send_splits[:r])
+                sent = hs.send_local[before:before + hs.send_splits[r]]
+                assert len(sent) == h.recv_splits[s]
+                recv.extend(plan.owner_rows(s)[sent].tolist())
+            rows = np.concatenate([mine, [-1], recv, [-1]])  # owned rows, 1 padding row, received, zero row
+            src = rows[h.index]
+            want = np.where((depth[mine] >= k) & ~lay.is_padding.numpy()[mine], prev[mine], -1)
+            assert np.array_equal(src[:-1], want) and src[-1] == -1
+            crossing += len(recv)
+        assert crossing > 0

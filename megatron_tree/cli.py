@@ -109,6 +109,14 @@ def cmd_train(args) -> int:
     return exit_status(run(args))
 
 
+def cmd_score(args) -> int:
+    """Forward-only per-token log-probs and entropies of every record (`training.score`)."""
+    from .training.score import run
+
+    run(args)
+    return 0
+
+
 def cmd_verify(args) -> int:
     from .training.verify import VerifyConfig, format_report, run_verify
 
@@ -206,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       "local ranks); SIGTERM/SIGUSR1 save the current step and exit with status 75")
     add_train_args(tr)
     tr.set_defaults(func=cmd_train)
+    from .training.score import add_score_args
+
+    sc = sub.add_parser("score", help="forward-only scoring: per-token log-probs and entropies of every record of "
+                                      "--data under a --load checkpoint, written to --out FILE.parquet in input order "
+                                      "(torchrun/srun, or --nproc local ranks)")
+    add_score_args(sc)
+    sc.set_defaults(func=cmd_score)
     from .training.plan import add_plan_args, run_plan
 
     pl = sub.add_parser("plan", help="dry-run context-parallel capacity planning: rows, predicted ms and "

@@ -85,6 +85,39 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     (``--tree-data-path`` or ``--synthetic-preset``) and the ``--tree-*`` group. Returns ``parser``."""
     from ..data.synthetic import PRESETS
 
+    add_model_args(parser)
+    add_parallel_args(parser)
+    _add_optimizer_args(parser)
+    c = parser.add_argument_group("checkpoints and logging")
+    c.add_argument("--save", type=str, default=None, help="checkpoint directory")
+    c.add_argument("--load", type=str, default=None,
+                   help="resume from DIR/latest when present (an absent checkpoint starts fresh)")
+    c.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and one at the end)")
+    c.add_argument("--log-interval", type=int, default=1)
+    c.add_argument("--tensorboard-dir", type=str, default=None)
+    c.add_argument("--wandb-project", type=str, default=None)
+    c.add_argument("--wandb-exp-name", type=str, default=None)
+    c.add_argument("--metrics-json", type=str, default=None, help="write the per-step history here (rank 0)")
+    c.add_argument("--metrics-jsonl", type=str, default=None, metavar="FILE",
+                   help="append each step's metrics to FILE as one JSON line when the step ends (rank 0): a "
+                        "preempted or killed run keeps the steps it made, a resumed run appends its own")
+    c.add_argument("--quiet", action="store_true", help="no progress bar / log lines")
+
+    d = parser.add_argument_group("data")
+    d.add_argument("--synthetic-preset", choices=PRESETS, default=None,
+                   help="train on a seeded synthetic workload instead of --tree-data-path")
+    d.add_argument("--synthetic-scale", type=float, default=1.0, help="shrink the preset's lengths by this factor")
+    d.add_argument("--synthetic-seed", type=int, default=0)
+    d.add_argument("--packing", choices=PACKINGS, default="tree",
+                   help="tree: share prefixes (default); flat: every sample its own chain, same budget "
+                        "(the baseline tree packing is measured against)")
+    add_tree_args(parser)
+    parser.set_defaults(tree_packing=True)
+    return parser
+
+
+def add_model_args(parser: argparse.ArgumentParser):
+    """The "model" argument group of ``megatron-tree train`` (also ``megatron-tree score``'s)."""
     m = parser.add_argument_group("model")
     m.add_argument("--num-layers", type=int, default=None,
                    help="GPT layers (default 4); with --hybrid-override-pattern it must equal the pattern length")
@@ -121,7 +154,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="dsa: the indexer loss over the selected keys only (default: over every visible key)")
     m.add_argument("--linear-attention-freq", type=int, default=None, metavar="N",
                    help="with --experimental-attention-variant: one standard attention layer every N layers")
+    return m
 
+
+def add_parallel_args(parser: argparse.ArgumentParser, *, training: bool = True):
+    """The "parallelism" argument group (``training=False``: without recomputation and the
+    distributed optimizer, which a forward-only run has no use for)."""
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -130,12 +168,16 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="tree-aware context parallelism: each microbatch's rows are spread over this many ranks "
                         "(ownership from --tree-cp-planner); attention, MLP and MoE layers")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    p.add_argument("--use-distributed-optimizer", action="store_true")
+    if training:
+        p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+        p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--nproc", type=int, default=1,
                    help="local ranks to spawn when not launched by torchrun/srun (default 1)")
     p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before spawned ranks are stopped")
+    return p
 
+
+def _add_optimizer_args(parser: argparse.ArgumentParser):
     o = parser.add_argument_group("optimizer")
     o.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     o.add_argument("--lr", type=float, default=1e-3)
@@ -154,33 +196,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     o.add_argument("--adam-eps", type=float, default=1e-8)
     o.add_argument("--seed", type=int, default=1234)
     o.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 main weights")
-
-    c = parser.add_argument_group("checkpoints and logging")
-    c.add_argument("--save", type=str, default=None, help="checkpoint directory")
-    c.add_argument("--load", type=str, default=None,
-                   help="resume from DIR/latest when present (an absent checkpoint starts fresh)")
-    c.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and one at the end)")
-    c.add_argument("--log-interval", type=int, default=1)
-    c.add_argument("--tensorboard-dir", type=str, default=None)
-    c.add_argument("--wandb-project", type=str, default=None)
-    c.add_argument("--wandb-exp-name", type=str, default=None)
-    c.add_argument("--metrics-json", type=str, default=None, help="write the per-step history here (rank 0)")
-    c.add_argument("--metrics-jsonl", type=str, default=None, metavar="FILE",
-                   help="append each step's metrics to FILE as one JSON line when the step ends (rank 0): a "
-                        "preempted or killed run keeps the steps it made, a resumed run appends its own")
-    c.add_argument("--quiet", action="store_true", help="no progress bar / log lines")
-
-    d = parser.add_argument_group("data")
-    d.add_argument("--synthetic-preset", choices=PRESETS, default=None,
-                   help="train on a seeded synthetic workload instead of --tree-data-path")
-    d.add_argument("--synthetic-scale", type=float, default=1.0, help="shrink the preset's lengths by this factor")
-    d.add_argument("--synthetic-seed", type=int, default=0)
-    d.add_argument("--packing", choices=PACKINGS, default="tree",
-                   help="tree: share prefixes (default); flat: every sample its own chain, same budget "
-                        "(the baseline tree packing is measured against)")
-    add_tree_args(parser)
-    parser.set_defaults(tree_packing=True)
-    return parser
+    return o
 
 
 def build_train_parser(prog: str = "megatron-tree train") -> argparse.ArgumentParser:
@@ -240,12 +256,19 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
         args.tree_max_tokens_per_mb = _default_budget(samples, args)
     if errors:
         raise ValueError("invalid arguments for megatron-tree train:\n  - " + "\n  - ".join(errors))
+    fill_model_defaults(args)
+    validate_tree_args(args)
+    return args
+
+
+def fill_model_defaults(args) -> argparse.Namespace:
+    """The derived defaults of the "model" flags (`add_model_args`), in place: the hybrid pattern of our
+    own stack, ``--num-layers`` and ``--moe-ffn-hidden-size``. Returns ``args``."""
     args.tree_hybrid_pattern = _pattern(args) if args.model_family == "gpt" else None  # our hybrid stack only
     if args.num_layers is None and not args.tree_hybrid_pattern:
         args.num_layers = len(args.hybrid_override_pattern) if args.model_family == "mamba" else 4
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = max(1, (args.ffn_hidden_size or 4 * args.hidden_size) // 2)
-    validate_tree_args(args)
     return args
 
 
@@ -596,6 +619,35 @@ def _model_args(args):
         normalization=args.normalization, extra=extra)
 
 
+def init_parallel(args) -> bool:
+    """This rank's process group (`_init_process_group`), the CPU shims on a host without CUDA, and
+    Megatron's model-parallel state from ``args``' TP / PP / CP / EP sizes. Returns True on CPU.
+    Shared by `train` and ``megatron-tree score``; the caller destroys the model-parallel state."""
+    from megatron.core import parallel_state as ps
+
+    _init_process_group()
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        from ..compat import cpu as compat_cpu
+
+        compat_cpu.enable(kernels=True)
+        torch._dynamo.config.disable = True
+    if args.experimental_attention_variant == "dsa":
+        from ..ops.backend import module_available
+
+        if on_cpu or not module_available("fast_hadamard_transform"):
+            from ..compat import dsa as compat_dsa  # torch Hadamard rotation for the indexer (any dtype)
+
+            compat_dsa.enable()
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    cp = args.context_parallel_size
+    if dist.get_world_size() % (tp * pp * cp):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP x PP x CP = {tp * pp * cp}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp, expert_model_parallel_size=ep)
+    return on_cpu
+
+
 def train(args, samples=None, *, skipped=None) -> dict:
     """Train on the current process group (initialised here from the environment if needed).
 
@@ -629,26 +681,7 @@ def train(args, samples=None, *, skipped=None) -> dict:
         samples = load_train_samples(args, report)
         skipped = report.skipped
     check_train_args(args, samples)
-    _init_process_group()
-    on_cpu = not torch.cuda.is_available()
-    if on_cpu:
-        from ..compat import cpu as compat_cpu
-
-        compat_cpu.enable(kernels=True)
-        torch._dynamo.config.disable = True
-    if args.experimental_attention_variant == "dsa":
-        from ..ops.backend import module_available
-
-        if on_cpu or not module_available("fast_hadamard_transform"):
-            from ..compat import dsa as compat_dsa  # torch Hadamard rotation for the indexer (any dtype)
-
-            compat_dsa.enable()
-    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    cp = args.context_parallel_size
-    if dist.get_world_size() % (tp * pp * cp):
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of TP x PP x CP = {tp * pp * cp}")
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp, expert_model_parallel_size=ep)
+    on_cpu = init_parallel(args)
     try:
         return _train_loop(args, samples, on_cpu, list(skipped or []))
     finally:

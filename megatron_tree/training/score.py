@@ -1,0 +1,433 @@
+"""``megatron-tree score``: forward-only per-token log-probs and entropies of every record of a file.
+
+    megatron-tree score --load runs/ckpt --data rollouts.jsonl --out scores.parquet \\
+        --hidden-size 64 --num-layers 2 --vocab-size 128 --max-tokens-per-mb 8192 --nproc 2
+
+What an RL step needs twice (old-policy and reference log-probs), without training code around the
+model. The model flags are ``megatron-tree train``'s (`trainer.add_model_args` /
+`trainer.add_parallel_args`; the model is built by the same `models.build_model`); ``--load`` is a
+``megatron-tree train`` checkpoint directory (its ``latest`` marker), a Megatron-LM one (its
+``latest_checkpointed_iteration.txt``; distributed-checkpoint format, with model flags that build
+the same parameters: Megatron-LM ties the output layer to the embedding unless
+``--untie-embeddings-and-output-weights``, our models never do) or one ``iter_XXXXXXX`` directory.
+Only the model's sharded tensors are read: no optimizer (or its state) is built.
+
+What a run does (every rank):
+
+1. The records (``--data`` JSONL / Parquet files, `data.pipeline.read_samples`; a bad record is an
+   error naming ``file:line``, never skipped, so output row i is input record i) are checked
+   against the budget: a record longer than ``--max-tokens-per-mb`` is an error naming it (scoring
+   never truncates).
+2. All records are packed at once (`tree.pack`: prefixes shared across the whole file, duplicates
+   kept as separate samples), the microbatches assigned to DP ranks by predicted cost
+   (`data.sharding.balance`; every rank gets the same count, padding microbatches fill the rest,
+   so expert-parallel collectives stay matched).
+3. Megatron's ``get_forward_backward_func`` runs them with ``forward_only=True`` under
+   ``torch.no_grad()`` (TP, SP, PP, EP and tree CP as in training: `forward_step.context_parallel_params`
+   plans each microbatch), the model returning ``(logprobs, entropy)`` per occurrence
+   (``TreePackedSeqParams.return_entropy``); the loss function only hands them back with their
+   ``(sample, position)`` keys.
+4. Rank 0 gathers every occurrence (each CP rank holds its own), checks that each record's target
+   positions came back exactly once, and writes ``--out``: one row per record, in input order,
+   ``record`` (its index), ``logprobs`` and ``entropy`` (float64 lists aligned with the record's
+   loss-masked target tokens, i.e. positions t with ``loss_mask[t]``, ascending; ``--all-tokens``:
+   every position 1..L-1). Entropies are in nats.
+
+The forward pass has no activation memory for a backward, so ``--max-tokens-per-mb`` may exceed
+training's. ``--packing flat`` scores every record as its own chain (the baseline of
+``tools/bench_score.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .arguments import CP_PLANNERS, DEFAULT_PAD_MULTIPLE
+
+__all__ = ["add_score_args", "build_score_parser", "check_score_args", "load_score_records", "score", "run",
+           "resolve_checkpoint", "SCORE_COLUMNS"]
+
+SCORE_COLUMNS = ("record", "logprobs", "entropy")
+# Test-only fault switch (None in normal use): "occurrence_shift" writes every record's values one
+# scored token off (the last token of the previous record first), which tests/test_score.py must catch.
+_FAULT = None
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+# --------------------------------------------------------------------------------------------- arguments
+def add_score_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``megatron-tree train``'s model and parallelism flags, plus the scoring group. Returns ``parser``."""
+    from .trainer import add_model_args, add_parallel_args
+
+    add_model_args(parser)
+    add_parallel_args(parser, training=False)
+    g = parser.add_argument_group("scoring")
+    g.add_argument("--load", required=True, metavar="DIR",
+                   help="checkpoint: a megatron-tree train --save directory (DIR/latest), a Megatron-LM one "
+                        "(DIR/latest_checkpointed_iteration.txt, distributed format) or one iter_XXXXXXX directory")
+    g.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="records to score: JSONL (.jsonl/.json) or Parquet (.parquet/.pq) files or directories, "
+                        "read in the order given")
+    g.add_argument("--out", required=True, metavar="FILE.parquet",
+                   help="one row per record, in input order: record, logprobs, entropy")
+    g.add_argument("--max-tokens-per-mb", "--tree-max-tokens-per-mb", dest="tree_max_tokens_per_mb", type=int,
+                   default=None, metavar="N",
+                   help="row budget of a microbatch (padding included; may exceed training's: no backward). "
+                        "Default: the smallest multiple of the padding that holds the longest record and the "
+                        "largest tree. A longer record is an error")
+    g.add_argument("--all-tokens", action="store_true",
+                   help="score every position 1..L-1 of each record, not only its loss-masked targets")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="parameter / activation dtype (default float32; --bf16 = bfloat16). Softmax and entropy "
+                        "are float32 or wider whatever it is")
+    g.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
+    g.add_argument("--packing", choices=("tree", "flat"), default="tree",
+                   help="tree: share prefixes across all records (default); flat: each record its own chain")
+    g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
+                   help="same as --hybrid-override-pattern for our hybrid stack (train's --tree-* spelling)")
+    g.add_argument("--tree-cp-planner", choices=CP_PLANNERS, default="balanced",
+                   help="row ownership planner under --context-parallel-size > 1")
+    g.add_argument("--tree-pad-to-multiple-of", type=int, default=None, metavar="K",
+                   help=f"pad every microbatch's rows to a multiple of K (default {DEFAULT_PAD_MULTIPLE}, "
+                        "lcm with the TP size under sequence parallelism)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--quiet", action="store_true", help="no summary line")
+    parser.set_defaults(recompute_granularity=None, use_distributed_optimizer=False)
+    return parser
+
+
+def build_score_parser(prog: str = "megatron-tree score") -> argparse.ArgumentParser:
+    return add_score_args(argparse.ArgumentParser(prog=prog, description="Forward-only per-token log-probs and "
+                                                                         "entropies of records"))
+
+
+def load_score_records(args) -> tuple[list, list]:
+    """``(samples, sources)``: every record of ``--data`` in input order (a bad one is an error, never
+    skipped) and where each came from (``file:line`` / ``file:row R``)."""
+    from ..data.io import ReadReport
+    from ..data.pipeline import read_samples
+
+    report = ReadReport()
+    samples = read_samples(args.data, vocab_size=args.vocab_size, bad_sample="error", report=report)
+    return samples, list(report.sources)
+
+
+def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
+    """Validate ``args`` in place (ValueError listing what to fix) and fill derived defaults; with the
+    records, also the budget (default, or: no record may be longer)."""
+    from .trainer import _default_budget, _family_errors, fill_model_defaults
+
+    if args.bf16:
+        if args.dtype not in (None, "bfloat16"):
+            raise ValueError(f"--bf16 contradicts --dtype {args.dtype}")
+        args.dtype = "bfloat16"
+    args.dtype = args.dtype or "float32"
+    args.bf16 = args.dtype == "bfloat16"
+    errors = _family_errors(args)
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    cp = args.context_parallel_size
+    if min(tp, pp, ep, cp) < 1 or args.nproc < 1:
+        errors.append("parallel sizes and --nproc must be >= 1")
+    elif "RANK" not in os.environ and args.nproc % (tp * pp * cp):
+        errors.append(f"--nproc ({args.nproc}) must be a multiple of tensor x pipeline x context parallel sizes "
+                      f"({tp * pp * cp})")
+    if args.sequence_parallel and tp == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.num_attention_heads % tp:
+        errors.append(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by TP ({tp})")
+    if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
+            args.hybrid_override_pattern != args.tree_hybrid_pattern:
+        errors.append("--hybrid-override-pattern and --tree-hybrid-pattern disagree; pass one of them")
+    if not str(args.out).endswith((".parquet", ".pq")):
+        errors.append(f"--out {args.out}: the output is Parquet, name it FILE.parquet")
+    pad = args.tree_pad_to_multiple_of
+    if pad is None:
+        pad = int(np.lcm(DEFAULT_PAD_MULTIPLE, tp)) if args.sequence_parallel else DEFAULT_PAD_MULTIPLE
+    elif pad < 1 or (args.sequence_parallel and pad % tp):
+        errors.append(f"--tree-pad-to-multiple-of ({pad}) must be >= 1 (and a multiple of TP under "
+                      "--sequence-parallel)")
+    budget = args.tree_max_tokens_per_mb
+    if budget is not None and (budget < 1 or budget % max(pad, 1)):
+        errors.append(f"--max-tokens-per-mb ({budget}) must be a positive multiple of the padding multiple ({pad})")
+    if errors:
+        raise ValueError("invalid arguments for megatron-tree score:\n  - " + "\n  - ".join(errors))
+    args.tree_pad_to_multiple_of = pad
+    if samples is not None:
+        lens = np.array([len(s) for s in samples], dtype=np.int64)
+        if budget is None:
+            args.tree_max_tokens_per_mb = _default_budget(samples, args) if len(samples) else pad
+        elif len(lens) and int(lens.max()) > budget:
+            i = int(np.argmax(lens > budget))
+            where = sources[i] if sources else f"record {i}"
+            raise ValueError(f"{where}: record {i} has {int(lens[i])} tokens, more than --max-tokens-per-mb {budget}: "
+                             "a record must fit in one microbatch and scoring never truncates; raise "
+                             "--max-tokens-per-mb")
+    fill_model_defaults(args)
+    return args
+
+
+# --------------------------------------------------------------------------------------------- checkpoint
+def resolve_checkpoint(directory: str) -> str:
+    """The checkpoint directory ``--load`` names: ``DIR/latest`` (megatron-tree train),
+    ``DIR/latest_checkpointed_iteration.txt`` (Megatron-LM) or DIR itself when it is one checkpoint
+    (holds ``metadata.json``). A clear error otherwise."""
+    from .trainer import _iter_dir, latest_checkpoint
+
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"--load {directory}: no such directory")
+    step = latest_checkpoint(directory)
+    if step is not None:
+        return _iter_dir(directory, step)
+    marker = os.path.join(directory, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            text = f.read().strip()
+        if text == "release":
+            path = os.path.join(directory, "release")
+        elif text.isdigit():
+            path = _iter_dir(directory, int(text))
+        else:
+            raise ValueError(f"{marker}: expected an iteration number or 'release', found {text!r}")
+        if not os.path.isfile(os.path.join(path, "metadata.json")):
+            raise ValueError(f"{path}: not a distributed checkpoint (no metadata.json); megatron-tree score reads "
+                             "Megatron-LM checkpoints saved with --ckpt-format torch_dist")
+        return path
+    if os.path.isfile(os.path.join(directory, "metadata.json")):
+        return directory
+    raise ValueError(f"--load {directory}: no checkpoint there (neither a 'latest' marker of megatron-tree train, nor "
+                     "Megatron-LM's latest_checkpointed_iteration.txt, nor a checkpoint's metadata.json)")
+
+
+# model flags a megatron-tree train checkpoint records (run_args) that must match the scoring model
+_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
+                "hybrid_override_pattern", "tree_hybrid_pattern", "num_experts", "moe_ffn_hidden_size",
+                "moe_router_topk", "normalization", "model_family", "experimental_attention_variant",
+                "multi_latent_attention", "linear_attention_freq", "dsa_indexer_topk")
+
+
+def check_checkpoint_flags(path: str, args) -> None:
+    """ValueError naming every model flag that differs from the ones a megatron-tree train checkpoint
+    recorded (``run_args``); nothing to check in a checkpoint without them (Megatron-LM's)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception:  # noqa: BLE001 - Megatron-LM / older layouts: the shape check below still applies
+        common = {}
+    run_args = common.get("run_args") if isinstance(common, dict) else None
+    if isinstance(run_args, dict):
+        bad = [f"--{k.replace('_', '-')}: checkpoint {run_args[k]!r}, here {getattr(args, k)!r}"
+               for k in _MODEL_FLAGS if k in run_args and getattr(args, k, None) != run_args[k]]
+        if bad:
+            raise ValueError(f"--load {path}: the model flags differ from those the checkpoint was trained with:\n  - "
+                             + "\n  - ".join(bad))
+
+
+def _load_model(path: str, model, args) -> None:
+    """The model's tensors from checkpoint ``path`` (nothing else is read into memory)."""
+    from megatron.core import dist_checkpointing
+
+    check_checkpoint_flags(path, args)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+    model.load_state_dict(loaded["model"])
+
+
+# --------------------------------------------------------------------------------------------- forward
+def _collect(loss_map, output):
+    """The schedule's ``loss_func``: hands back this microbatch's occurrences (no loss)."""
+    lp, ent = output
+    zero = lp.sum() * 0.0
+    num = torch.tensor(len(loss_map), dtype=torch.int, device=lp.device)
+    return zero, num, {"sample_index": loss_map.sample_index.cpu(), "positions": loss_map.positions.cpu(),
+                       "logprobs": lp.detach().double().cpu(), "entropy": ent.detach().double().cpu()}
+
+
+def _score_step(data_iterator, model, *, cp_strategy: str = "balanced", device=None):
+    from ..megatron.forward_step import context_parallel_params
+    from ..megatron.packed_seq import tree_packed_seq_params
+
+    mb = next(data_iterator)
+    dev = device if device is not None else next(model.parameters()).device
+    psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True), model, strategy=cp_strategy)
+    out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+    return out, partial(_collect, psp.loss_map)
+
+
+def _records_for_scoring(samples, all_tokens: bool) -> list:
+    """Tokens and the scored positions only (RL fields play no part in a forward pass)."""
+    from ..tree.sample import Sample
+
+    if all_tokens:
+        return [Sample(tokens=s.tokens) for s in samples]
+    return [Sample(tokens=s.tokens, loss_mask=s.target_mask()) for s in samples]
+
+
+def score(args, samples=None, sources=None) -> dict:
+    """Score on the current process group (initialised here from the environment if needed); rank 0
+    writes ``--out``. Returns (every rank) ``{"records", "targets", "tree_rows", "flat_tokens",
+    "microbatches", "seconds" (the forward passes, slowest rank), "records_per_s", "tokens_per_s" (flat
+    tokens, i.e. the records' total length, per second), "packing", "out"}``."""
+    from megatron.core import parallel_state as ps
+
+    from .trainer import init_parallel
+
+    if samples is None:
+        samples, sources = load_score_records(args)
+    check_score_args(args, samples, sources)
+    on_cpu = init_parallel(args)
+    try:
+        return _score(args, samples, on_cpu)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _score(args, samples, on_cpu: bool) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from ..data.sharding import balance, microbatch_cost
+    from ..tree import pack, padding_microbatch
+    from .models import build_model, make_config
+    from .trainer import _model_args
+
+    margs = _model_args(args)
+    dtype = DTYPES[args.dtype]
+    config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                         ep=args.expert_model_parallel_size, cp=args.context_parallel_size, sp=args.sequence_parallel,
+                         dtype=dtype, cpu=on_cpu)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    model = build_model(config, margs)
+    if not on_cpu:
+        model = model.cuda()
+    _load_model(resolve_checkpoint(args.load), model, args)
+    model.eval()
+
+    records = _records_for_scoring(samples, args.all_tokens)
+    budget, pad = args.tree_max_tokens_per_mb, args.tree_pad_to_multiple_of
+    mbs = pack(records, budget, pad_to_multiple_of=pad, vocab_size=args.vocab_size,
+               share_prefixes=args.packing == "tree")
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    per_rank = max(1, -(-len(mbs) // dp_size))
+    mine = [mbs[i] for i in balance([microbatch_cost(mb) for mb in mbs], dp_size, per_rank)[dp_rank]] if mbs else []
+    mine += [padding_microbatch(budget, num_rows=pad) for _ in range(per_rank - len(mine))]
+
+    dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        reports = get_forward_backward_func()(
+            forward_step_func=partial(_score_step, cp_strategy=args.tree_cp_planner, device=dev),
+            data_iterator=iter(mine), model=[model], num_microbatches=len(mine),
+            seq_length=max(mb.num_rows for mb in mine), micro_batch_size=1, forward_only=True)
+    seconds = time.perf_counter() - t0
+    t = torch.tensor([seconds], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    seconds = float(t)
+
+    # the loss-computing ranks (last stage, TP rank 0) hold every occurrence once, spread over DP x CP
+    owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    keys = ("sample_index", "positions", "logprobs", "entropy")
+    part = {k: torch.cat([r[k] for r in reports] or [torch.zeros(0)]).numpy() if owner else np.zeros(0)
+            for k in keys}
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(part, gathered, dst=0)
+    n_targets = int(sum(int(s.target_mask().sum()) for s in records))
+    out = {"records": len(records), "targets": n_targets, "tree_rows": int(sum(mb.stats.tree_tokens for mb in mbs)),
+           "flat_tokens": int(sum(len(s) for s in records)), "microbatches": len(mbs), "seconds": seconds,
+           "records_per_s": len(records) / seconds, "tokens_per_s": sum(len(s) for s in records) / seconds,
+           "packing": args.packing, "out": args.out}
+    if dist.get_rank() == 0:
+        _write(args.out, records, {k: np.concatenate([g[k] for g in gathered]) for k in keys})
+    dist.barrier()
+    return out
+
+
+def _write(path: str, records: list, occ: dict) -> None:
+    """Rank 0: order the occurrences by (record, position), check each record's targets came back
+    exactly once, write the Parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sidx = occ["sample_index"].astype(np.int64)
+    pos = occ["positions"].astype(np.int64)
+    order = np.lexsort((pos, sidx))
+    expected = np.concatenate([np.flatnonzero(s.target_mask()) for s in records] or [np.zeros(0, np.int64)])
+    counts = np.array([int(s.target_mask().sum()) for s in records], dtype=np.int64)
+    expected_sidx = np.repeat(np.arange(len(records)), counts)
+    if len(order) != len(expected) or not (np.array_equal(sidx[order], expected_sidx)
+                                           and np.array_equal(pos[order], expected)):
+        raise RuntimeError(f"megatron-tree score: {len(order)} scored occurrences came back for {len(expected)} "
+                           "targets, or not one per (record, position): a rank lost or repeated a microbatch")
+    offsets = np.zeros(len(records) + 1, dtype=np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    vals = {k: occ[k][order].astype(np.float64) for k in ("logprobs", "entropy")}
+    if _FAULT == "occurrence_shift":
+        vals = {k: np.roll(v, 1) for k, v in vals.items()}
+    lists = {k: pa.ListArray.from_arrays(pa.array(offsets), pa.array(v)) for k, v in vals.items()}
+    table = pa.table({"record": pa.array(np.arange(len(records), dtype=np.int64)), **lists})
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------- entry point
+def _rank_score(args, samples, sources) -> dict:
+    from .trainer import _quiet_warnings
+
+    _quiet_warnings()
+    return score(args, samples, sources)
+
+
+def format_summary(out: dict) -> str:
+    return (f"megatron-tree score: {out['records']:,} records, {out['targets']:,} scored tokens, "
+            f"{out['microbatches']} microbatches ({out['packing']}: {out['tree_rows']:,} rows for "
+            f"{out['flat_tokens']:,} tokens), {out['seconds']:.2f}s forward, {out['records_per_s']:,.1f} records/s, "
+            f"{out['tokens_per_s']:,.0f} tokens/s -> {out['out']}")
+
+
+def run(args) -> dict:
+    """Check ``args`` and score: here under torchrun/srun, else on ``--nproc`` spawned local ranks.
+    Returns rank 0's `score` result."""
+    from .trainer import _launched
+
+    samples, sources = load_score_records(args)
+    check_score_args(args, samples, sources)
+    check_checkpoint_flags(resolve_checkpoint(args.load), args)  # before any rank starts
+    if _launched() or dist.is_initialized():
+        from .trainer import _quiet_warnings
+
+        _quiet_warnings()
+        out = score(args, samples, sources)
+    else:
+        from .launch import run_distributed
+
+        out = run_distributed(_rank_score, args.nproc, args, samples, sources, timeout=args.timeout)[0]
+    if not args.quiet and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(format_summary(out), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_score_parser().parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-tree score: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -125,6 +125,7 @@ def cmd_verify(args) -> int:
                        sinks=args.sinks, seed=args.seed, families=args.families, budget=args.max_tokens_per_mb,
                        fault=args.inject_fault, tolerance=args.tolerance, dsa_sparse_loss=args.dsa_sparse_loss,
                        dsa_topk_freq=args.dsa_topk_freq, dsa_topk=args.dsa_topk)
+    cfg.routing_replay = args.routing_replay
     out = run_verify(cfg)
     print(format_report(cfg, out))
     return 0 if out["passed"] else 1
@@ -192,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--dsa-topk-freq", type=int, default=1,
                     help="--model dsa: IndexShare, every n-th layer computes top-k and the others reuse it")
     vf.add_argument("--dsa-topk", type=int, default=None, help="--model dsa: keys per query (default 4)")
+    vf.add_argument("--routing-replay", action="store_true",
+                    help="rollout routing replay: samples carry MoE routes that disagree on shared prefixes; the tree "
+                         "side packs route-aware and replays per row, the per-sample side replays through stock "
+                         "RouterReplay (dense models get 4 experts in every layer)")
     vf.add_argument("--inject-fault", default=None, choices=FAULTS,
                     help="inject a known bug into the tree side (verify must then fail; nan: a NaN in one "
                          "parameter's gradient and one logit; mla_rope_physical, with --model mla: MLA's rotary "

@@ -222,14 +222,18 @@ def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False, grad_red
     return ddp
 
 
-def forward_backward(model, microbatches: list, *, forward_only: bool = False, **loss_kwargs) -> list[dict]:
+def forward_backward(model, microbatches: list, *, forward_only: bool = False, wrap_step=None,
+                     **loss_kwargs) -> list[dict]:
     """One forward(-backward) over ``microbatches`` (`TreeMicrobatch`es, or ``(microbatch, CPPlan)``
     pairs under context parallelism) through Megatron's schedule. Returns the loss reports of the
-    last pipeline stage (empty elsewhere)."""
+    last pipeline stage (empty elsewhere). ``wrap_step``: optional ``wrap_step(step) -> step`` around
+    the forward-step function (verify's per-sample routing replay feeds stock RouterReplay there)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     seq = max((mb[0] if isinstance(mb, tuple) else mb).num_rows for mb in microbatches)
     step = partial(tree_forward_step, **loss_kwargs)
+    if wrap_step is not None:
+        step = wrap_step(step)
     return get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(list(microbatches)),
         model=[model], num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=1,

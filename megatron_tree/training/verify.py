@@ -59,9 +59,11 @@ FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurre
 DSA_FAULTS = ("dsa_tie_order", "dsa_loss_weight")
 # faults of model "dsa" in bf16 only: an accuracy bug, exact in float64 (what the bf16 ratio rule catches)
 BF16_FAULTS = ("dsa_bf16_grad_sum",)
-ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS
+# faults of routing replay runs only (routing_replay=True): the tree side's routes read one row off
+REPLAY_FAULTS = ("route_row_shift",)
+ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
-MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS
+MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
 METRICS = ("logits", "loss", "grads", "params_after_step")
 # dtype "bfloat16": the tree side passes iff err(tree vs float64 per-sample) <= BF16_RATIO * err(per-sample
 # bf16 vs float64 per-sample) + BF16_FLOOR for every metric. The floor is 2^-16 (bf16's unit roundoff
@@ -110,6 +112,11 @@ class VerifyConfig:
     # tree CP of GDN layers: None (``$MEGATRON_TREE_GDN_CP_MODE``, else the cost model's "auto"),
     # "summary" or "heads" (set in the rank processes for this config only)
     gdn_cp_mode: Optional[str] = None
+    # rollout routing replay (R3): every sample carries routes (drawn so that rollouts sharing a token
+    # prefix disagree somewhere), the tree side packs route-aware and replays per row
+    # (`megatron.routing_replay`), the per-sample side replays each sample's routes through stock
+    # RouterReplay; dense kinds get 4 experts (every layer MoE)
+    routing_replay: bool = False
 
     @property
     def world_size(self) -> int:
@@ -119,7 +126,7 @@ class VerifyConfig:
         from .models import DEFAULT_HYBRID_PATTERN, DEFAULT_MAMBA_PATTERN
 
         default = {"hybrid": DEFAULT_HYBRID_PATTERN, "mamba": DEFAULT_MAMBA_PATTERN}.get(self.model)
-        return self.ep > 1 or (default is not None and "E" in (self.pattern or default))
+        return self.ep > 1 or self.routing_replay or (default is not None and "E" in (self.pattern or default))
 
     def tol(self) -> float:
         """Default tolerance by dtype. float64 with MoE: Megatron's router softmax runs in fp32.
@@ -210,10 +217,18 @@ def plant_model_fault(model, fault: Optional[str]) -> None:
     ``dsa_tie_order``: every `TreeDSAttention` breaks top-k ties by the larger row id (not the smaller).
     ``dsa_loss_weight``: every `TreeDSAttention` weights each row's indexer loss term by 1 (dropping
     the per-sample weights ``sum 1/len(s)``).
+    ``route_row_shift`` (routing replay): every MoE layer replays, at each row, the routes of the row
+    before it (routes read one row off).
     ``dsa_bf16_grad_sum`` (CP 1, bf16): every `TreeDSAttention` rounds the indexer loss's two passes'
     gradients to bf16 before summing them (`ops.dsa.tree_dsa_indexer_loss` ``fp32_grad_sum=False``),
     where they nearly cancel: float64-exact, far less accurate than per-sample bf16 training.
     """
+    if fault == "route_row_shift":
+        from ..megatron.routing_replay import install_routing_replay
+
+        for rep in install_routing_replay(model):
+            rep.fault = fault
+        return
     if fault in DSA_FAULTS + BF16_FAULTS:
         from ..megatron.dsa import TreeDSAttention
 
@@ -425,7 +440,7 @@ def _mb_of(item):
     return item[0] if isinstance(item, tuple) else item
 
 
-def _flat_packed(samples: list, mb, pad: int):
+def _flat_packed(samples: list, mb, pad: int, route_aware: bool = False):
     """The samples of tree microbatch ``mb`` as one flat-packed microbatch (every sample its own
     unbranched chain, in the order of ``mb.sample_ids``; its sample ``j`` is ``mb.sample_ids[j]``):
     ordinary packed training of the same microbatch, the bf16 judge's baseline."""
@@ -433,7 +448,7 @@ def _flat_packed(samples: list, mb, pad: int):
 
     chosen = [samples[i] for i in mb.sample_ids]
     rows = sum(len(s.tokens) for s in chosen)
-    out = pack(chosen, -(-rows // pad) * pad, pad_to_multiple_of=pad, share_prefixes=False)
+    out = pack(chosen, -(-rows // pad) * pad, pad_to_multiple_of=pad, share_prefixes=False, route_aware=route_aware)
     if len(out) != 1:
         raise RuntimeError(f"flat packing of one microbatch's {len(chosen)} samples gave {len(out)} microbatches")
     return out[0]
@@ -511,7 +526,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype, not params_dtype
     dense = ("gpt", "qwen3next", "mla", "dsa")
     margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model in dense else 0, window_size=cfg.window,
-                      sinks=cfg.sinks, num_experts=4 if cfg.ep > 1 and cfg.model in dense else None)
+                      sinks=cfg.sinks,
+                      num_experts=4 if (cfg.ep > 1 or cfg.routing_replay) and cfg.model in dense else None)
     dsa = cfg.model == "dsa"
     if dsa:
         from ..compat import dsa as compat_dsa
@@ -532,7 +548,15 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         # stock GPTModel per sample.
         margs.extra["attention_output_gate"] = False
     samples = verify_samples(cfg.seed, margs.vocab_size, cfg.families)
-    mbs = pack(samples, cfg.budget, pad_to_multiple_of=8)
+    route_shape = None
+    if cfg.routing_replay:
+        margs.extra["moe_enable_routing_replay"] = True
+        if cfg.recompute == "selective" and cfg.model not in ("mla", "dsa"):
+            margs.extra["recompute_modules"] = ["core_attn", "moe"]  # the MoE layer's routing reruns in backward
+        probe = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, dtype=dtype, cpu=on_cpu)
+        route_shape = (_moe_layer_count(margs, probe), margs.moe_router_topk)
+        samples = verify_routes(samples, *route_shape, margs.num_experts, cfg.seed)
+    mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = mbs[dpr::dp]
     if not mine:
@@ -543,7 +567,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # Every DP rank runs the same number of microbatches (MoE all-to-alls run once per microbatch
     # on every expert-parallel rank): top up with zero-loss padding microbatches.
     fields = [f for f in ("advantages", "old_logprobs", "ref_logprobs") if getattr(mine[0].loss_map, f) is not None]
-    filler = padding_microbatch(cfg.budget, num_rows=-(-8 // pad) * pad, float_fields=fields)
+    filler = padding_microbatch(cfg.budget, num_rows=-(-8 // pad) * pad, float_fields=fields, route_shape=route_shape)
     n_tree = -(-len(mbs) // dp)
     n_flat = max(sum(len(m.sample_ids) for m in mbs[r::dp]) for r in range(dp))
     bf16 = dtype == torch.bfloat16
@@ -552,15 +576,22 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # them into the float32 main_grad, so one sample per microbatch would average that rounding over
     # ~sqrt(#samples) more microbatches than the tree side has (5.9x on GDN's A_log at 34 samples),
     # an effect of the microbatch count, not of the tree. The float64 reference stays per sample.
-    packed_mbs = [_flat_packed(samples, mb, pad) for mb in mine] if bf16 else None
+    packed_mbs = [_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay) for mb in mine] if bf16 else None
     tree_mbs += [filler] * (n_tree - len(tree_mbs))
-    flat_mbs += [padding_microbatch(cfg.budget, num_rows=pad, float_fields=fields)] * (n_flat - len(flat_mbs))
+    # routing replay, per-sample side: each sample's own routes (then valid ones on its padding rows),
+    # fed to stock RouterReplay (`_stock_replay`), never read from the tree side's packing
+    flat_routes = ([_sample_routes(samples[i], fm.num_rows) for fm, i in
+                    zip(flat_mbs, [i for mb in mine for i in mb.sample_ids])] if cfg.routing_replay else None)
+    flat_mbs += [padding_microbatch(cfg.budget, num_rows=pad, float_fields=fields, route_shape=route_shape)] * (
+        n_flat - len(flat_mbs))
+    if cfg.routing_replay:
+        flat_routes += [_sample_routes(None, pad, route_shape)] * (len(flat_mbs) - len(flat_routes))
     if bf16:
         packed_mbs += [filler] * (n_tree - len(packed_mbs))
 
-    def fresh(stock_dsa=False, side_dtype=dtype, init=None):
+    def fresh(stock_dsa=False, side_dtype=dtype, init=None, recompute=cfg.recompute):
         # a new config per model: DDP hangs hooks on it, and MoE experts deep-copy it
-        config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, recompute=cfg.recompute,
+        config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, recompute=recompute,
                              dtype=side_dtype, cpu=on_cpu)
         torch.manual_seed(cfg.seed)
         model_parallel_cuda_manual_seed(cfg.seed)
@@ -612,13 +643,27 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     for side, batch, side_dtype in sides:
         torch.set_default_dtype(torch.float64 if side_dtype == torch.float64 else torch.float32)
         stock = stock_flat and side in per_sample  # model "dsa" at CP 1: stock DSAttention per sample
-        ddp, opt = fresh(stock_dsa=stock, side_dtype=side_dtype, init=init if side == "ref" else None)
+        # routing replay under PP: stock RouterReplay replays "the current" routes when a recomputation
+        # runs, which 1F1B has already replaced by a later microbatch's; recomputation changes no number,
+        # so the per-sample side runs without it there (the tree side keeps it: its routes follow the rows)
+        side_recompute = "none" if cfg.routing_replay and cfg.pp > 1 and side in per_sample else cfg.recompute
+        ddp, opt = fresh(stock_dsa=stock, side_dtype=side_dtype, init=init if side == "ref" else None,
+                         recompute=side_recompute)
         if side == "tree" and bf16:
             init = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        wrap = None
+        if cfg.routing_replay:
+            if side in per_sample:  # stock RouterReplay, fed each sample's routes before its forward
+                wrap = partial(_stock_replay, ddp.module, flat_routes)
+            else:
+                from ..megatron.routing_replay import install_routing_replay
+
+                install_routing_replay(ddp.module)
         if side == "tree":
             plant_model_fault(ddp.module, cfg.fault)
         store: list = []
-        get_forward_backward_func()(forward_step_func=partial(_logits_step, store, cfg.cp_strategy),
+        logits_step = partial(_logits_step, store, cfg.cp_strategy)
+        get_forward_backward_func()(forward_step_func=wrap(logits_step) if wrap else logits_step,
                                     data_iterator=iter(batch), model=[ddp], num_microbatches=len(batch),
                                     seq_length=max((b[0] if isinstance(b, tuple) else b).num_rows for b in batch),
                                     micro_batch_size=1, forward_only=True)
@@ -632,7 +677,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
                 compat_dsa.dsa_module().DSAIndexerLossLoggingHelper.tracker.clear()
                 selected = stack.enter_context(compat_dsa.capture_stock_selected() if stock else capture_selected())
-            reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy)
+            reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap)
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
             tot = tot.double()
@@ -728,6 +773,78 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------------------- routing replay
+def _moe_layer_count(margs, config) -> int:
+    """MoE layers of the whole model: 'E' letters of a hybrid / Mamba pattern, else Megatron's
+    ``moe_layer_freq`` over ``num_layers`` (an int: every n-th layer from the first; a list: 1 = MoE)."""
+    if margs.kind in ("hybrid", "mamba"):
+        return margs.pattern.count("E")
+    freq = config.moe_layer_freq
+    return int(sum(freq)) if isinstance(freq, list) else sum(1 for i in range(config.num_layers) if i % freq == 0)
+
+
+def verify_routes(samples: list, moe_layers: int, topk: int, num_experts: int, seed: int) -> list:
+    """``samples`` with ``routed_experts``: the route at position t is drawn from the token prefix
+    ``tokens[:t+1]`` (equal prefixes agree, so trees still share), except that every fourth sample
+    of the batch (1, 5, 9, ...) was "prefilled elsewhere": its routes at position 1 + (j % 3) (inside
+    every family's prompt) are another draw, so rollouts sharing a token prefix disagree there."""
+    import dataclasses as dc
+
+    out = []
+    for j, s in enumerate(samples):
+        h, rows = seed, []
+        for t, tok in enumerate(s.tokens.tolist()):
+            h = (h * 1000003 + int(tok) + 1) % (1 << 61)
+            alt = j % 4 == 1 and t == min(len(s) - 1, 1 + j % 3)
+            rng = np.random.default_rng([h, int(alt), j if alt else 0])
+            rows.append(np.argsort(rng.random((moe_layers, num_experts)), axis=1)[:, :topk])
+        out.append(dc.replace(s, routed_experts=np.stack(rows)))
+    return out
+
+
+def _sample_routes(sample, num_rows: int, shape=None) -> torch.Tensor:
+    """[num_rows, moe_layers, topk] routes of a one-sample microbatch: the sample's, then experts
+    0..topk-1 on its padding rows (``sample`` None: a padding microbatch of ``shape``)."""
+    r = np.zeros((0,) + tuple(shape), np.int64) if sample is None else np.asarray(sample.routed_experts, np.int64)
+    pad = np.broadcast_to(np.arange(r.shape[2]), (num_rows - r.shape[0],) + r.shape[1:])
+    return torch.from_numpy(np.concatenate([r, pad]).astype(np.int64))
+
+
+def _stock_replay(model, routes: list, step):
+    """Wrap a forward-step function for the per-sample side: before microbatch i's forward, feed
+    ``routes[i]`` to every stock ``RouterReplay`` of this stage (its MoE layers' columns, this TP
+    rank's sequence-parallel slice) and set them to REPLAY_FORWARD (the no-pipelining schedule runs
+    each microbatch's backward, recomputation included, before the next forward)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = [mod.router for mod in model.modules() if isinstance(mod, MoELayer)]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        counts = [None] * ps.get_pipeline_model_parallel_world_size()
+        torch.distributed.all_gather_object(counts, len(routers), group=ps.get_pipeline_model_parallel_group())
+        first = sum(counts[: ps.get_pipeline_model_parallel_rank()])
+    else:
+        first = 0
+    tp, tpr = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    sp = model.config.sequence_parallel and tp > 1
+    feed = iter(routes)
+
+    def wrapped(data_iterator, model_):
+        r = next(feed)
+        if sp:
+            n = r.shape[0] // tp
+            r = r[tpr * n: (tpr + 1) * n]
+        for k, router in enumerate(routers):
+            rr = router.router_replay
+            rr.clear_indices()
+            rr.set_target_indices(r[:, first + k].contiguous())
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        return step(data_iterator, model_)
+
+    return wrapped
+
+
 def run_verify(cfg: VerifyConfig, *, timeout: float = 600.0) -> dict:
     """Run the comparison on ``cfg.world_size`` local ranks; returns the worst errors over ranks."""
     return run_verify_many([cfg], timeout=timeout)[0]
@@ -756,6 +873,12 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.fault == "mla_rope_physical" and cfg.model != "mla":
             raise ValueError("fault mla_rope_physical plants a bug in Multi-Latent Attention: it needs model='mla'"
                              " (--model mla)")
+        if cfg.routing_replay and (cfg.cp > 1 or cfg.dtype == "bfloat16"):
+            raise ValueError("verify --routing-replay runs without tree CP and in float64 / float32 (its per-sample "
+                             "side feeds stock RouterReplay one sample per microbatch on one rank)")
+        if cfg.fault == "route_row_shift" and not cfg.routing_replay:
+            raise ValueError("fault route_row_shift plants a bug in routing replay: it needs routing_replay=True "
+                             "(--routing-replay)")
         if cfg.ep > 1 and (cfg.dp * cfg.cp) % cfg.ep:  # experts spread over a stage's DP x CP ranks (ETP = TP)
             raise ValueError(f"expert parallel size {cfg.ep} must divide data x context parallel ranks "
                              f"{cfg.dp * cfg.cp}")
@@ -817,6 +940,8 @@ def format_report(cfg: VerifyConfig, out: dict) -> str:
               + (f" dsa(sparse_loss={cfg.dsa_sparse_loss}, topk_freq={cfg.dsa_topk_freq})" if cfg.model == "dsa" else ""))
     if cfg.gdn_cp_mode is not None:
         layout += f" gdn_cp_mode={cfg.gdn_cp_mode}"
+    if cfg.routing_replay:
+        layout += " routing_replay"
     lines = [f"megatron-tree verify: {layout}",
              f"batch: {out['num_samples']} samples, {out['flat_rows']} flat rows -> {out['tree_rows']} tree rows; "
              f"loss {out['loss_value']:.6f}"]

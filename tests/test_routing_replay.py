@@ -1,0 +1,161 @@
+"""Rollout routing replay (R3) on trees (issue 18 point 2): ``megatron-tree verify --routing-replay``.
+
+The tree side packs route-aware (rows shared only where tokens and routes agree) and replays the
+routes of the rows each MoE layer holds (`megatron_tree.megatron.routing_replay`); the per-sample
+side replays each sample's own routes through stock ``RouterReplay`` (independent code: the sample's
+``routed_experts`` plus padding, fed to every stock router before the sample's forward). Routes are
+drawn from the token prefix, with a planted disagreement on a shared prompt in every fourth sample,
+so the route-aware trie really forks. Float64; MoE's router softmax runs in fp32 in Megatron (hence
+verify's 5e-6 MoE tolerance, and the seeds of the PP cases: Adam's first step is sign-like, so a
+gradient element near Adam's eps turns fp32 noise into a visible parameter difference).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_tree.training.verify import VerifyConfig, format_report, run_verify_many, verify_routes, verify_samples
+from selection import run_selected  # tests/selection.py
+from verify_checks import check_verify  # tests/verify_checks.py
+
+R = dict(routing_replay=True, families=3, budget=64, dtype="float64")
+LATEST: list = []
+
+
+def both(cfg):
+    LATEST.append(cfg)
+    return cfg
+
+
+WS1 = [
+    both(VerifyConfig(model="gpt", **R)),
+    # the MoE layer's routing reruns inside the backward: the routes come from the recompute FIFO
+    VerifyConfig(model="gpt", recompute="selective", loss="grpo", **R),
+    VerifyConfig(model="gpt", recompute="full", **R),
+    both(VerifyConfig(model="hybrid", recompute="selective", **R)),  # M G * - * E
+    both(VerifyConfig(model="mamba", **R)),  # MambaModel M * - E
+    VerifyConfig(model="gpt", recompute="selective", fault="route_row_shift", **R),
+]
+
+WS2 = [
+    both(VerifyConfig(model="gpt", tp=2, sp=True, recompute="selective", **R)),  # each TP rank routes its SP slice
+    both(VerifyConfig(model="gpt", dp=2, ep=2, **{**R, "families": 4})),  # experts over 2 ranks: routed before dispatch
+    # 1F1B: stage 0 runs microbatch 1's forward before microbatch 0's backward recomputes its routing
+    VerifyConfig(model="gpt", pp=2, recompute="selective", **{**R, "seed": 1}),
+    both(VerifyConfig(model="hybrid", pp=2, recompute="full", **R)),
+    VerifyConfig(model="gpt", tp=2, sp=True, fault="route_row_shift", **R),
+]
+
+
+@pytest.fixture(scope="module")
+def ws1(request):
+    return run_selected(request, "test_world_size_1", WS1, run_verify_many)
+
+
+@pytest.fixture(scope="module")
+def ws2(request):
+    return run_selected(request, "test_world_size_2", WS2, run_verify_many)
+
+
+def _id(c: VerifyConfig) -> str:
+    return (f"{c.model}-tp{c.tp}-pp{c.pp}-dp{c.dp}-ep{c.ep}{'-sp' if c.sp else ''}-{c.recompute}-{c.loss}"
+            + (f"-{c.fault}" if c.fault else ""))
+
+
+def _cases(configs):
+    return [pytest.param(i, id=_id(c), marks=[] if any(c is k for k in LATEST) else [pytest.mark.main_tier_only])
+            for i, c in enumerate(configs)]
+
+
+@pytest.mark.parametrize("i", _cases(WS1))
+def test_world_size_1(ws1, i):
+    check_verify(WS1[i], ws1[i], fault_seen="logits" if WS1[i].fault else None)
+
+
+@pytest.mark.parametrize("i", _cases(WS2))
+def test_world_size_2(ws2, i):
+    check_verify(WS2[i], ws2[i], fault_seen="logits" if WS2[i].fault else None)
+
+
+def test_verify_routes_make_shared_prefixes_disagree():
+    """The verify batch's routes fork the trie: route-aware rows exceed token-only rows, and some
+    rollouts that share a token prefix were routed differently on it."""
+    from megatron_tree.tree.routes import route_sharing_cost
+
+    samples = verify_routes(verify_samples(1234, 128, 3), 4, 2, 4, 1234)
+    c = route_sharing_cost(samples)
+    assert c["route_forks"] >= 3 and c["token_rows"] < c["route_rows"] < c["flat_rows"]
+    for s in samples:  # distinct experts per token and layer, in range
+        r = np.sort(s.routed_experts, -1)
+        assert (r[..., 1:] != r[..., :-1]).all() and r.min() >= 0 and r.max() < 4
+
+
+def test_verify_refuses_what_it_cannot_judge():
+    with pytest.raises(ValueError, match="route_row_shift plants a bug in routing replay"):
+        run_verify_many([VerifyConfig(model="gpt", fault="route_row_shift")])
+    with pytest.raises(ValueError, match="--routing-replay runs without tree CP"):
+        run_verify_many([VerifyConfig(model="gpt", cp=2, routing_replay=True)])
+    assert "routing_replay" in format_report(WS1[0], {"tolerance": 0, "num_samples": 0, "flat_rows": 0,
+                                                      "tree_rows": 0, "loss_value": 0, "passed": True,
+                                                      **{m: 0 for m in ("logits", "loss", "grads",
+                                                                        "params_after_step")}}).splitlines()[0]
+
+
+def _missing_routes_body():
+    """One rank: a replaying tree model refuses a microbatch without routes (and a model built without
+    ``moe_enable_routing_replay`` refuses the install); the CP view's routes are its owned rows."""
+    import torch
+
+    from megatron_tree.compat import cpu
+    from megatron_tree.megatron.packed_seq import tree_packed_seq_params
+    from megatron_tree.megatron.routing_replay import install_routing_replay, local_routes
+    from megatron_tree.training.models import ModelArgs, build_model, make_config
+    from megatron_tree.tree import Sample, pack
+
+    cpu.enable()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    margs = ModelArgs(kind="gpt", num_layers=2, num_experts=4)
+    out = {}
+    try:
+        install_routing_replay(build_model(make_config(margs), margs))
+    except ValueError as e:
+        out["no_flag"] = str(e)
+    margs.extra["moe_enable_routing_replay"] = True
+    model = build_model(make_config(margs), margs)
+    reps = install_routing_replay(model)
+    out["ordinals"] = [r.moe_ordinal for r in reps]
+    mb = pack([Sample(tokens=[1, 2, 3, 4])], 8)[0]  # token-only: no routes
+    psp = tree_packed_seq_params(mb)
+    try:
+        model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+    except ValueError as e:
+        out["missing"] = str(e)
+    routes = np.arange(4 * 2 * 2).reshape(4, 2, 2) % 4
+    routes[:, :, 1] = (routes[:, :, 0] + 1) % 4
+    mb = pack([Sample(tokens=[1, 2, 3, 4], routed_experts=routes)], 8, route_aware=True, pad_to_multiple_of=8)[0]
+    psp = tree_packed_seq_params(mb)
+    model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+    out["replayed"] = True
+    from megatron_tree.cp import plan_context_parallel
+    from megatron_tree.megatron.packed_seq import context_parallel_view
+
+    plan = plan_context_parallel(mb.layout, 2, strategy="zigzag")
+    view = context_parallel_view(psp, plan, 1, pad_to_multiple_of=4)
+    got = local_routes(view)
+    rows = torch.from_numpy(plan.owner_rows(1))
+    out["cp_ok"] = bool(torch.equal(got[: len(rows)], mb.routes[rows])) and got.shape[0] == view.num_local_rows
+    return out
+
+
+def test_missing_routes_are_an_error_never_a_reroute():
+    from dist import run_distributed
+
+    out = run_distributed(_missing_routes_body, 1)[0]
+    assert "moe_enable_routing_replay=True" in out["no_flag"]
+    assert out["ordinals"] == [0, 1]
+    assert "carry no routes" in out["missing"] and "never re-routes" in out["missing"]
+    assert out["replayed"] and out["cp_ok"]

@@ -159,3 +159,50 @@ def test_missing_routes_are_an_error_never_a_reroute():
     assert out["ordinals"] == [0, 1]
     assert "carry no routes" in out["missing"] and "never re-routes" in out["missing"]
     assert out["replayed"] and out["cp_ok"]
+
+
+# ----------------------------------------------------------------------------------- megatron-tree train
+def _train_argv(data, *extra):
+    return ["--tree-data-path", str(data), "--vocab-size", "128", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--ffn-hidden-size", "32", "--num-layers", "2", "--num-experts", "4", "--moe-ffn-hidden-size", "16",
+            "--moe-router-topk", "2", "--lr", "2e-2", "--lr-decay-style", "constant", "--weight-decay", "0",
+            "--tree-global-batch-samples", "12", "--tree-max-tokens-per-mb", "64", "--tree-pad-to-multiple-of", "8",
+            "--quiet", "--seed", "7", "--train-iters", "2", *map(str, extra)]
+
+
+def _train_body(paths):
+    """One rank: ``train --routing-replay`` on routed records (twice, with two different routings of the
+    same tokens), and on records missing routes."""
+    from megatron_tree.training.trainer import build_train_parser, train
+
+    out = {}
+    for name in ("a", "b"):
+        res = train(build_train_parser().parse_args(_train_argv(paths[name], "--routing-replay")))
+        out[name] = [(h["loss"], h["tree_rows"], h["flat_tokens"]) for h in res["history"]]
+    try:
+        train(build_train_parser().parse_args(_train_argv(paths["missing"], "--routing-replay")))
+    except ValueError as e:
+        out["missing"] = str(e)
+    return out
+
+
+def test_train_routing_replay(tmp_path):
+    """``megatron-tree train --routing-replay`` packs route-aware (the logged rows are the (token, route)
+    trie's), replays the records' routes (another routing of the same tokens gives another loss), and
+    refuses a record without routes."""
+    from dist import run_distributed
+    from megatron_tree.data.io import write_jsonl
+    from megatron_tree.tree import Sample, pack
+
+    samples = verify_routes(verify_samples(7, 128, 2), 2, 2, 4, 7)
+    other = verify_routes(samples, 2, 2, 4, 8)  # the same tokens routed differently
+    paths = {"a": tmp_path / "a.jsonl", "b": tmp_path / "b.jsonl", "missing": tmp_path / "m.jsonl"}
+    write_jsonl(samples, paths["a"])
+    write_jsonl(other, paths["b"])
+    write_jsonl(samples[:5] + [Sample(tokens=samples[5].tokens)] + samples[6:], paths["missing"])
+    out = run_distributed(_train_body, 1, paths, timeout=600)[0]
+    (loss_a, rows_a, flat_a), (loss_b, _, _) = out["a"][0], out["b"][0]
+    assert np.isfinite([h[0] for h in out["a"]]).all() and loss_a != loss_b
+    # every step's rows: the route-aware trie of its window (12 samples), more than token-only sharing
+    assert rows_a < flat_a
+    assert "has no routed_experts" in out["missing"] and "re-routed" in out["missing"]

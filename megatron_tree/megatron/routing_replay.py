@@ -206,6 +206,9 @@ def install_routing_replay(model, *, first_moe_layer: Optional[int] = None) -> l
         moe.register_forward_hook(_moe_post_hook(rep))
         replays.append(rep)
     m._tree_routing_replay = replays
+    # MoE layers of the whole model (the routes' middle axis): counted over the PP group, or from
+    # first_moe_layer when the caller gave it (then this chunk is taken to be the last one)
+    m.routing_replay_moe_layers = total if total is not None else first_moe_layer + len(pairs)
     return replays
 
 

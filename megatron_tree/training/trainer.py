@@ -111,6 +111,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument("--packing", choices=PACKINGS, default="tree",
                    help="tree: share prefixes (default); flat: every sample its own chain, same budget "
                         "(the baseline tree packing is measured against)")
+    d.add_argument("--routing-replay", action="store_true",
+                   help="rollout routing replay (R3) for MoE models: every record carries routed_experts "
+                        "([tokens][moe_layers][topk]); packing shares rows only where tokens and routes agree and "
+                        "every MoE layer replays the routes of its rows (missing routes are an error)")
     add_tree_args(parser)
     parser.set_defaults(tree_packing=True)
     return parser
@@ -234,6 +238,14 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
             args.hybrid_override_pattern != args.tree_hybrid_pattern:
         errors.append("--hybrid-override-pattern and --tree-hybrid-pattern disagree; pass one of them")
     errors += _family_errors(args)
+    if getattr(args, "routing_replay", False):
+        if not (args.num_experts or "E" in (args.tree_hybrid_pattern or args.hybrid_override_pattern or "")):
+            errors.append("--routing-replay needs MoE layers: --num-experts N (or an 'E' in the hybrid pattern)")
+        if args.synthetic_preset:
+            errors.append("--routing-replay needs records with routed_experts (--tree-data-path): the synthetic "
+                          "presets carry no routes")
+        if args.packing == "flat":
+            errors.append("--routing-replay packs route-aware prefix trees: drop --packing flat")
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     cp = args.context_parallel_size
     if min(tp, pp, ep, cp) < 1:
@@ -698,6 +710,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
 
     rank = dist.get_rank()
     margs = _model_args(args)
+    if getattr(args, "routing_replay", False):  # Megatron gives every router a replay hook
+        margs.extra["moe_enable_routing_replay"] = True
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     # a fresh config per model: DDP hangs hooks on it, MoE experts deep-copy it
     config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
@@ -708,6 +722,14 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     model = build_model(config, margs)
     if not on_cpu:
         model = model.cuda()
+    replay = None
+    if getattr(args, "routing_replay", False):
+        from ..megatron.routing_replay import install_routing_replay, reset_routing_replay
+        from ..tree.routes import RouteSpec
+
+        install_routing_replay(model)
+        replay = RouteSpec(moe_layers=model.routing_replay_moe_layers, topk=config.moe_router_topk,
+                           num_experts=config.num_moe_experts)
     ddp = wrap_ddp(model, config, use_distributed_optimizer=args.use_distributed_optimizer)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -738,6 +760,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
         if uses_gdn_islands(ddp):  # GDN layout islands: the island plan is made ahead too, as a pair
             kw["plan_fn"] = island_plan_fn(kw["plan_fn"], args.context_parallel_size,
                                             model.gdn_island_geometry)
+    if replay is not None:  # rows shared only where tokens and routes agree; every row carries its route
+        kw.update(route_aware=True, route_spec=replay)
     pipeline = _make_pipeline(samples, args.packing, **kw)
 
     start, resumed_from = 0, None
@@ -777,6 +801,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
                 step = next(data)
                 ddp.zero_grad_buffer()
                 opt.zero_grad()
+                if replay is not None:
+                    reset_routing_replay(ddp)
                 items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
                 if cp_group is not None:
                     attention_seconds(reset=True)

@@ -206,3 +206,72 @@ def test_train_routing_replay(tmp_path):
     # every step's rows: the route-aware trie of its window (12 samples), more than token-only sharing
     assert rows_a < flat_a
     assert "has no routed_experts" in out["missing"] and "re-routed" in out["missing"]
+
+
+# ----------------------------------------------------------------------------------- Megatron-LM hooks
+def _hooks_body():
+    """TP2 + SP: ``--tree-routing-replay`` models from the hooks' model_provider replay what get_batch
+    carries (TP rank 1 reads no data: the routes come in TP rank 0's broadcast); the same model fed
+    our own tree_forward_step gives the same loss and gradients."""
+    import argparse
+
+    import torch
+
+    from megatron_tree.compat import cpu
+
+    cpu.enable(kernels=True)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tree.megatron.forward_step import tree_forward_step
+    from megatron_tree.megatron.routing_replay import TreeRouterReplay
+    from megatron_tree.training import megatron_lm as H
+    from megatron_tree.training.arguments import add_tree_args
+    from megatron_tree.training.models import ModelArgs, make_config
+    from megatron_tree.tree import pack
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    torch.set_default_dtype(torch.float64)
+    model_parallel_cuda_manual_seed(7)
+    torch.manual_seed(7)
+    args = add_tree_args(argparse.ArgumentParser()).parse_args(
+        ["--tree-packing", "--tree-max-tokens-per-mb", "64", "--tree-routing-replay"])
+    for k, v in dict(vocab_size=128, padded_vocab_size=128, transformer_impl="local", normalization="RMSNorm",
+                     untie_embeddings_and_output_weights=True, position_embedding_type="rope", num_experts=4,
+                     max_position_embeddings=64, micro_batch_size=1, attention_dropout=0.0, num_layers=2).items():
+        setattr(args, k, v)
+    config = make_config(ModelArgs(num_layers=2, vocab_size=128, num_experts=4), tp=2, sp=True, dtype=torch.float64)
+    model = H.model_provider(config=config, args=args)
+    out = {"replays": sum(isinstance(m.router.router_replay, TreeRouterReplay) for m in model.modules()
+                          if hasattr(m, "router"))}
+    samples = verify_routes(verify_samples(3, 128, 2), 2, 2, 4, 3)
+    mbs = pack(samples, 64, pad_to_multiple_of=8, route_aware=True)
+    rank0 = ps.get_tensor_model_parallel_rank() == 0
+    psp = H.get_batch(iter(mbs) if rank0 else None)
+    out["routes_equal"] = bool(torch.equal(psp.routes, mbs[0].routes))
+    losses, grads = [], []
+    for step in ("hooks", "ours"):
+        model.zero_grad()
+        it = iter(mbs)
+        total = 0.0
+        for _ in mbs:
+            if step == "hooks":
+                output, lf = H.forward_step(it if rank0 else None, model, args=args)
+            else:
+                output, lf = tree_forward_step(it, model)
+            loss, n, _ = lf(output)
+            loss.backward()
+            total += float(loss)
+        losses.append(total)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone())
+    out["loss"] = losses
+    out["grad_diff"] = float((grads[0] - grads[1]).abs().max())
+    return out
+
+
+def test_hooks_tree_routing_replay():
+    from dist import run_distributed
+
+    for out in run_distributed(_hooks_body, 2, timeout=600):
+        assert out["replays"] == 2 and out["routes_equal"]
+        assert out["loss"][0] == out["loss"][1] and out["grad_diff"] == 0.0, out

@@ -50,6 +50,11 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "stay exactly per-sample. Required by the megatron_tree Megatron-LM hooks.")
     g.add_argument("--tree-max-tokens-per-mb", type=_positive_int, default=None, metavar="N",
                    help="Row budget of one microbatch (padding included). Default: --seq-length.")
+    g.add_argument("--tree-routing-replay", action="store_true",
+                   help="Rollout routing replay (R3) for MoE models: every record carries routed_experts "
+                        "([tokens][moe_layers][topk]); rows are shared only where tokens and routes agree and "
+                        "every MoE layer replays the routes of its rows (moe_enable_routing_replay). A record "
+                        "without routes is an error, never re-routed.")
     g.add_argument("--tree-global-batch-samples", type=_positive_int, default=None, metavar="N",
                    help="Samples per optimizer step over all data-parallel ranks. They are packed into "
                         "exactly --global-batch-size / DP microbatches per rank (spare slots are tiny "
@@ -170,6 +175,13 @@ def validate_tree_args(args) -> argparse.Namespace:
         errors.append("use --train-iters with --tree-packing, not --train-samples (a microbatch holds many samples)")
     if _get(args, "mtp_num_layers"):
         errors.append("multi-token prediction (--mtp-num-layers) is not supported with --tree-packing")
+
+    if _get(args, "tree_routing_replay") and not (_get(args, "num_experts")
+                                                  or "E" in (_get(args, "tree_hybrid_pattern") or "")
+                                                  or "E" in (_get(args, "hybrid_override_pattern") or "")):
+        errors.append("--tree-routing-replay needs MoE layers (--num-experts, or 'E' in the hybrid pattern)")
+    if _get(args, "tree_routing_replay") and _get(args, "tree_flat_packing"):
+        errors.append("--tree-routing-replay packs route-aware prefix trees: drop --tree-flat-packing")
 
     # -- parallelism
     if _get(args, "num_experts") and _get(args, "moe_token_dispatcher_type") == "allgather":

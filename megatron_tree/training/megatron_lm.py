@@ -31,6 +31,7 @@ Every function takes ``args`` (an argparse namespace); when it is not given, Meg
 from __future__ import annotations
 
 from collections import deque
+import functools
 from functools import partial
 from typing import Optional
 
@@ -90,11 +91,30 @@ def _tree_config(args, config):
             args.moe_token_dispatcher_type = "alltoall"
         config = core_transformer_config_from_args(args)
     config.variable_seq_lengths = True
+    if getattr(args, "tree_routing_replay", False):  # every router gets a replay hook (`_replaying`)
+        config.moe_enable_routing_replay = True
     if not getattr(config, "calculate_per_token_loss", False):
         raise ValueError("tree training needs calculate_per_token_loss=True (--calculate-per-token-loss)")
     return config
 
 
+def _replaying(provider):
+    """``--tree-routing-replay``: the provider's model replays the routes of the rows each MoE layer
+    holds (`megatron_tree.megatron.routing_replay.install_routing_replay`; ``get_batch`` carries them)."""
+
+    @functools.wraps(provider)
+    def build(*a, **kw):
+        model = provider(*a, **kw)
+        if getattr(_args(kw.get("args")), "tree_routing_replay", False):
+            from ..megatron.routing_replay import install_routing_replay
+
+            install_routing_replay(model)
+        return model
+
+    return build
+
+
+@_replaying
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                    config=None, pg_collection=None, *, args=None):
     """This pipeline stage's `TreeGPTModel` from Megatron-LM arguments (``get_model``'s contract).
@@ -148,6 +168,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         rope_scaling=bool(getattr(args, "use_rope_scaling", False)), vp_stage=vp_stage, **kw)
 
 
+@_replaying
 def mamba_model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                          config=None, pg_collection=None, *, args=None):
     """This pipeline stage's `TreeMambaModel` from Megatron-LM's ``pretrain_mamba.py`` arguments.
@@ -308,6 +329,7 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
         mb = next(data_iterator)
         layout, loss_map = mb.layout.to(device), mb.loss_map.to(device)
         stats = torch.stack(mb.row_sample_stats())
+        routes = getattr(mb, "routes", None)
     else:
         if src is None:
             raise ValueError("get_batch: give src (the global rank that reads the data) together with group")
@@ -328,8 +350,18 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
         stats = (torch.stack(mb.row_sample_stats()).to(cdev) if dist.get_rank() == src
                  else torch.empty(2, layout.num_rows, dtype=torch.float64, device=cdev))
         dist.broadcast(stats, src, group=group)
+        # routing replay: every row's routes (shape first: [0, 0, 0] when the microbatch has none)
+        mine = getattr(mb, "routes", None) if dist.get_rank() == src else None
+        shape = torch.tensor(tuple(mine.shape) if mine is not None else (0, 0, 0), dtype=torch.int64, device=cdev)
+        dist.broadcast(shape, src, group=group)
+        routes = None
+        if int(shape[0]):
+            routes = (mine.to(torch.int64).to(cdev) if dist.get_rank() == src
+                      else torch.empty(tuple(shape.tolist()), dtype=torch.int64, device=cdev))
+            dist.broadcast(routes, src, group=group)
     stats = stats.to(device)
-    return TreePackedSeqParams(layout=layout, loss_map=loss_map, row_samples=stats[0], row_inv_length=stats[1])
+    return TreePackedSeqParams(layout=layout, loss_map=loss_map, row_samples=stats[0], row_inv_length=stats[1],
+                               routes=None if routes is None else routes.to(device))
 
 
 # -------------------------------------------------------------------------------------------- step
@@ -477,9 +509,21 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
         global_batch_samples=args.tree_global_batch_samples, dp_rank=dp_rank, dp_size=dp_size,
         seed=int(getattr(args, "seed", 0) or 0), num_epochs=None, shuffle=shuffle,
         pad_to_multiple_of=args.tree_pad_to_multiple_of, microbatches_per_rank=per_rank,
-        lookahead=args.tree_lookahead, share_prefixes=not getattr(args, "tree_flat_packing", False))
+        lookahead=args.tree_lookahead, share_prefixes=not getattr(args, "tree_flat_packing", False),
+        **_route_kwargs(args))
     _skip_steps(pipe, start_step)
     return pipe
+
+
+def _route_kwargs(args) -> dict:
+    """``--tree-routing-replay``: pack route-aware, records checked against the router's top-k and
+    expert count (the MoE layer count is checked by the model when it replays)."""
+    if not getattr(args, "tree_routing_replay", False):
+        return {}
+    from ..tree.routes import RouteSpec
+
+    return dict(route_aware=True, route_spec=RouteSpec(topk=getattr(args, "moe_router_topk", None),
+                                                       num_experts=getattr(args, "num_experts", None)))
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage: Optional[int] = None, *,

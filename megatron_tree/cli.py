@@ -125,6 +125,7 @@ def cmd_verify(args) -> int:
                        sinks=args.sinks, seed=args.seed, families=args.families, budget=args.max_tokens_per_mb,
                        fault=args.inject_fault, tolerance=args.tolerance, dsa_sparse_loss=args.dsa_sparse_loss,
                        dsa_topk_freq=args.dsa_topk_freq, dsa_topk=args.dsa_topk)
+    cfg.mtp_num_layers = args.mtp_num_layers
     cfg.routing_replay = args.routing_replay
     out = run_verify(cfg)
     print(format_report(cfg, out))
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rollout routing replay: samples carry MoE routes that disagree on shared prefixes; the tree "
                          "side packs route-aware and replays per row, the per-sample side replays through stock "
                          "RouterReplay (dense models get 4 experts in every layer)")
+    vf.add_argument("--mtp-num-layers", type=int, default=0,
+                    help="multi-token prediction depths (--model gpt or mla): the per-sample side is stock MTP "
+                         "(Megatron's MultiTokenPredictionLayer rolling each sample); each depth's loss is compared")
     vf.add_argument("--inject-fault", default=None, choices=FAULTS,
                     help="inject a known bug into the tree side (verify must then fail; nan: a NaN in one "
                          "parameter's gradient and one logit; mla_rope_physical, with --model mla: MLA's rotary "

@@ -104,7 +104,8 @@ def test_validate_fills_derived_defaults_and_is_a_noop_without_tree_packing():
     (dict(dataloader_type="single"), "--dataloader-type must be external"),
     (dict(rampup_batch_size=[1, 1, 10]), "--rampup-batch-size"),
     (dict(train_samples=1000), "--train-iters"),
-    (dict(mtp_num_layers=1), "--mtp-num-layers"),
+    (dict(mtp_num_layers=1, pipeline_model_parallel_layout="Et*2|mL"), "places every MTP layer on the last"),
+    (dict(mtp_num_layers=1, experimental_attention_variant="gated_delta_net"), "verified for GPT and MLA stacks"),
     (dict(num_experts=8), "--moe-token-dispatcher-type alltoall"),
     (dict(tree_loss="grpo", tree_clip_eps=0.0), "--tree-clip-eps must be > 0"),
     (dict(tree_loss="ppo", tree_clip_eps_high=-0.1), "--tree-clip-eps-high must be > 0"),
@@ -124,6 +125,10 @@ def test_validate_tree_args_errors(over, needle):
     with pytest.raises(ValueError) as e:
         validate_tree_args(a)
     assert needle in str(e.value)
+
+
+def test_validate_accepts_mtp_with_tree_packing():
+    validate_tree_args(_megatron_like(mtp_num_layers=2, mtp_loss_scaling_factor=0.3))
 
 
 def test_validate_reports_every_problem_at_once():

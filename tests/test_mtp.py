@@ -259,3 +259,92 @@ def test_mtp_halo_gives_every_row_its_path_parent(cp):
             assert np.array_equal(src[:-1], want) and src[-1] == -1
             crossing += len(recv)
         assert crossing > 0
+
+
+# ---------------------------------------------------------------------------------------- verify / train
+# `megatron-tree verify --mtp-num-layers K`: tree MTP under Megatron's schedule, DDP and optimizer against
+# stock MTP per sample (CP 1; under CP the per-sample side is the tree code on each sample's chain, see
+# training/verify_mtp.py). Small batches (3 families); one gloo spawn per world size.
+def _verify_cases():
+    from megatron_tree.training.verify import MTP_FAULTS, VerifyConfig
+
+    ws1 = [VerifyConfig(mtp_num_layers=1, families=3),
+           VerifyConfig(mtp_num_layers=2, families=3, loss="grpo", recompute="full"),
+           VerifyConfig(model="mla", mtp_num_layers=1, families=3)]
+    ws1 += [VerifyConfig(mtp_num_layers=2, families=3, fault=f) for f in MTP_FAULTS]
+    ws2 = [VerifyConfig(mtp_num_layers=2, tp=2, sp=True, families=3),
+           VerifyConfig(mtp_num_layers=2, cp=2, families=3),
+           VerifyConfig(mtp_num_layers=1, pp=2, families=3),
+           VerifyConfig(mtp_num_layers=2, cp=2, families=3, fault="mtp_physical_roll")]
+    return ws1, ws2
+
+
+VERIFY_WS1, VERIFY_WS2 = _verify_cases()
+
+
+@pytest.fixture(scope="module")
+def verify_ws1(request):
+    from megatron_tree.training.verify import run_verify_many
+    from selection import run_selected
+
+    return run_selected(request, "test_verify_mtp_world_size_1", VERIFY_WS1, run_verify_many)
+
+
+@pytest.fixture(scope="module")
+def verify_ws2(request):
+    from megatron_tree.training.verify import run_verify_many
+    from selection import run_selected
+
+    return run_selected(request, "test_verify_mtp_world_size_2", VERIFY_WS2, run_verify_many)
+
+
+def _check(cfg, out):
+    from verify_checks import check_verify
+
+    check_verify(cfg, out, fault_seen="mtp_loss" if cfg.fault else None, far=1e-6)
+    if cfg.fault is None:
+        assert "mtp_loss" in out and out["mtp_loss"] <= 1e-12
+
+
+@pytest.mark.parametrize("i", range(len(VERIFY_WS1)))
+def test_verify_mtp_world_size_1(verify_ws1, i):
+    _check(VERIFY_WS1[i], verify_ws1[i])
+
+
+@pytest.mark.parametrize("i", range(len(VERIFY_WS2)))
+def test_verify_mtp_world_size_2(verify_ws2, i):
+    _check(VERIFY_WS2[i], verify_ws2[i])
+
+
+def test_verify_mtp_refuses_what_it_does_not_cover():
+    from megatron_tree.training.verify import VerifyConfig, run_verify_many
+
+    for cfg, needle in [(VerifyConfig(model="mamba", mtp_num_layers=1), "MambaModel has no MTP"),
+                        (VerifyConfig(mtp_num_layers=1, dtype="bfloat16"), "float64 / float32"),
+                        (VerifyConfig(fault="mtp_per_row_loss"), "needs mtp_num_layers")]:
+        with pytest.raises(ValueError, match=needle):
+            run_verify_many([cfg])
+
+
+def test_train_cli_mtp_tree_flat_and_cp2_agree():
+    """`megatron-tree train --mtp-num-layers 2`: each depth's loss is in the step metrics, and tree packing,
+    flat packing and tree CP 2 give the same main and MTP losses over two steps (float32 noise)."""
+    from megatron_tree.training.launch import run_distributed as run
+    from megatron_tree.training.trainer import build_train_parser, check_train_args, format_progress, train
+
+    common = ["--synthetic-preset", "many_small_64_4x16", "--synthetic-scale", "0.5", "--vocab-size", "128",
+              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "2",
+              "--tree-global-batch-samples", "8", "--tree-max-tokens-per-mb", "256", "--lr", "1e-2", "--quiet",
+              "--tree-lookahead", "1", "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+    runs = {}
+    for name, extra in (("tree", []), ("flat", ["--packing", "flat"]),
+                        ("cp2", ["--context-parallel-size", "2", "--nproc", "2"])):
+        args = check_train_args(build_train_parser().parse_args(common + extra))
+        runs[name] = run(train, 2 if name == "cp2" else 1, args, timeout=300)[0]["history"]
+    keys = ("loss", "mtp_1 loss", "mtp_2 loss")
+    for name in ("flat", "cp2"):
+        for a, b in zip(runs["tree"], runs[name]):
+            for k in keys:
+                assert abs(a[k] - b[k]) < 1e-5 * abs(a[k]), (name, k, a[k], b[k])
+    assert runs["tree"][1]["mtp_1 loss"] != runs["tree"][0]["mtp_1 loss"]  # the MTP layers train
+    assert "mtp_2 loss 4." in format_progress(1, 2, runs["tree"][0])

@@ -159,5 +159,10 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
     psp = tree_packed_seq_params(mb, dev, return_entropy=bool(return_entropy or entropy_coef))
     psp = context_parallel_params(psp, model, plan=plan, strategy=cp_strategy)
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
-    return out, partial(tree_loss_func, psp.loss_map, loss_type=loss_type, clip_eps=clip_eps,
+    loss_func = partial(tree_loss_func, psp.loss_map, loss_type=loss_type, clip_eps=clip_eps,
                         clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
+    if getattr(_unwrap(model).config, "mtp_num_layers", None):  # report each MTP depth's loss too
+        from .mtp import with_mtp_report
+
+        loss_func = partial(with_mtp_report, loss_func, psp)
+    return out, loss_func

@@ -284,6 +284,10 @@ class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
                                                  position_ids=kwargs.get("position_ids"),
                                                  attention_mask=kwargs.get("attention_mask"))
             kwargs = dict(kwargs, mtp_in_postprocess=False)
+        elif _is_tree(psp) and kwargs.get("mtp_in_postprocess") and self.post_process and kwargs.get("labels") is None:
+            from .mtp import logits_without_mtp  # no loss map: every row's logits, no MTP targets
+
+            return logits_without_mtp(self, hidden_states, kwargs.get("runtime_gather_output"))
         if self.wants_tree_logprobs(psp, kwargs.get("labels")) and not kwargs.get("mtp_in_postprocess"):
             return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy)
         return super()._postprocess(hidden_states=hidden_states, **kwargs)

@@ -65,7 +65,8 @@ from .loss import vocab_parallel_logprobs
 from .packed_seq import TreePackedSeqParams
 
 __all__ = ["TreeMultiTokenPredictionLayer", "get_tree_gpt_mtp_block_spec", "mtp_layout", "mtp_view", "mtp_halo",
-           "MTPHalo", "mtp_cp_figures", "tree_mtp_postprocess", "FAULTS"]
+           "MTPHalo", "mtp_cp_figures", "tree_mtp_postprocess", "with_mtp_report",
+           "logits_without_mtp", "FAULTS"]
 
 # Test-only fault switch (None in normal use), each a bug the stock oracle must catch:
 #   "physical_roll"    depth-k input from the previous physical row (stock's roll) instead of path_prev
@@ -267,6 +268,27 @@ class TreeMultiTokenPredictionLayer(MultiTokenPredictionLayer):
         return input_ids, position_ids, decoder_input, hidden_states
 
 
+    def _checkpointed_forward(self, *args, **kwargs):
+        """Full recomputation. megatron-core 0.16's version hands every keyword (``packed_seq_params``
+        included) to ``tensor_parallel.checkpoint`` as a saved input, which takes tensors only; here the
+        non-tensor ones ride in the closure, as 0.19's version (and ``TransformerBlock``) does."""
+        if not (args and callable(args[0])):  # 0.19's signature: (hidden_states, decoder_input, ...)
+            return super()._checkpointed_forward(*args, **kwargs)
+        from megatron.core import tensor_parallel
+
+        if self.config.fp8 or self.config.recompute_method != "uniform":
+            return super()._checkpointed_forward(*args, **kwargs)
+        forward_func = args[0]
+        names = [k for k, v in kwargs.items() if v is None or torch.is_tensor(v)]
+        fixed = {k: v for k, v in kwargs.items() if k not in names}
+
+        def custom_forward(*tensors):
+            return forward_func(**dict(zip(names, tensors)), **fixed)
+
+        return tensor_parallel.checkpoint(custom_forward, self.config.distribute_saved_activations,
+                                          *[kwargs[k] for k in names])
+
+
 def get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine: Optional[bool] = None,
                                 vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
     """Tree counterpart of Megatron's ``get_gpt_mtp_block_spec``: stock's MTP block spec built from the
@@ -415,3 +437,24 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
     psp.__dict__["mtp_loss_sums"] = torch.stack(sums) if sums else None
     psp.__dict__["mtp_num_tokens"] = torch.stack(counts) if counts else None
     return hidden_states
+
+
+def with_mtp_report(loss_func, psp: TreePackedSeqParams, output):
+    """``loss_func(output)`` with each MTP depth's ``[loss_sum, num_tokens]`` added to its report as
+    ``"mtp_<k> loss"`` (from ``psp.mtp_loss_sums`` / ``mtp_num_tokens``, set by the forward): summed over
+    microbatches and DP x CP like ``"lm loss"``, the per-token mean is stock's logged ``mtp_<k> loss``."""
+    loss, num_tokens, report = loss_func(output)
+    sums, counts = psp.__dict__.get("mtp_loss_sums"), psp.__dict__.get("mtp_num_tokens")
+    if sums is not None:
+        acc = report["lm loss"].dtype
+        for k in range(sums.shape[0]):
+            report[f"mtp_{k + 1} loss"] = torch.stack([sums[k].to(acc), counts[k].to(acc)])
+    return loss, num_tokens, report
+
+
+def logits_without_mtp(model, hidden_states: torch.Tensor, runtime_gather_output=None) -> torch.Tensor:
+    """Logits ``[1, s, V/tp]`` of every row from the main head alone: a tree forward with no loss map
+    (nothing for the MTP layers to predict; stock's ``_postprocess`` would need ``labels``)."""
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
+    return logits.transpose(0, 1).contiguous()

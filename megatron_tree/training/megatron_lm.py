@@ -158,6 +158,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     kw = {}
     if pg_collection is not None:
         kw["pg_collection"] = pg_collection
+    if getattr(config, "mtp_num_layers", None):  # MTP layers on the last stage, tree attention inside
+        from ..megatron.mtp import get_tree_gpt_mtp_block_spec
+
+        kw["mtp_block_spec"] = get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te,
+                                                           vp_stage=vp_stage)
     return TreeGPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=max_pos,
         pre_process=pre_process, post_process=post_process,

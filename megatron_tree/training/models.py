@@ -165,10 +165,12 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
 
 
 def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
-                post_process: Optional[bool] = None, stock_dsa: bool = False) -> TreeGPTModel:
+                post_process: Optional[bool] = None, stock_dsa: bool = False, stock_mtp: bool = False) -> TreeGPTModel:
     """This pipeline stage's `TreeGPTModel` (GPT, hybrid, MLA, DSA or qwen3next stack) or `TreeMambaModel`
     (kind "mamba"), tree specs, local modules. ``stock_dsa`` (kind "dsa"): every DSA core attention
-    is stock ``DSAttention`` run per sample (`compat.dsa.stock_oracle_class`: verify's per-sample side)."""
+    is stock ``DSAttention`` run per sample (`compat.dsa.stock_oracle_class`: verify's per-sample side).
+    ``config.mtp_num_layers``: MTP layers on the last stage (`get_tree_gpt_mtp_block_spec`); ``stock_mtp``:
+    stock ``MultiTokenPredictionLayer``s (rolling, verify's per-sample side, `verify_mtp`)."""
     from megatron.core import parallel_state as ps
 
     from ..megatron.specs import get_tree_gpt_decoder_block_spec, get_tree_hybrid_stack_spec
@@ -199,10 +201,25 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
                                share_embeddings_and_output_weights=False)
     else:
         raise ValueError(f"model kind must be gpt, hybrid, mla, dsa, mamba or qwen3next, got {margs.kind!r}")
+    mtp_spec = None
+    if getattr(config, "mtp_num_layers", None):
+        if margs.kind == "mamba":
+            raise ValueError("multi-token prediction: Megatron-Core's MambaModel has no MTP layers (--mtp-num-layers "
+                             "needs a GPTModel kind: gpt, mla, dsa, qwen3next or hybrid)")
+        from ..megatron.mtp import get_tree_gpt_mtp_block_spec
+
+        mtp_spec = get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+        if stock_mtp and mtp_spec is not None:
+            import dataclasses as dc
+
+            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+            mtp_spec = dc.replace(mtp_spec, layer_specs=[dc.replace(s, module=MultiTokenPredictionLayer)
+                                                         for s in mtp_spec.layer_specs])
     if margs.kind != "mamba":
         model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
                              pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
-                             share_embeddings_and_output_weights=False)
+                             share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec)
     if config.params_dtype == torch.float64:
         model.to(torch.float64)  # Megatron keeps Mamba's A_log / D in fp32 whatever params_dtype says
     return model

@@ -158,6 +158,11 @@ def add_model_args(parser: argparse.ArgumentParser):
                    help="dsa: the indexer loss over the selected keys only (default: over every visible key)")
     m.add_argument("--linear-attention-freq", type=int, default=None, metavar="N",
                    help="with --experimental-attention-variant: one standard attention layer every N layers")
+    m.add_argument("--mtp-num-layers", type=int, default=None, metavar="K",
+                   help="multi-token prediction: K MTP layers after the last stage (Megatron's "
+                        "MultiTokenPredictionBlock on the tree: depth k predicts k+1 tokens ahead along each path)")
+    m.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="weight of the MTP losses (their mean over the depths), as Megatron's flag")
     return m
 
 
@@ -303,6 +308,8 @@ def _family_errors(args) -> list:
     elif (args.dsa_indexer_topk is not None or args.dsa_indexer_loss_coeff is not None
           or args.dsa_indexer_use_sparse_loss):
         errors.append("--dsa-indexer-* options need --experimental-attention-variant dsa")
+    if getattr(args, "mtp_num_layers", None) and args.model_family == "mamba":
+        errors.append("--mtp-num-layers: Megatron-Core's MambaModel has no multi-token prediction layers")
     if args.model_family == "mamba":
         from .models import MAMBA_LETTERS
 
@@ -463,6 +470,7 @@ def format_progress(step: int, total: int, m: dict, width: int = 20) -> str:
     bar = "#" * done + "-" * (width - done)
     gn = m.get("grad_norm")
     ent = f"entropy {m['entropy']:.4f} | " if m.get("entropy") is not None else ""
+    ent += "".join(f"{k} {v:.4f} | " for k, v in m.items() if k.startswith("mtp_") and k.endswith(" loss"))
     return (f"[{bar}] {step:>{len(str(total))}}/{total} | loss {m['loss']:.4f} | {ent}lr {m['lr']:.3e} | "
             f"grad norm {gn if gn is None else f'{gn:.3f}'} | tree_token_ratio {m['tree_token_ratio']:.2f} | "
             f"rows/s {m['rows_per_s']:,.0f} | samples/s {m['samples_per_s']:,.1f} | "
@@ -628,7 +636,13 @@ def _model_args(args):
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, vocab_size=args.vocab_size,
         max_position=args.max_position_embeddings or args.tree_max_tokens_per_mb, num_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
-        normalization=args.normalization, extra=extra)
+        normalization=args.normalization, extra=dict(extra, **_mtp_extra(args)))
+
+
+def _mtp_extra(args) -> dict:
+    """TransformerConfig fields of ``--mtp-num-layers`` / ``--mtp-loss-scaling-factor`` (none without MTP)."""
+    k = getattr(args, "mtp_num_layers", None)
+    return dict(mtp_num_layers=k, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor) if k else {}
 
 
 def init_parallel(args) -> bool:
@@ -788,6 +802,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     if cp_group is not None:
         from ..cp.attention import attention_seconds
     history, saved = [], []
+    mtp_k = int(getattr(args, "mtp_num_layers", None) or 0)
     show = rank == 0 and not args.quiet
     tty = show and sys.stdout.isatty()
     ratio_num = ratio_den = 0
@@ -812,10 +827,14 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
                 sched.step(1)
                 step_s = time.perf_counter() - t0
 
-                tot = torch.zeros(3, dtype=torch.float64)  # loss sum, targets, entropy sum
+                # loss sum, targets, entropy sum, then (loss sum, targets) of each MTP depth
+                tot = torch.zeros(3 + 2 * mtp_k, dtype=torch.float64)
                 if loss_owner and reports:
                     tot[:2] += torch.stack([r["lm loss"].double().cpu() for r in reports if "lm loss" in r]).sum(0)
                     tot[2] += sum(float(r["entropy"][0]) for r in reports if "entropy" in r)
+                    for k in range(mtp_k):
+                        tot[3 + 2 * k: 5 + 2 * k] += sum(r[f"mtp_{k + 1} loss"].double().cpu() for r in reports
+                                                         if f"mtp_{k + 1} loss" in r)
                 rank_targets = int(tot[1])  # read before the all-reduce: on CPU ``red`` is ``tot`` itself
                 red = tot.to(dev)
                 # the preemption flag rides with the timings: MAX over the world is the largest signal
@@ -849,6 +868,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
                                                                     for p in step.plans])),
                              cp_attention_s=float(every.max()),
                              cp_attention_imbalance=float(every.max() / every.mean()) if every.mean() > 0 else 1.0)
+                for k in range(mtp_k):  # each MTP depth's per-token loss, named as Megatron-LM logs it
+                    m[f"mtp_{k + 1} loss"] = float(red[3 + 2 * k]) / max(float(red[4 + 2 * k]), 1.0)
                 history.append(m)
                 loggers.log(m)
                 if jsonl is not None:  # on disk as the step ends: survives a SIGKILL of the run

@@ -64,6 +64,10 @@ REPLAY_FAULTS = ("route_row_shift",)
 ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
+# faults of MTP runs (mtp_num_layers >= 1), planted in megatron.mtp for the tree side (`verify_mtp`)
+MTP_FAULTS = ("mtp_physical_roll", "mtp_shallow_visible", "mtp_per_row_loss")
+ALL_FAULTS += MTP_FAULTS
+MODEL_FAULTS += MTP_FAULTS
 METRICS = ("logits", "loss", "grads", "params_after_step")
 # dtype "bfloat16": the tree side passes iff err(tree vs float64 per-sample) <= BF16_RATIO * err(per-sample
 # bf16 vs float64 per-sample) + BF16_FLOOR for every metric. The floor is 2^-16 (bf16's unit roundoff
@@ -80,7 +84,7 @@ DSA_METRICS = ("selected_ids", "indexer_loss")
 
 def metrics_of(cfg) -> tuple:
     base = BF16_METRICS if cfg.dtype == "bfloat16" else METRICS
-    return base + (DSA_METRICS if cfg.model == "dsa" else ())
+    return base + (DSA_METRICS if cfg.model == "dsa" else ()) + (("mtp_loss",) if cfg.mtp_num_layers else ())
 
 
 @dataclass
@@ -117,6 +121,9 @@ class VerifyConfig:
     # (`megatron.routing_replay`), the per-sample side replays each sample's routes through stock
     # RouterReplay; dense kinds get 4 experts (every layer MoE)
     routing_replay: bool = False
+    # multi-token prediction: MTP layers on the last stage; the per-sample side runs stock MTP at CP 1
+    # (`verify_mtp`); each depth's loss is compared ("mtp_loss")
+    mtp_num_layers: int = 0
 
     @property
     def world_size(self) -> int:
@@ -540,6 +547,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             margs.extra.update(dsa_indexer_topk_freq=cfg.dsa_topk_freq, dsa_indexer_skip_topk_offset=0)
     if cfg.pattern:
         margs.pattern = cfg.pattern
+    if cfg.mtp_num_layers:
+        margs.extra.update(mtp_num_layers=cfg.mtp_num_layers)
     if cfg.model == "qwen3next":
         # Qwen3-Next's attention output gate is Megatron's ``x * sigmoid(gate.float())``: float32 inside
         # a float64 model, so the backward rounds a shared row's summed gradient once in fp32 where the
@@ -589,7 +598,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     if bf16:
         packed_mbs += [filler] * (n_tree - len(packed_mbs))
 
-    def fresh(stock_dsa=False, side_dtype=dtype, init=None, recompute=cfg.recompute):
+    def fresh(stock_dsa=False, side_dtype=dtype, init=None, recompute=cfg.recompute, stock_mtp=False):
         # a new config per model: DDP hangs hooks on it, and MoE experts deep-copy it
         config = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, recompute=recompute,
                              dtype=side_dtype, cpu=on_cpu)
@@ -597,7 +606,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         model_parallel_cuda_manual_seed(cfg.seed)
         # model "dsa": the per-sample side's DSA core attention is stock DSAttention (the oracle);
         # same parameters and initial weights as the tree side
-        m = build_model(config, margs, stock_dsa=stock_dsa)
+        m = build_model(config, margs, stock_dsa=stock_dsa, stock_mtp=stock_mtp)
+        if stock_mtp:  # the per-sample side's MTP: stock GPTModel._postprocess (`verify_mtp`)
+            from .verify_mtp import install_stock_mtp
+
+            install_stock_mtp(m)
         if side_dtype == torch.bfloat16:
             # as Megatron-LM's --bf16: Float16Module casts the whole module (norm weights, Mamba's
             # A_log / D included) with ``module.bfloat16()``
@@ -647,8 +660,14 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         # runs, which 1F1B has already replaced by a later microbatch's; recomputation changes no number,
         # so the per-sample side runs without it there (the tree side keeps it: its routes follow the rows)
         side_recompute = "none" if cfg.routing_replay and cfg.pp > 1 and side in per_sample else cfg.recompute
+        if cfg.mtp_num_layers and cfg.cp == 1 and side in per_sample:
+            side_recompute = "none"  # stock MTP (0.16) cannot checkpoint with packed_seq_params; no number changes
         ddp, opt = fresh(stock_dsa=stock, side_dtype=side_dtype, init=init if side == "ref" else None,
-                         recompute=side_recompute)
+                         recompute=side_recompute, stock_mtp=bool(cfg.mtp_num_layers) and cfg.cp == 1 and side != "tree")
+        if cfg.mtp_num_layers:
+            from .verify_mtp import set_mtp_fault
+
+            set_mtp_fault(cfg.fault if side == "tree" else None)
         if side == "tree" and bf16:
             init = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
         wrap = None
@@ -690,6 +709,12 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             opt.step()
             params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
         runs[side] = dict(logits=store, loss=tot, grads=grads, params=params)
+        if cfg.mtp_num_layers:
+            from .verify_mtp import mtp_totals, set_mtp_fault
+
+            set_mtp_fault(None)
+            runs[side]["mtp"] = mtp_totals(reports, cfg.mtp_num_layers,
+                                           ps.get_data_parallel_group(with_context_parallel=True))
         if dsa:
             tracker = compat_dsa.dsa_module().DSAIndexerLossLoggingHelper.tracker
             vals = tracker["values"].clone() if "values" in tracker else torch.zeros(margs.layers(), dtype=torch.float64)
@@ -741,6 +766,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         if dsa:
             out["indexer_loss"] = worst([("indexer loss per layer", x["indexer_loss"], y["indexer_loss"])])
             out["selected_ids"] = _diff_selected(selected_tables(a), selected_tables(b))
+        if cfg.mtp_num_layers:  # each depth's per-token loss (last stage; elsewhere nothing to compare)
+            ma, mb_ = x.get("mtp"), y.get("mtp")
+            out["mtp_loss"] = (0.0, None) if ma is None else worst(
+                [(f"mtp_{k + 1} loss", ma[k, :1] / ma[k, 1], mb_[k, :1] / mb_[k, 1]) for k in range(ma.shape[0])])
         return out
 
     judged = errors("tree", "ref" if bf16 else "flat")
@@ -879,6 +908,9 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.fault == "route_row_shift" and not cfg.routing_replay:
             raise ValueError("fault route_row_shift plants a bug in routing replay: it needs routing_replay=True "
                              "(--routing-replay)")
+        from .verify_mtp import check_mtp_config
+
+        check_mtp_config(cfg)
         if cfg.ep > 1 and (cfg.dp * cfg.cp) % cfg.ep:  # experts spread over a stage's DP x CP ranks (ETP = TP)
             raise ValueError(f"expert parallel size {cfg.ep} must divide data x context parallel ranks "
                              f"{cfg.dp * cfg.cp}")
@@ -937,7 +969,8 @@ def format_report(cfg: VerifyConfig, out: dict) -> str:
               f"pp={cfg.pp} dp={cfg.dp} ep={cfg.ep} sp={cfg.sp} recompute={cfg.recompute} dtype={cfg.dtype} "
               + (f"cp={cfg.cp}({cfg.cp_strategy}) " if cfg.cp > 1 else "") +
               f"loss={cfg.loss}" + (f" fault={cfg.fault}" if cfg.fault else "")
-              + (f" dsa(sparse_loss={cfg.dsa_sparse_loss}, topk_freq={cfg.dsa_topk_freq})" if cfg.model == "dsa" else ""))
+              + (f" dsa(sparse_loss={cfg.dsa_sparse_loss}, topk_freq={cfg.dsa_topk_freq})" if cfg.model == "dsa" else "")
+              + (f" mtp_num_layers={cfg.mtp_num_layers}" if cfg.mtp_num_layers else ""))
     if cfg.gdn_cp_mode is not None:
         layout += f" gdn_cp_mode={cfg.gdn_cp_mode}"
     if cfg.routing_replay:

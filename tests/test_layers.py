@@ -29,6 +29,7 @@ ALLOWED = {
     "data": {"tree"},
     "viz": {"tree"},
     "training": {"tree", "ops", "cp", "compat", "megatron", "data"},
+    "rl": {"tree", "ops", "cp", "compat", "megatron", "data"},  # the RL frameworks' API (beside training)
     "cli": {"tree", "ops", "cp", "compat", "megatron", "data", "training", "viz"},
     "__main__": {"cli"},
     "__init__": set(),

@@ -8,6 +8,7 @@ Reductions:
   "token"  sum_e w_e * l_e / denominator, denominator defaults to M (the number of target tokens)
   "sample" mean over samples with at least one target of (sum of the sample's w_e * l_e / its count)
   "sum"    sum_e w_e * l_e
+  "none"   the per-occurrence values w_e * l_e, [M] (what a caller maps back to its own layout)
 Pass ``denominator`` to normalise across microbatches / DP ranks (e.g. the global token count).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from .loss_map import LossMap
 
-_REDUCTIONS = ("token", "sample", "sum")
+_REDUCTIONS = ("token", "sample", "sum", "none")
 
 
 def gather_logprobs(logits: torch.Tensor, source_rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -35,6 +36,8 @@ def gather_logprobs(logits: torch.Tensor, source_rows: torch.Tensor, targets: to
 def _reduce(per_occ: torch.Tensor, loss_map: LossMap, reduction: str, denominator) -> torch.Tensor:
     w = loss_map.weights.to(per_occ)
     val = per_occ * w
+    if reduction == "none":
+        return val
     if reduction == "sum":
         return val.sum()
     if reduction == "token":

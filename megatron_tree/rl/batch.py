@@ -1,0 +1,380 @@
+"""Rollout batches in, per-rollout tensors out: the pieces of `megatron_tree.rl`.
+
+Conventions (the same as `tree.Sample`'s): a per-token value at index t belongs to token t *as a
+target*, predicted from token t-1; ``loss_mask[t]`` marks token t as a target (index 0 never is).
+In the padded layout every per-token tensor is ``[B, T]`` and aligned with ``input_ids``: column j
+of row b is token j of that row, real tokens are the one contiguous run ``attention_mask[b]``
+marks (left and/or right padding), and outputs come back in the same columns.
+
+Loss normalisation is Megatron's per-token convention: the loss function returns the sum of the
+per-occurrence losses and their count, and with ``calculate_per_token_loss=True`` Megatron-Core
+divides the gradients by the target count summed over microbatches and DP ranks (exactly the mean
+over every target of the global batch, as unpacked per-rollout training computes it).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..tree.loss import entropy_loss, policy_loss, sft_loss
+from ..tree.sample import Sample, validate_sample
+
+__all__ = ["RolloutBatch", "RankMicrobatches", "RolloutOutputs", "build_microbatches", "forward_backward",
+           "per_occurrence_loss"]
+
+LOSSES = ("sft", "grpo", "ppo")
+# Test-only fault switch (None in normal use): "column_shift" puts every value one column to the
+# right in `RolloutOutputs.to_padded`, which tests/test_rl.py must catch.
+_FAULT = None
+_FLOAT_FIELDS = {"advantage": "advantages", "old_logprobs": "old_logprobs", "ref_logprobs": "ref_logprobs"}
+
+
+def _np(x):
+    if x is None:
+        return None
+    if torch.is_tensor(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _row(x, i):
+    """Rollout i's entry of a per-rollout field (a sequence of scalars / arrays, an array, a tensor)."""
+    if x is None:
+        return None
+    v = x[i]
+    return _np(v)
+
+
+# --------------------------------------------------------------------------------------------- batch
+@dataclass
+class RolloutBatch:
+    """The rollouts of one actor step, one `tree.Sample` each (index = the caller's rollout index).
+
+    ``starts`` / ``width``: for a batch made by `from_padded`, the column of each rollout's first
+    token and the padded width T, so outputs can go back to the same columns; None for lists.
+    """
+
+    samples: list
+    starts: Optional[np.ndarray] = None
+    width: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([len(s) for s in self.samples], dtype=np.int64)
+
+    def float_fields(self) -> tuple:
+        """The optional loss-map fields some rollout carries ("advantages", "old_logprobs", "ref_logprobs")."""
+        return tuple(lm for f, lm in _FLOAT_FIELDS.items() if any(getattr(s, f) is not None for s in self.samples))
+
+    @classmethod
+    def from_lists(cls, tokens: Sequence, *, loss_mask=None, advantages=None, old_logprobs=None, ref_logprobs=None,
+                   weights=None) -> "RolloutBatch":
+        """Per-rollout token lists (lists, arrays or tensors); every other field is per rollout too:
+        ``loss_mask`` / ``old_logprobs`` / ``ref_logprobs`` one value per token, ``advantages`` /
+        ``weights`` a scalar or one value per token (or a ``[B]`` array of scalars). A bad rollout
+        is a ValueError naming it (``rollout i``) and the rule it breaks."""
+        samples = []
+        for i in range(len(tokens)):
+            s = Sample(tokens=_np(tokens[i]), loss_mask=_row(loss_mask, i), advantage=_row(advantages, i),
+                       old_logprobs=_row(old_logprobs, i), ref_logprobs=_row(ref_logprobs, i), weight=_row(weights, i))
+            validate_sample(i, s, where=f"rollout {i}")
+            samples.append(s)
+        return cls(samples)
+
+    @classmethod
+    def from_padded(cls, input_ids, attention_mask, *, loss_mask=None, advantages=None, old_logprobs=None,
+                    ref_logprobs=None, weights=None) -> "RolloutBatch":
+        """Padded ``[B, T]`` tensors: ``attention_mask`` marks each row's real tokens (one contiguous
+        run: left and/or right padding); ``loss_mask``, ``old_logprobs``, ``ref_logprobs`` are
+        ``[B, T]`` aligned with ``input_ids`` (a response-only tensor is padded on the left by the
+        prompt columns first); ``advantages`` / ``weights`` ``[B]`` or ``[B, T]``."""
+        ids, am = _np(input_ids), _np(attention_mask).astype(bool)
+        if ids.ndim != 2 or am.shape != ids.shape:
+            raise ValueError(f"input_ids and attention_mask must both be [B, T], got {ids.shape} and {am.shape}")
+        B, T = ids.shape
+        n = am.sum(1)
+        start = am.argmax(1)
+        cols = np.arange(T)
+        inside = (cols >= start[:, None]) & (cols < (start + n)[:, None])
+        bad = np.flatnonzero(((inside != am).any(1)) | (n == 0))
+        if len(bad):
+            b = int(bad[0])
+            raise ValueError(f"rollout {b}: attention_mask must mark one non-empty contiguous run of tokens "
+                             f"(left and/or right padding), got {am[b].astype(int).tolist()}")
+        lm = None if loss_mask is None else _np(loss_mask).astype(bool)
+        if lm is not None:
+            outside = np.flatnonzero((lm & ~am).any(1))
+            if len(outside):
+                raise ValueError(f"rollout {int(outside[0])}: loss_mask marks a padding column (attention_mask 0)")
+
+        def cut(x, b):
+            if x is None:
+                return None
+            x = _np(x)
+            return x[b] if x.ndim == 1 else x[b, start[b]:start[b] + n[b]]
+
+        samples = []
+        for b in range(B):
+            s = Sample(tokens=ids[b, start[b]:start[b] + n[b]], loss_mask=cut(lm, b), advantage=cut(advantages, b),
+                       old_logprobs=cut(old_logprobs, b), ref_logprobs=cut(ref_logprobs, b), weight=cut(weights, b))
+            validate_sample(b, s, where=f"rollout {b}")
+            samples.append(s)
+        return cls(samples, starts=start.astype(np.int64), width=int(T))
+
+
+@dataclass
+class RankMicrobatches:
+    """This rank's tree microbatches (`TreeMicrobatch`es whose ``loss_map.sample_index`` /
+    ``sample_ids`` are rollout indices of ``batch``), and which rollouts they hold."""
+
+    batch: RolloutBatch
+    microbatches: list
+    rollout_ids: np.ndarray
+    max_tokens_per_mb: int
+
+    def __len__(self) -> int:
+        return len(self.microbatches)
+
+
+def _renumber(mb, ids: np.ndarray):
+    """``mb`` (packed from a sub-list) with its sample indices mapped to rollout indices ``ids``
+    (ascending, so the loss map's order and ``sample_ids``' order are kept)."""
+    lm = mb.loss_map
+    idx = torch.as_tensor(ids, dtype=torch.int64)
+    return dataclasses.replace(mb, loss_map=dataclasses.replace(lm, sample_index=idx[lm.sample_index]),
+                               sample_ids=tuple(int(ids[i]) for i in mb.sample_ids))
+
+
+def _dp_group():
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return ps.get_data_parallel_group()
+    except ImportError:
+        pass
+    return None
+
+
+def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: int = 0, dp_size: int = 1,
+                       pad_to_multiple_of: int = 8, share_prefixes: bool = True, vocab_size: Optional[int] = None,
+                       equalize: bool = True) -> RankMicrobatches:
+    """Pack ``batch`` into prefix-tree microbatches of at most ``max_tokens_per_mb`` rows and keep DP
+    rank ``dp_rank``'s share.
+
+    ``dp_size == 1`` (default): the batch is this rank's already (a framework that shards its batch
+    over DP itself). ``dp_size > 1``: ``batch`` is the global batch, identical on every DP rank; the
+    microbatches are balanced over the DP ranks by predicted cost (`data.sharding.balance`). A
+    rollout longer than the budget runs alone in a microbatch of its own length (rounded up to
+    ``pad_to_multiple_of``): never dropped, never truncated; tree CP splits such a microbatch's rows
+    like any other. With ``equalize`` and Megatron's parallel state initialised, every DP rank ends
+    with the same microbatch count (padding microbatches: zero loss, zero gradient), which the MoE
+    all-to-all and pipeline schedules need.
+    """
+    from ..data.sharding import balance, microbatch_cost
+    from ..tree import pack, padding_microbatch
+
+    budget, pad = int(max_tokens_per_mb), int(pad_to_multiple_of)
+    if budget < 1 or pad < 1 or budget % pad:
+        raise ValueError(f"max_tokens_per_mb ({budget}) must be a positive multiple of pad_to_multiple_of ({pad})")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+    lens = batch.lengths
+    normal, long = np.flatnonzero(lens <= budget), np.flatnonzero(lens > budget)
+    mbs = []
+    if len(normal):
+        mbs += [_renumber(mb, normal) for mb in pack([batch.samples[i] for i in normal], budget,
+                                                     pad_to_multiple_of=pad, vocab_size=vocab_size,
+                                                     share_prefixes=share_prefixes)]
+    for i in long.tolist():  # alone, in a microbatch of its own length
+        own = -(-int(lens[i]) // pad) * pad
+        mbs += [_renumber(mb, np.array([i])) for mb in pack([batch.samples[i]], own, pad_to_multiple_of=pad,
+                                                            vocab_size=vocab_size)]
+    per_rank = -(-len(mbs) // dp_size)
+    mine = [mbs[j] for j in balance([microbatch_cost(mb) for mb in mbs], dp_size, max(per_rank, 1))[dp_rank]] \
+        if mbs else []
+    count = max(len(mine), 1)
+    group = _dp_group() if equalize else None
+    if group is not None and dist.get_world_size(group) > 1:
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        c = torch.tensor([count], dtype=torch.int64, device=dev)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
+        count = int(c)
+    mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields())
+             for _ in range(count - len(mine))]
+    ids = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
+    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=ids, max_tokens_per_mb=budget)
+
+
+# --------------------------------------------------------------------------------------------- loss
+def per_occurrence_loss(logprobs: torch.Tensor, entropy: torch.Tensor, loss_map, *, loss: str = "sft",
+                        clip_eps: float = 0.2, clip_eps_high=None, kl_coef: float = 0.0,
+                        entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Our losses per occurrence, weighted, before normalisation: ``[M]`` whose sum is
+    `megatron.loss.tree_loss_func`'s ``loss_sum`` (sft: ``-w logp``; grpo / ppo: the clipped
+    surrogate plus ``kl_coef`` x k3 KL; both minus ``entropy_coef`` x ``w H``), and the metrics."""
+    if loss == "sft":
+        per, metrics = sft_loss(logprobs, loss_map, reduction="none"), {}
+    elif loss in ("grpo", "ppo"):
+        per, metrics = policy_loss(logprobs, loss_map, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                                   kl_coef=kl_coef, reduction="none")
+    else:
+        raise ValueError(f"loss must be one of {LOSSES} or a loss_fn, got {loss!r}")
+    if entropy_coef:
+        per = per + entropy_loss(entropy, loss_map, coef=entropy_coef, reduction="none")
+    return per, metrics
+
+
+def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs):
+    lp, ent = output
+    if loss_fn is not None:
+        per = loss_fn(lp, ent, loss_map)
+        if not torch.is_tensor(per) or per.shape != lp.shape:
+            raise ValueError(f"loss_fn must return one loss per occurrence, shape {tuple(lp.shape)}, got "
+                             f"{getattr(per, 'shape', type(per))}")
+    else:
+        per, _ = per_occurrence_loss(lp, ent, loss_map, loss=loss, **loss_kwargs)
+    loss_sum = per.sum()
+    num = torch.tensor(len(loss_map), dtype=torch.int, device=lp.device)
+    acc = torch.float64 if lp.dtype == torch.float64 else torch.float32
+    report = {"lm loss": torch.stack([loss_sum.detach().to(acc), num.to(acc)]),
+              "entropy": torch.stack([ent.detach().sum().to(acc), num.to(acc)]),
+              "occurrences": {"sample_index": loss_map.sample_index.cpu(), "positions": loss_map.positions.cpu(),
+                              "logprobs": lp.detach().double().cpu(), "entropy": ent.detach().double().cpu(),
+                              "loss": per.detach().double().cpu()}}
+    return loss_sum, num, report
+
+
+def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss_kwargs):
+    from ..megatron.forward_step import context_parallel_params
+    from ..megatron.packed_seq import tree_packed_seq_params
+
+    mb = next(data_iterator)
+    dev = next(model.parameters()).device
+    psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True), model, strategy=cp_strategy)
+    out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+    return out, partial(_loss_func, psp.loss_map, loss=loss, loss_fn=loss_fn, loss_kwargs=loss_kwargs)
+
+
+def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_fn: Optional[Callable] = None,
+                     forward_only: bool = False, entropy_coef: float = 0.0, clip_eps: float = 0.2, clip_eps_high=None,
+                     kl_coef: float = 0.0, cp_strategy: str = "balanced") -> "RolloutOutputs":
+    """One forward(-backward) of this rank's microbatches through Megatron-Core's schedule.
+
+    ``model``: this rank's model chunk (a `TreeGPTModel` / `TreeMambaModel`, possibly wrapped in DDP /
+    Float16Module) or the list of virtual-pipeline chunks; the config needs
+    ``calculate_per_token_loss=True`` and ``variable_seq_lengths=True`` to train. ``loss``: "sft",
+    "grpo" or "ppo" (`per_occurrence_loss` with ``clip_eps``, ``clip_eps_high``, ``kl_coef``,
+    ``entropy_coef``), or ``loss_fn(logprobs [M], entropy [M], loss_map) -> [M]`` per-occurrence
+    losses (differentiable; ``loss_map`` carries ``advantages``, ``old_logprobs``, ``ref_logprobs``,
+    ``weights``, ``sample_index`` = rollout index, ``positions``). ``forward_only``: no backward, under
+    ``torch.no_grad()`` (old / reference log-probs). Gradients are left in the model's grad buffers
+    (DDP: call ``finalize_model_grads`` / the optimizer as usual; Megatron's schedule calls the
+    config's ``finalize_model_grads_func``). Returns `RolloutOutputs` on every rank of the model-parallel
+    group (gathered over CP, sent from the last pipeline stage).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    inner = chunks[0]
+    while hasattr(inner, "module"):
+        inner = inner.module
+    if not forward_only and not getattr(inner.config, "calculate_per_token_loss", False):
+        raise ValueError("rl.forward_backward trains with Megatron's per-token loss: build the model's config with "
+                         "calculate_per_token_loss=True")
+    if callable(loss) and loss_fn is None:
+        loss, loss_fn = None, loss
+    kw = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
+    step = partial(_forward_step, cp_strategy=cp_strategy, loss=loss, loss_fn=loss_fn, loss_kwargs=kw)
+    mbs = microbatches.microbatches
+    data = [iter(list(mbs)) for _ in chunks] if len(chunks) > 1 else iter(list(mbs))
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        reports = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=data, model=list(chunks), num_microbatches=len(mbs),
+            seq_length=max(mb.num_rows for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+    keys = ("sample_index", "positions", "logprobs", "entropy", "loss")
+    occ = [r.pop("occurrences") for r in reports if "occurrences" in r]
+    part = {k: torch.cat([o[k] for o in occ]).numpy() if occ else np.zeros(0) for k in keys}
+    if ps.get_context_parallel_world_size() > 1:  # every CP rank computed its own occurrences
+        parts = [None] * ps.get_context_parallel_world_size()
+        dist.all_gather_object(parts, part, group=ps.get_context_parallel_group())
+        part = {k: np.concatenate([p[k] for p in parts]) for k in keys}
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage has them
+        box = [part]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        part = box[0]
+    return RolloutOutputs(microbatches.batch, microbatches.rollout_ids, part, reports)
+
+
+# --------------------------------------------------------------------------------------------- outputs
+@dataclass
+class RolloutOutputs:
+    """Per-occurrence results of this rank's rollouts, in the caller's layouts.
+
+    ``values``: ``sample_index`` (rollout), ``positions`` (target index t), ``logprobs``,
+    ``entropy`` (nats) and ``loss`` (the per-occurrence weighted loss, before normalisation), sorted
+    by (rollout, position). ``reports``: the schedule's loss reports (``"lm loss"``, ``"entropy"``:
+    ``[sum, count]`` per microbatch).
+    """
+
+    batch: RolloutBatch
+    rollout_ids: np.ndarray
+    values: dict
+    reports: list = field(default_factory=list)
+
+    def __post_init__(self):
+        sidx = self.values["sample_index"].astype(np.int64)
+        pos = self.values["positions"].astype(np.int64)
+        order = np.lexsort((pos, sidx))
+        self.values = {k: (v[order].astype(np.int64) if k in ("sample_index", "positions") else v[order])
+                       for k, v in self.values.items()}
+        want = [np.flatnonzero(self.batch.samples[i].target_mask()) for i in self.rollout_ids.tolist()]
+        counts = np.array([len(w) for w in want], dtype=np.int64)
+        exp_pos = np.concatenate(want) if want else np.zeros(0, np.int64)
+        exp_sidx = np.repeat(self.rollout_ids, counts)
+        if not (np.array_equal(self.values["sample_index"], exp_sidx) and np.array_equal(self.values["positions"],
+                                                                                          exp_pos)):
+            raise RuntimeError(f"rl: {len(order)} occurrences came back for {len(exp_pos)} targets of this rank's "
+                               "rollouts, or not one per (rollout, target)")
+
+    def per_rollout(self, name: str) -> list:
+        """``[B]``: for each rollout this rank ran, a float64 array aligned with its target tokens
+        (ascending positions); None for the rollouts of other DP ranks."""
+        sidx, vals = self.values["sample_index"], self.values[name]
+        out = [None] * len(self.batch)
+        bounds = np.searchsorted(sidx, self.rollout_ids, side="left"), np.searchsorted(sidx, self.rollout_ids,
+                                                                                         side="right")
+        for i, a, b in zip(self.rollout_ids.tolist(), *bounds):
+            out[i] = vals[a:b]
+        return out
+
+    def to_padded(self, name: str, *, fill: float = 0.0, dtype=torch.float32) -> torch.Tensor:
+        """``[B, T]`` with the value of target t of rollout b at its column (``starts[b] + t`` for a
+        `RolloutBatch.from_padded` batch, ``t`` for lists, T = the longest rollout), ``fill``
+        elsewhere (non-targets, padding, rollouts of other DP ranks)."""
+        B = len(self.batch)
+        starts = self.batch.starts if self.batch.starts is not None else np.zeros(B, dtype=np.int64)
+        width = self.batch.width if self.batch.width is not None else int(self.batch.lengths.max(initial=0))
+        out = np.full((B, width), fill, dtype=np.float64)
+        sidx = self.values["sample_index"]
+        cols = starts[sidx] + self.values["positions"]
+        if _FAULT == "column_shift":
+            cols = np.minimum(cols + 1, width - 1)
+        out[sidx, cols] = self.values[name]
+        return torch.as_tensor(out, dtype=dtype)
+
+    def padded_mask(self) -> torch.Tensor:
+        """``[B, T]`` bool: where `to_padded` put a value."""
+        return ~torch.isnan(self.to_padded("logprobs", fill=float("nan"), dtype=torch.float64))

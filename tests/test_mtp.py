@@ -150,12 +150,45 @@ def _case(K, fault=None):
         mtp._FAULT = None
 
 
-def _body():
+def _checkpoints(root: str) -> dict:
+    """Stock GPTModel + MTP saved with dist_checkpointing loads into the tree model (no missing or
+    unexpected key, every parameter equal), and the tree model's checkpoint back into a stock one."""
+    import os
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    out = {}
+    stock, tree = _models(2)
+    randomize(tree, seed=99)  # different weights, so a load that changes nothing shows
+    for name, src, dst in (("stock_to_tree", stock, tree), ("tree_to_stock", None, None)):
+        if src is None:
+            randomize(tree, seed=123)
+            src, dst = tree, _models(2)[0]
+        d = os.path.join(root, name)
+        os.makedirs(d)
+        dist_checkpointing.save(src.sharded_state_dict(), d)
+        loaded, missing, unexpected = dist_checkpointing.load(dst.sharded_state_dict(), d,
+                                                              strict=StrictHandling.RETURN_ALL)
+        res = dst.load_state_dict(loaded, strict=False)
+        a, b = dict(src.named_parameters()), dict(dst.named_parameters())
+        out[name] = dict(missing=sorted(missing), unexpected=sorted(unexpected), load=(res.missing_keys,
+                         res.unexpected_keys), names_equal=sorted(a) == sorted(b),
+                         equal=all(torch.equal(a[n], b[n]) for n in a),
+                         mtp_keys=sum(k.startswith("mtp.") for k in src.sharded_state_dict()))
+    return out
+
+
+def _body(ckpt_root: str):
     init_megatron(tp=1)
     torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype
     from megatron_tree.megatron.mtp import FAULTS
 
     out = {}
+    try:
+        out["checkpoints"] = _checkpoints(ckpt_root)
+    except Exception:  # noqa: BLE001 - reported by its test
+        out["checkpoints"] = {"error": traceback.format_exc()}
     for key in [(1, None), (2, None)] + [(2, f) for f in FAULTS]:
         try:
             out[key] = _case(*key)
@@ -165,8 +198,8 @@ def _body():
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    return run_distributed(_body, 1, timeout=300)[0]
+def oracle(tmp_path_factory):
+    return run_distributed(_body, 1, str(tmp_path_factory.mktemp("mtp_ckpt")), timeout=300)[0]
 
 
 def _result(oracle, key):
@@ -174,6 +207,13 @@ def _result(oracle, key):
     if "error" in r:
         pytest.fail(f"case {key} raised:\n{r['error']}")
     return r
+
+
+@pytest.mark.parametrize("direction", ["stock_to_tree", "tree_to_stock"])
+def test_stock_mtp_checkpoint_loads_into_the_tree_model_and_back(oracle, direction):
+    r = _result(oracle, "checkpoints")[direction]
+    assert r["missing"] == [] and r["unexpected"] == [] and r["load"] == ([], [])
+    assert r["names_equal"] and r["equal"] and r["mtp_keys"] > 0
 
 
 def test_forest_really_branches(oracle):

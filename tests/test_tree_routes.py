@@ -140,7 +140,14 @@ def test_route_aware_pack_is_order_independent():
         assert torch.equal(x.layout.input_ids, y.layout.input_ids) and torch.equal(x.routes, y.routes)
 
 
-def test_route_symbols_equal_iff_token_and_routes_equal():
+@pytest.mark.parametrize("collide", [False, True])
+def test_route_symbols_equal_iff_token_and_routes_equal(collide, monkeypatch):
+    """Symbols come from a 64-bit key per position, checked; colliding keys (forced here by zero
+    multipliers) fall back to the exact row-wise unique."""
+    from megatron_tree.tree import routes as R
+
+    if collide:
+        monkeypatch.setattr(R, "_hash_multipliers", lambda w: np.zeros(w, np.int64))
     rng = np.random.default_rng(0)
     toks = [rng.integers(0, 3, 20) for _ in range(3)]
     routes = [rng.integers(0, 2, (20, 2, 1)) for _ in range(3)]
@@ -149,6 +156,7 @@ def test_route_symbols_equal_iff_token_and_routes_equal():
     for i in range(len(keys)):
         for j in range(len(keys)):
             assert (syms[i] == syms[j]) == (keys[i] == keys[j])
+            assert (syms[i] < syms[j]) == (keys[i] < keys[j])  # (token, routes) order
 
 
 def test_route_errors_name_the_sample():

@@ -107,13 +107,33 @@ def route_symbols(toks: Sequence[np.ndarray], routes: Sequence[np.ndarray]) -> l
     symbols of one token are consecutive ids). Sorting and LCP over these sequences give the trie of
     (token, route) pairs; the ids stay below the number of distinct positions (< 2**32)."""
     lens = np.array([len(t) for t in toks], dtype=np.int64)
-    width = 1 + int(routes[0][0].size) if len(routes) and len(routes[0]) else 1
-    rows = np.empty((int(lens.sum()), width), dtype=np.int64)
-    rows[:, 0] = np.concatenate([np.asarray(t, np.int64) for t in toks]) if len(toks) else []
-    if len(toks):
-        rows[:, 1:] = np.concatenate([np.asarray(r, np.int64).reshape(len(r), -1) for r in routes])
-    _, inv = np.unique(rows, axis=0, return_inverse=True)
-    return np.split(inv.reshape(-1).astype(np.int64), np.cumsum(lens)[:-1])
+    if not len(toks):
+        return []
+    tok = np.concatenate([np.asarray(t, np.int64) for t in toks])
+    r = np.concatenate([np.asarray(x, np.int64).reshape(len(x), -1) for x in routes])
+    # one 64-bit key per position (token and a multiplicative hash of its routes, wrapping int64
+    # arithmetic), uniqued in 1-D; then checked: positions that share a key must share token and routes
+    # (a hash collision falls back to the exact row-wise unique)
+    mult = _hash_multipliers(r.shape[1])
+    with np.errstate(over="ignore"):
+        key = (r * mult).sum(1) * np.int64(0x9E3779B97F4A7C15 - 2**64) + tok
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    rep = first[inv]
+    if not (np.array_equal(tok, tok[rep]) and np.array_equal(r, r[rep])):
+        rows = np.concatenate([tok[:, None], r], 1)
+        _, first, inv = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+    # symbol ids in (token, routes) order, so every symbol of one token is consecutive
+    order = np.lexsort(tuple(r[first].T[::-1]) + (tok[first],))
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return np.split(rank[inv].astype(np.int64), np.cumsum(lens)[:-1])
+
+
+def _hash_multipliers(width: int) -> np.ndarray:
+    """Odd 64-bit multipliers of `route_symbols`' route hash (fixed: symbols are deterministic)."""
+    return np.random.default_rng(0x5EED).integers(1, 2**62, width, dtype=np.int64) | 1
 
 
 def padding_routes(num_rows: int, moe_layers: int, topk: int) -> np.ndarray:

@@ -11,7 +11,8 @@ every target of the global batch.
 One spawn of 2 gloo ranks: (a) DP 2, the API sharding a global batch (`from_lists`), GRPO with KL
 and entropy terms through DDP: every rank's per-rollout log-probs / entropies / per-token losses and
 the DP-reduced gradients; (b) tree CP 2 on a padded batch (`from_padded`, left and right padding):
-forward-only ``to_padded`` outputs, and a user ``loss_fn`` trained under CP. Planted fault: outputs
+forward-only ``to_padded`` outputs, and a user ``loss_fn`` trained under CP; (c) PP 2, forward only:
+the per-rollout outputs on both stages. Planted fault: outputs
 mapped one column off (``rl.batch._FAULT``) must fail the comparison.
 """
 from __future__ import annotations
@@ -64,11 +65,11 @@ def _padded(toks, masks, old, ref):
     return ids, am, lm, o, r, np.array(starts)
 
 
-def _config(cp: int):
+def _config(cp: int, pp: int = 1):
     from megatron_tree.training.models import ModelArgs, make_config
 
     return make_config(ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                                 ffn_hidden_size=48, vocab_size=V), cp=cp, dtype=torch.float64)
+                                 ffn_hidden_size=48, vocab_size=V), cp=cp, pp=pp, dtype=torch.float64)
 
 
 def _stock_model():
@@ -82,14 +83,23 @@ def _stock_model():
     return stock
 
 
-def _tree_model(cp: int, state_dict):
+def _tree_model(cp: int, state_dict, pp: int = 1):
+    from megatron.core import parallel_state as ps
+
     from megatron_tree.megatron.model import TreeGPTModel
     from megatron_tree.megatron.specs import get_tree_gpt_decoder_block_spec
 
-    cfg = _config(cp)
+    cfg = _config(cp, pp)
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     tree = TreeGPTModel(cfg, get_tree_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
                                                              normalization="RMSNorm"),
-                        vocab_size=V, max_sequence_length=64, position_embedding_type="rope")
+                        vocab_size=V, max_sequence_length=64, position_embedding_type="rope",
+                        pre_process=first, post_process=last)
+    if pp > 1:  # 2 layers, one per stage: the stock layer of this stage is local layer 0
+        keep = "decoder.layers.0." if first else "decoder.layers.1."
+        state_dict = {k.replace(keep, "decoder.layers.0."): v for k, v in state_dict.items()
+                      if k.startswith(keep) or (first and k.startswith("embedding."))
+                      or (last and k.startswith(("decoder.final_layernorm.", "output_layer.")))}
     tree.load_state_dict(state_dict, strict=True)
     return tree, cfg
 
@@ -207,6 +217,18 @@ def _part_cp(oracle):
     return res
 
 
+def _part_pp(oracle):
+    """Forward only under PP 2: the outputs reach both stages."""
+    from megatron_tree import rl
+
+    toks, masks, adv, old, ref = _rollouts()
+    tree, _ = _tree_model(1, oracle["state"], pp=2)
+    batch = rl.RolloutBatch.from_lists(toks, loss_mask=masks)
+    out = rl.forward_backward(tree, rl.build_microbatches(batch, BUDGET), forward_only=True)
+    return {name: [(torch.as_tensor(g), oracle["rows"][i][k]) for i, g in enumerate(out.per_rollout(name))]
+            for name, k in (("logprobs", 1), ("entropy", 2))}
+
+
 def _body():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -217,14 +239,16 @@ def _body():
     rank = dist.get_rank()
     oracle = _oracle()
     res = {}
-    for name, fn in (("dp", lambda: _part_dp(rank, oracle)), ("cp", lambda: _part_cp(oracle))):
+    parts = (("dp", lambda: _part_dp(rank, oracle)), ("cp", lambda: _part_cp(oracle)), ("pp", lambda: _part_pp(oracle)))
+    for name, fn in parts:
         try:
             res[name] = fn()
         except Exception:  # noqa: BLE001 - reported by the tests of that part
             res[name] = {"error": traceback.format_exc()}
         ps.destroy_model_parallel()
-        if name == "dp":
-            ps.initialize_model_parallel(context_parallel_size=2)
+        if name != "pp":
+            ps.initialize_model_parallel(context_parallel_size=2 if name == "dp" else 1,
+                                         pipeline_model_parallel_size=2 if name == "cp" else 1)
             model_parallel_cuda_manual_seed(1234)
     return res
 
@@ -273,6 +297,14 @@ def test_cp_padded_outputs_and_user_loss(results, rank):
     torch.testing.assert_close(*r["ent"], **F64)
     for n, (g_tree, g_stock) in r["grads"].items():
         torch.testing.assert_close(g_tree, g_stock, **GRAD, msg=lambda m: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pp_outputs_reach_every_stage(results, rank):
+    r = _part(results, rank, "pp")
+    for name in ("logprobs", "entropy"):
+        for got, want in r[name]:
+            torch.testing.assert_close(got, want, **F64)
 
 
 def test_planted_fault_column_shift_fails(results):

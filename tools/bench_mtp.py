@@ -1,0 +1,130 @@
+"""Multi-token prediction on trees: step time tree vs flat with MTP on, and the bytes MTP adds under tree CP.
+
+    .venv/bin/python tools/bench_mtp.py [--prompt 1024 --completions 16 --completion-len 100 --mtp 0,1,2]
+
+Workload: one GRPO family (a prompt and --completions sampled completions; loss on the completions),
+a GPT model (TreeGPTModel, 4 layers) with K MTP layers (`get_tree_gpt_mtp_block_spec`), one process,
+Megatron's schedule (forward + backward of the whole family):
+
+  tree  the family packed as one prefix tree (every MTP depth runs on the same rows);
+  flat  per-sample packing (``share_prefixes=False``): every sample its own chain, several per microbatch.
+
+Reports the best of --repeats step times, the speedup and the ideal (flat rows / tree rows). Under
+tree CP (``--cp``, host-side only, no run): each depth's cross-rank ``path_prev`` halo rows under the
+planner's plan (`mtp_cp_figures`), in bytes (forward row + backward gradient, hidden x dtype size), next
+to the attention layers' KV traffic of the same plan (`cp.schedule_figures`: remote K/V rows per layer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def _family(a):
+    import numpy as np
+
+    from megatron_tree.tree import Sample
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, a["vocab"], a["prompt"])
+    out = []
+    for _ in range(a["completions"]):
+        toks = np.concatenate([prompt, rng.integers(1, a["vocab"], a["completion_len"])])
+        mask = np.zeros(len(toks), bool)
+        mask[a["prompt"]:] = True
+        out.append(Sample(toks, loss_mask=mask))
+    return out
+
+
+def _body(a: dict) -> dict:
+    import torch
+
+    torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tree.compat import cpu as compat_cpu
+    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
+    from megatron_tree.tree import pack, summarize
+
+    compat_cpu.enable()
+    ps.initialize_model_parallel()
+    samples = _family(a)
+    tree = pack(samples, a["budget"], pad_to_multiple_of=8)
+    flat = pack(samples, a["budget"], pad_to_multiple_of=8, share_prefixes=False)
+    st_t, st_f = summarize(tree), summarize(flat)
+    out = {"flat_tokens": st_f["tree_tokens"], "tree_tokens": st_t["tree_tokens"],
+           "ideal": st_f["tree_tokens"] / st_t["tree_tokens"], "runs": {}}
+    for k in a["mtp"]:
+        margs = ModelArgs(kind="gpt", num_layers=4, hidden_size=a["hidden"], num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=2 * a["hidden"], vocab_size=a["vocab"], max_position=a["budget"],
+                          extra=dict(mtp_num_layers=k) if k else {})
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        config = make_config(margs)
+        ddp = wrap_ddp(build_model(config, margs), config)
+        times = {"tree": [], "flat": []}
+        for _ in range(a["repeats"]):
+            for name, mbs in (("tree", tree), ("flat", flat)):
+                ddp.zero_grad_buffer()
+                t0 = time.perf_counter()
+                forward_backward(ddp, mbs)
+                times[name].append(time.perf_counter() - t0)
+        t, f = min(times["tree"]), min(times["flat"])
+        out["runs"][k] = {"tree_s": t, "flat_s": f, "speedup": f / t, "fraction_of_ideal": f / t / out["ideal"]}
+    return out
+
+
+def cp_bytes(a: dict) -> list:
+    """Per CP size: MTP halo rows / bytes per microbatch vs the attention KV rows of the same plan."""
+    from megatron_tree.cp import plan_context_parallel, schedule_figures
+    from megatron_tree.megatron.mtp import mtp_cp_figures
+    from megatron_tree.tree import pack
+
+    mb = max(pack(_family(a), a["budget"], pad_to_multiple_of=8), key=lambda m: m.layout.num_rows)
+    row_bytes = a["hidden"] * 2  # bf16 hidden state
+    out = []
+    for cp in a["cp"]:
+        plan = plan_context_parallel(mb.layout, cp)
+        fig = mtp_cp_figures(plan, mb.layout, max(a["mtp"]), row_bytes)
+        kv = int(schedule_figures(plan)["remote_rows"].sum())
+        out.append({"cp": cp, "rows": mb.layout.num_rows, "mtp_halo_rows_per_depth": fig["halo_rows"],
+                    "mtp_bytes": fig["bytes"], "attention_kv_rows_per_layer": kv})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--completions", type=int, default=16)
+    ap.add_argument("--completion-len", type=int, default=100)
+    ap.add_argument("--mtp", default="0,1,2", help="MTP depth counts to time (0: no MTP)")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cp", default="2,4,8", help="CP sizes for the halo figures (host-side)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    a = dict(vars(args), mtp=[int(x) for x in args.mtp.split(",")], cp=[int(x) for x in args.cp.split(",")])
+    from megatron_tree.training.launch import run_distributed
+
+    (r,) = run_distributed(_body, 1, a, timeout=3600)
+    print(f"GPT 4 layers, hidden {args.hidden}: prompt {args.prompt} + {args.completions} x {args.completion_len}; "
+          f"flat {r['flat_tokens']} rows -> tree {r['tree_tokens']} rows, ideal {r['ideal']:.2f}x")
+    for k, x in r["runs"].items():
+        print(f"  MTP K={k}: flat {x['flat_s']:.3f} s, tree {x['tree_s']:.3f} s, speedup {x['speedup']:.2f}x "
+              f"({x['fraction_of_ideal']:.0%} of ideal)")
+    r["cp"] = cp_bytes(a)
+    for c in r["cp"]:
+        print(f"  CP {c['cp']}: MTP halo rows per depth {c['mtp_halo_rows_per_depth']} -> {c['mtp_bytes']} bytes "
+              f"(fwd+bwd, bf16, hidden {args.hidden}) per microbatch of {c['rows']} rows; attention fetches "
+              f"{c['attention_kv_rows_per_layer']} remote K/V rows per layer")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -179,16 +179,58 @@ def _checkpoints(root: str) -> dict:
     return out
 
 
+def _hooks(K: int = 2) -> dict:
+    """The Megatron-LM hooks with ``--mtp-num-layers``: ``model_provider`` builds the tree MTP block, and
+    ``forward_step`` on the forest gives what `tree_forward_step` gives with the same weights (loss, every
+    gradient), with each depth's mean loss in stock's tracker (what Megatron-LM's training_log prints)."""
+    import argparse
+
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    from megatron_tree.megatron.forward_step import tree_forward_step
+    from megatron_tree.training import megatron_lm as H
+    from megatron_tree.training.arguments import add_tree_args
+    from megatron_tree.tree import pack
+
+    _, tree = _models(K)
+    a = add_tree_args(argparse.ArgumentParser()).parse_args(["--tree-packing", "--tree-max-tokens-per-mb", "64"])
+    for k, v in dict(vocab_size=V, padded_vocab_size=V, transformer_impl="local", normalization="RMSNorm",
+                     untie_embeddings_and_output_weights=True, position_embedding_type="rope",
+                     max_position_embeddings=64, micro_batch_size=1, attention_dropout=0.0, num_layers=2,
+                     mtp_num_layers=K, mtp_loss_scaling_factor=SCALE, calculate_per_token_loss=True).items():
+        setattr(a, k, v)
+    hooks = H.model_provider(config=tree.config, args=a)
+    hooks.load_state_dict(tree.state_dict(), strict=True)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+    samples = [dict(tokens=t, weight=[0.0] + [coef(i, u) for u in range(1, len(t))]) for i, t in enumerate(SAMPLES)]
+    (mb,) = pack(samples, 64, pad_to_multiple_of=16)
+    MTPLossLoggingHelper.tracker.clear()
+    out, lf = H.forward_step(iter([mb]), hooks, args=a)
+    h_loss, _, _ = lf(out)
+    h_loss.backward()
+    tracked = MTPLossLoggingHelper.tracker.get("values", MTPLossLoggingHelper.tracker.get("loss_values")).clone()
+    out, lf = tree_forward_step(iter([mb]), tree)
+    t_loss, _, report = lf(out)
+    t_loss.backward()
+    means = torch.stack([report[f"mtp_{k} loss"][0] / report[f"mtp_{k} loss"][1] for k in range(1, K + 1)])
+    hg, tg = dict(hooks.named_parameters()), dict(tree.named_parameters())
+    return dict(layers=[type(m).__name__ for m in hooks.mtp.layers], loss=(h_loss.detach(), t_loss.detach()),
+                depth=(tracked.double(), means.double()),
+                worst_grad=max(float((hg[n].grad - tg[n].grad).abs().max()) for n in tg),
+                mtp_grad=float(sum(tg[n].grad.abs().sum() for n in tg if n.startswith("mtp."))))
+
+
 def _body(ckpt_root: str):
     init_megatron(tp=1)
     torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype
     from megatron_tree.megatron.mtp import FAULTS
 
     out = {}
-    try:
-        out["checkpoints"] = _checkpoints(ckpt_root)
-    except Exception:  # noqa: BLE001 - reported by its test
-        out["checkpoints"] = {"error": traceback.format_exc()}
+    for name, fn in (("checkpoints", lambda: _checkpoints(ckpt_root)), ("hooks", _hooks)):
+        try:
+            out[name] = fn()
+        except Exception:  # noqa: BLE001 - reported by its test
+            out[name] = {"error": traceback.format_exc()}
     for key in [(1, None), (2, None)] + [(2, f) for f in FAULTS]:
         try:
             out[key] = _case(*key)
@@ -214,6 +256,14 @@ def test_stock_mtp_checkpoint_loads_into_the_tree_model_and_back(oracle, directi
     r = _result(oracle, "checkpoints")[direction]
     assert r["missing"] == [] and r["unexpected"] == [] and r["load"] == ([], [])
     assert r["names_equal"] and r["equal"] and r["mtp_keys"] > 0
+
+
+def test_megatron_lm_hooks_train_mtp_on_the_tree(oracle):
+    r = _result(oracle, "hooks")
+    assert r["layers"] == ["TreeMultiTokenPredictionLayer"] * 2
+    torch.testing.assert_close(*r["loss"], **F64)
+    torch.testing.assert_close(*r["depth"], **F64)
+    assert r["worst_grad"] < 1e-12 and r["mtp_grad"] > 0
 
 
 def test_forest_really_branches(oracle):

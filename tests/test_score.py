@@ -212,3 +212,26 @@ def test_model_flags_must_match_the_checkpoint(run, capsys):
     rc = cli.main(["score", *flags, "--load", run["ckpt"], "--data", run["data"], "--out", str(run["dir"] / "y.parquet")])
     err = capsys.readouterr().err
     assert rc == 2 and "--hidden-size: checkpoint 32, here 48" in err
+
+
+def test_resolve_checkpoint_finds_train_and_megatron_lm_layouts(tmp_path):
+    from megatron_tree.training.score import resolve_checkpoint
+
+    ours, lm, one = tmp_path / "ours", tmp_path / "lm", tmp_path / "lm" / "iter_0000007"
+    for d in (ours / "iter_0000003", one):
+        d.mkdir(parents=True)
+        (d / "metadata.json").write_text("{}")
+    (ours / "latest").write_text("3\n")
+    (lm / "latest_checkpointed_iteration.txt").write_text("7")
+    assert resolve_checkpoint(str(ours)) == str(ours / "iter_0000003")
+    assert resolve_checkpoint(str(lm)) == str(one)
+    assert resolve_checkpoint(str(one)) == str(one)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no checkpoint there"):
+        resolve_checkpoint(str(tmp_path / "empty"))
+    (lm / "latest_checkpointed_iteration.txt").write_text("9")
+    with pytest.raises(ValueError, match="names '9', but .*iter_0000009 is missing"):
+        resolve_checkpoint(str(lm))
+    (lm / "iter_0000009" / "mp_rank_00").mkdir(parents=True)  # --ckpt-format torch
+    with pytest.raises(ValueError, match="not a distributed checkpoint"):
+        resolve_checkpoint(str(lm))

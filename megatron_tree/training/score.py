@@ -195,6 +195,8 @@ def resolve_checkpoint(directory: str) -> str:
             path = _iter_dir(directory, int(text))
         else:
             raise ValueError(f"{marker}: expected an iteration number or 'release', found {text!r}")
+        if not os.path.isdir(path):
+            raise ValueError(f"{marker} names {text!r}, but {path} is missing")
         if not os.path.isfile(os.path.join(path, "metadata.json")):
             raise ValueError(f"{path}: not a distributed checkpoint (no metadata.json); megatron-tree score reads "
                              "Megatron-LM checkpoints saved with --ckpt-format torch_dist")

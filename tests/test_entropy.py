@@ -230,3 +230,26 @@ def test_tp_ranks_agree(results):
 @pytest.mark.parametrize("case", CASES, ids=["gpt-tp1", "mamba-tp1", "gpt-tp2-rank0", "gpt-tp2-rank1"])
 def test_planted_fault_entropy_row_off_by_one_fails(results, case):
     assert _get(results, case)["fault_max_err"] > 1e-3
+
+
+def test_function_gradcheck_and_low_precision():
+    """The autograd Function alone (one rank): torch.autograd.gradcheck of both outputs in float64 on
+    shared rows; bf16 logits give float32 values (equal to the float64 result of the same logits to
+    float32 rounding) and a bf16 gradient."""
+    from megatron_tree.megatron.loss import vocab_parallel_logprobs_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    inverse = torch.tensor([0, 0, 1, 2, 2, 2, 3])
+    targets = torch.tensor([1, 5, 0, 10, 3, 3, 7])
+    assert torch.autograd.gradcheck(lambda x: vocab_parallel_logprobs_entropy(x, inverse, targets), (z,))
+    lp, ent = vocab_parallel_logprobs_entropy(z, inverse, targets)
+    ref = torch.distributions.Categorical(logits=z[inverse]).entropy()
+    torch.testing.assert_close(ent, ref, **F64)
+    zb = z.detach().bfloat16().requires_grad_()
+    lp_b, ent_b = vocab_parallel_logprobs_entropy(zb, inverse, targets)
+    assert lp_b.dtype == ent_b.dtype == torch.float32
+    ref_b = torch.distributions.Categorical(logits=zb.detach().double()[inverse]).entropy()
+    torch.testing.assert_close(ent_b.double(), ref_b, rtol=1e-6, atol=1e-6)
+    (lp_b.sum() + ent_b.sum()).backward()
+    assert zb.grad.dtype == torch.bfloat16

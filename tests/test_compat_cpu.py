@@ -222,6 +222,43 @@ def test_harness_reports_failing_rank():
         run_distributed(_raises_body, 2, timeout=60)
 
 
+def _world_body():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_harness_retries_when_its_port_is_taken_before_rank_0_binds_it(monkeypatch):
+    """The port run_distributed picks is free when picked; a process elsewhere (pytest's other worker)
+    may bind it first. Rank 0 then fails before ``fn`` runs, and the run starts again on a new port."""
+    import socket
+
+    from megatron_tree.training import launch
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    picked = []
+    real = launch._free_port
+
+    def free_port():
+        picked.append(port if not picked else real())
+        return picked[-1]
+
+    monkeypatch.setattr(launch, "_free_port", free_port)
+    try:
+        assert run_distributed(_world_body, 2, timeout=60) == [(0, 2), (1, 2)]
+    finally:
+        taken.close()
+    assert picked[0] == port and len(picked) == 2
+    # other failures are not retried
+    picked.clear()
+    with pytest.raises(DistributedError, match="boom on rank one"):
+        run_distributed(_raises_body, 2, timeout=60)
+    assert len(picked) == 1
+
+
 def _env_and_stderr_body(tag):
     import os
     import sys

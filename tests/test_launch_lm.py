@@ -110,7 +110,9 @@ def test_launch_becomes_torchrun(monkeypatch, capsys):
         seen.update(path=path, argv=argv, env=env)
         raise Execed
 
-    monkeypatch.setattr(lm_api, "megatron_training_import_error", lambda: None)
+    imported = []
+    monkeypatch.setattr(lm_api, "megatron_training_import_error", lambda: imported.append(1))  # None: importable
+    monkeypatch.setattr(lm_api, "megatron_training_location_error", lambda: None)
     monkeypatch.setattr(launch_lm.os, "execve", execve)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     with pytest.raises(Execed):
@@ -120,7 +122,20 @@ def test_launch_becomes_torchrun(monkeypatch, capsys):
     assert seen["argv"][1:3] == ["-m", "torch.distributed.run"]
     if not torch.cuda.is_available():
         assert seen["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+        assert not imported  # a CPU launcher only locates megatron.training: each rank's worker imports it
     assert "megatron-tree launch: " in capsys.readouterr().out
+
+
+def test_worker_stops_with_what_to_install_when_megatron_training_fails_to_import(monkeypatch):
+    """The CPU launcher only locates megatron.training; a rank whose import of it fails (a checkout
+    missing an extra dependency) stops with the launcher's message, naming the cause."""
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the ranks run the script directly and the launcher imports megatron.training")
+    monkeypatch.setattr(lm_api, "megatron_training_import_error", lambda: "ModuleNotFoundError: No module named 'six'")
+    with pytest.raises(SystemExit) as stop:
+        launch_lm.worker_main([str(GPT), "--train-iters", "1"])
+    assert "megatron.training" in str(stop.value) and "No module named 'six'" in str(stop.value)
+    assert "core_v0.16.1" in str(stop.value)
 
 
 def test_cli_launch_dry_run_and_missing_script(capsys):

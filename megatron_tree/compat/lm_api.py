@@ -27,7 +27,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 __all__ = ["pretrain", "pretrain_takes_config_container", "use_prebuilt_dataset_helpers", "have_megatron_training",
-           "megatron_training_import_error", "MISSING_MEGATRON_TRAINING"]
+           "megatron_training_import_error", "megatron_training_location_error", "MISSING_MEGATRON_TRAINING"]
 
 MISSING_MEGATRON_TRAINING = (
     "megatron.training (Megatron-LM's pretrain()) is not importable: it ships inside the megatron-core wheel "
@@ -46,6 +46,18 @@ def megatron_training_import_error() -> Optional[str]:
     if not hasattr(module, "pretrain"):
         return "megatron.training has no pretrain()"
     return None
+
+
+def megatron_training_location_error() -> Optional[str]:
+    """None when ``megatron.training`` can be found here, without importing it (importing it costs
+    seconds of CPU: the launcher checks this, each rank imports it), else why not."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError) as exc:  # no ``megatron`` package at all, or a broken entry
+        return f"{type(exc).__name__}: {exc}"
+    return None if found else "ModuleNotFoundError: No module named 'megatron.training'"
 
 
 def have_megatron_training() -> bool:

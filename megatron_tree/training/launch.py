@@ -43,6 +43,17 @@ class DistributedError(RuntimeError):
     """A rank raised; the message holds its rank and traceback."""
 
 
+#: Marker file of a rank whose process group could not bind its port (see `run_distributed`).
+PORT_TAKEN = "port_taken"
+#: Attempts of `run_distributed` when the port it chose was taken before rank 0 bound it.
+PORT_ATTEMPTS = 3
+
+
+def _port_taken(exc: BaseException) -> bool:
+    text = str(exc)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -92,8 +103,13 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str,
         if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
             torch.cuda.set_device(rank)
             backend = "nccl"
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+        except Exception as exc:
+            if _port_taken(exc):  # fn has not run: the caller may retry on another port
+                open(os.path.join(outdir, PORT_TAKEN), "w").close()
+            raise
         result = fn(*args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     except BaseException:
@@ -152,33 +168,45 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
-    with tempfile.TemporaryDirectory(prefix="mtree_dist_") as outdir:
-        method = "spawn" if torch.cuda.is_available() else "forkserver"
-        if method == "forkserver":
-            _ensure_preload()
-        ctx = mp.start_processes(_rank_main, args=(fn, world_size, _free_port(), outdir, timeout, args,
-                                                   dict(os.environ), (_CallerFd(1), _CallerFd(2))),
-                                 nprocs=world_size, join=False, start_method=method)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    if ctx.join(timeout=0.2):
-                        break
-                except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # a rank failed; start_processes ended the rest
-                    raise DistributedError(_first_error(outdir, world_size) or str(exc)) from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)!r} on {world_size} ranks "
-                                       f"exceeded {timeout:.0f} s"
-                                       + (f"\n{_first_error(outdir, world_size)}" if _first_error(outdir, world_size) else ""))
-        finally:
-            for p in ctx.processes:  # only our own children, by handle
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    for attempt in range(PORT_ATTEMPTS):
+        with tempfile.TemporaryDirectory(prefix="mtree_dist_") as outdir:
+            try:
+                return _run_once(fn, world_size, args, timeout, outdir)
+            except DistributedError:
+                # _free_port's port is free when chosen, not when rank 0 binds it: another run on the
+                # machine (pytest's other worker) may take it in between. Nothing of fn ran then.
+                if not os.path.exists(os.path.join(outdir, PORT_TAKEN)) or attempt == PORT_ATTEMPTS - 1:
+                    raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, outdir: str) -> list:
+    method = "spawn" if torch.cuda.is_available() else "forkserver"
+    if method == "forkserver":
+        _ensure_preload()
+    ctx = mp.start_processes(_rank_main, args=(fn, world_size, _free_port(), outdir, timeout, args,
+                                               dict(os.environ), (_CallerFd(1), _CallerFd(2))),
+                             nprocs=world_size, join=False, start_method=method)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                if ctx.join(timeout=0.2):
+                    break
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # a rank failed; start_processes ended the rest
+                raise DistributedError(_first_error(outdir, world_size) or str(exc)) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)!r} on {world_size} ranks "
+                                   f"exceeded {timeout:.0f} s"
+                                   + (f"\n{_first_error(outdir, world_size)}" if _first_error(outdir, world_size) else ""))
+    finally:
+        for p in ctx.processes:  # only our own children, by handle
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

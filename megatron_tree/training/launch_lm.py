@@ -107,11 +107,15 @@ def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: s
            rdzv_id: Optional[str] = None, env: Optional[dict] = None, dry_run: bool = False) -> int:
     """Check, print and run the torchrun command of :func:`build_command`.
 
-    Before starting anything: the script must exist and ``megatron.training`` must import (else
-    FileNotFoundError / RuntimeError with what to install). ``dry_run`` returns 0 after printing.
+    Before starting anything: the script must exist and ``megatron.training`` must be importable
+    (else FileNotFoundError / RuntimeError with what to install). With CUDA the launcher imports it
+    (the ranks run the script directly); on a CPU host it only locates it, and each rank's worker
+    (:func:`worker_main`) imports it and stops with the same message if that fails: the import
+    costs ~7 s of CPU, which a launcher that execs torchrun would pay for nothing. ``dry_run`` returns 0 after printing.
     Otherwise this process **becomes** torchrun (``os.execve``: it does not return), so signals
     sent to it are torchrun's to handle (module docstring)."""
-    from ..compat.lm_api import MISSING_MEGATRON_TRAINING, megatron_training_import_error
+    from ..compat.lm_api import (MISSING_MEGATRON_TRAINING, megatron_training_import_error,
+                                 megatron_training_location_error)
 
     _check_script(script)
     cmd = build_command(script, script_args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
@@ -119,7 +123,7 @@ def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: s
     print("megatron-tree launch: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     if dry_run:
         return 0
-    error = megatron_training_import_error()
+    error = (megatron_training_import_error if torch.cuda.is_available() else megatron_training_location_error)()
     if error is not None:
         raise RuntimeError(f"{MISSING_MEGATRON_TRAINING}\n  ({error})")
     run_env = dict(os.environ if env is None else env)
@@ -143,7 +147,11 @@ def worker_main(argv: Sequence[str]) -> None:
     _check_script(script)
     if not torch.cuda.is_available():
         from ..compat import lm_cpu
+        from ..compat.lm_api import MISSING_MEGATRON_TRAINING, megatron_training_import_error
 
+        error = megatron_training_import_error()  # the launcher only located it
+        if error is not None:
+            raise SystemExit(f"megatron-tree launch: {MISSING_MEGATRON_TRAINING}\n  ({error})")
         lm_cpu.enable()
     sys.argv = [script] + args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

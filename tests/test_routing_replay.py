@@ -44,6 +44,9 @@ WS2 = [
     VerifyConfig(model="gpt", pp=2, recompute="selective", **{**R, "seed": 1}),
     both(VerifyConfig(model="hybrid", pp=2, recompute="full", **R)),
     VerifyConfig(model="gpt", tp=2, sp=True, fault="route_row_shift", **R),
+    # tree CP: each rank replays its owned rows (and padding); the per-sample side runs on CP rank 0
+    both(VerifyConfig(model="gpt", cp=2, recompute="selective", **R)),
+    VerifyConfig(model="gpt", cp=2, ep=2, **{**R, "families": 4}),  # experts over the CP ranks
 ]
 
 
@@ -93,8 +96,8 @@ def test_verify_routes_make_shared_prefixes_disagree():
 def test_verify_refuses_what_it_cannot_judge():
     with pytest.raises(ValueError, match="route_row_shift plants a bug in routing replay"):
         run_verify_many([VerifyConfig(model="gpt", fault="route_row_shift")])
-    with pytest.raises(ValueError, match="--routing-replay runs without tree CP"):
-        run_verify_many([VerifyConfig(model="gpt", cp=2, routing_replay=True)])
+    with pytest.raises(ValueError, match="--routing-replay runs in float64 / float32"):
+        run_verify_many([VerifyConfig(model="gpt", dtype="bfloat16", routing_replay=True)])
     assert "routing_replay" in format_report(WS1[0], {"tolerance": 0, "num_samples": 0, "flat_rows": 0,
                                                       "tree_rows": 0, "loss_value": 0, "passed": True,
                                                       **{m: 0 for m in ("logits", "loss", "grads",

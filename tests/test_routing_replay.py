@@ -278,3 +278,19 @@ def test_hooks_tree_routing_replay():
     for out in run_distributed(_hooks_body, 2, timeout=600):
         assert out["replays"] == 2 and out["routes_equal"]
         assert out["loss"][0] == out["loss"][1] and out["grad_diff"] == 0.0, out
+
+
+@pytest.mark.main_tier_only
+def test_recompute_replays_its_own_forwards_routes():
+    """Planted fault: under PP2 1F1B, a selective MoE recomputation that replays the routes last set by a
+    forward (microbatch i+1's) instead of its own forward's is caught: by the row-count check when the
+    microbatches differ in size, else by the comparison."""
+    from megatron_tree.training.launch import DistributedError
+
+    cfg = VerifyConfig(model="gpt", pp=2, recompute="selective", fault="route_recompute_stale", **{**R, "seed": 1})
+    try:
+        out = run_verify_many([cfg])[0]
+    except DistributedError as e:
+        assert "routing replay (MoE layer" in str(e) and "routed rows" in str(e)
+    else:
+        check_verify(cfg, out)

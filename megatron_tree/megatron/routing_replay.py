@@ -39,8 +39,10 @@ from .packed_seq import TreePackedSeqParams
 __all__ = ["TreeRouterReplay", "install_routing_replay", "reset_routing_replay", "local_routes", "moe_layers_of",
            "routing_replay_installed"]
 
-# Test-only fault switch (None in normal use): "route_row_shift" replays, at every row, the routes of
-# the row before it (the planted fault of ``megatron-tree verify --routing-replay``).
+# Test-only fault switch (None in normal use; also per replay object, ``TreeRouterReplay.fault``):
+# "route_row_shift" replays, at every row, the routes of the row before it; "route_recompute_stale"
+# replays, in a selective MoE recomputation, the routes last set by any forward instead of the FIFO's
+# (the planted faults of ``megatron-tree verify --routing-replay``).
 _FAULT = None
 
 
@@ -112,6 +114,8 @@ class TreeRouterReplay:
             idx = self.current
         elif self.fifo:  # selective MoE recomputation in the backward: the oldest pending forward's routes
             idx = self.fifo.popleft()
+            if (self.fault or _FAULT) == "route_recompute_stale":
+                idx = self.current
         else:
             idx = None
         if idx is None:

@@ -60,7 +60,7 @@ DSA_FAULTS = ("dsa_tie_order", "dsa_loss_weight")
 # faults of model "dsa" in bf16 only: an accuracy bug, exact in float64 (what the bf16 ratio rule catches)
 BF16_FAULTS = ("dsa_bf16_grad_sum",)
 # faults of routing replay runs only (routing_replay=True): the tree side's routes read one row off
-REPLAY_FAULTS = ("route_row_shift",)
+REPLAY_FAULTS = ("route_row_shift", "route_recompute_stale")
 ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
@@ -225,12 +225,14 @@ def plant_model_fault(model, fault: Optional[str]) -> None:
     ``dsa_loss_weight``: every `TreeDSAttention` weights each row's indexer loss term by 1 (dropping
     the per-sample weights ``sum 1/len(s)``).
     ``route_row_shift`` (routing replay): every MoE layer replays, at each row, the routes of the row
-    before it (routes read one row off).
+    before it (routes read one row off). ``route_recompute_stale``: a selective MoE recomputation in
+    the backward replays the routes last set by a forward (under 1F1B a later microbatch's) instead of
+    its own forward's.
     ``dsa_bf16_grad_sum`` (CP 1, bf16): every `TreeDSAttention` rounds the indexer loss's two passes'
     gradients to bf16 before summing them (`ops.dsa.tree_dsa_indexer_loss` ``fp32_grad_sum=False``),
     where they nearly cancel: float64-exact, far less accurate than per-sample bf16 training.
     """
-    if fault == "route_row_shift":
+    if fault in REPLAY_FAULTS:
         from ..megatron.routing_replay import install_routing_replay
 
         for rep in install_routing_replay(model):
@@ -918,8 +920,8 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.routing_replay and cfg.dtype == "bfloat16":
             raise ValueError("verify --routing-replay runs in float64 / float32 (an expert choice is discrete: "
                              "bf16's judge compares against float64 per-sample training)")
-        if cfg.fault == "route_row_shift" and not cfg.routing_replay:
-            raise ValueError("fault route_row_shift plants a bug in routing replay: it needs routing_replay=True "
+        if cfg.fault in REPLAY_FAULTS and not cfg.routing_replay:
+            raise ValueError(f"fault {cfg.fault} plants a bug in routing replay: it needs routing_replay=True "
                              "(--routing-replay)")
         from .verify_mtp import check_mtp_config
 

@@ -30,6 +30,7 @@ except ImportError:  # run from the repository root as tests.*
 
 V = 128
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", str(V)]
+MOE = MODEL + ["--num-experts", "4", "--moe-ffn-hidden-size", "16"]  # every layer MoE, top-2
 F64 = dict(rtol=1e-10, atol=1e-10)
 # name -> extra score flags and the checkpoint step they load (run in one 2-rank spawn)
 SPAWN_CASES = {
@@ -57,6 +58,60 @@ def _targets(rec, all_tokens: bool) -> np.ndarray:
     if all_tokens or "loss_mask" not in rec:
         return np.arange(1, n)
     return np.flatnonzero(rec["loss_mask"])
+
+
+def _route_records():
+    """Records with routed_experts ([tokens][2 MoE layers][top-2 of 4]): a shared prompt whose routes
+    agree for records 0-2, differ at one prompt token for record 3; record 4 repeats record 1."""
+    rng = np.random.default_rng(5)
+
+    def routes(n):
+        return np.stack([np.stack([rng.permutation(4)[:2] for _ in range(2)]) for _ in range(n)])
+
+    prompt, proutes = rng.integers(1, V, 10).tolist(), routes(10)
+    recs = []
+    for k in range(4):
+        comp = rng.integers(1, V, 4 + k).tolist()
+        r = np.concatenate([proutes, routes(len(comp))])
+        if k == 3:
+            r = r.copy()
+            r[6, 1] = (r[6, 1] + 1) % 4  # one prompt token routed elsewhere in one layer
+        recs.append({"tokens": prompt + comp, "loss_mask": [False] * 10 + [True] * len(comp),
+                     "routed_experts": r.tolist()})
+    recs.append(json.loads(json.dumps(recs[1])))
+    return recs
+
+
+def _replay_cases(data: str, outdir: str) -> dict:
+    """A MoE checkpoint (O(1) random weights, saved with dist_checkpointing), then score with routing
+    replay (tree and flat packing) and without."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.training import score as sc
+    from megatron_tree.training.models import build_model, make_config
+    from megatron_tree.training.trainer import _model_args, init_parallel
+    from per_sample import randomize
+
+    ckpt = os.path.join(outdir, "moe_ckpt")
+    base = MOE + ["--load", ckpt, "--data", data, "--dtype", "float64", "--quiet"]
+    args = sc.check_score_args(sc.build_score_parser().parse_args(base + ["--out", "unused.parquet"]))
+    init_parallel(args)
+    margs = _model_args(args)
+    model = build_model(make_config(margs, dtype=torch.float64), margs)
+    randomize(model, seed=3)
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, ckpt)
+    ps.destroy_model_parallel()
+    res = {}
+    for name, extra in (("replay_tree", ["--routing-replay"]), ("replay_flat", ["--routing-replay", "--packing", "flat"]),
+                        ("no_replay", [])):
+        out = os.path.join(outdir, f"{name}.parquet")
+        res[name] = (out, sc.score(sc.build_score_parser().parse_args(base + ["--out", out] + extra)))
+    return res
 
 
 def _stock_oracle(ckpt_root: str, records: list) -> dict:
@@ -92,7 +147,7 @@ def _stock_oracle(ckpt_root: str, records: list) -> dict:
     return out
 
 
-def _spawn_body(ckpt_root: str, data: str, outdir: str) -> dict:
+def _spawn_body(ckpt_root: str, data: str, outdir: str, route_data: str) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -108,6 +163,7 @@ def _spawn_body(ckpt_root: str, data: str, outdir: str) -> dict:
         res[name] = sc.score(args)
     sc._FAULT = None
     torch.set_default_dtype(torch.float64)
+    res["replay"] = _replay_cases(route_data, outdir)
     ps.initialize_model_parallel()  # dist_checkpointing.load is collective: both ranks run the oracle
     model_parallel_cuda_manual_seed(1)
     with open(data) as f:
@@ -136,10 +192,14 @@ def run(tmp_path_factory):
     rc = cli.main(["score", *MODEL, "--load", ckpt, "--data", data, "--out", out_dp2, "--nproc", "2",
                    "--dtype", "float64", "--max-tokens-per-mb", "256", "--quiet"])
     assert rc == 0
-    spawned = run_distributed(_spawn_body, 2, ckpt, data, str(d), timeout=400)[0]
+    route_data = str(d / "routed.jsonl")
+    with open(route_data, "w") as f:
+        for r in _route_records():
+            f.write(json.dumps(r) + "\n")
+    spawned = run_distributed(_spawn_body, 2, ckpt, data, str(d), route_data, timeout=400)[0]
     with open(metrics) as f:
         history = json.load(f)["history"]
-    return dict(dir=d, data=data, ckpt=ckpt, records=records, history=history, spawned=spawned,
+    return dict(dir=d, data=data, ckpt=ckpt, route_data=route_data, records=records, history=history, spawned=spawned,
                 outs={"dp2": (out_dp2, 2, False), **{n: (str(d / f"{n}.parquet"), step, "--all-tokens" in extra)
                                                      for n, (extra, step) in SPAWN_CASES.items()}})
 
@@ -235,3 +295,37 @@ def test_resolve_checkpoint_finds_train_and_megatron_lm_layouts(tmp_path):
     (lm / "iter_0000009" / "mp_rank_00").mkdir(parents=True)  # --ckpt-format torch
     with pytest.raises(ValueError, match="not a distributed checkpoint"):
         resolve_checkpoint(str(lm))
+
+
+def test_routing_replay_scores(run):
+    """Tree packing with replay (rows shared only where tokens and routes agree) equals every record
+    scored alone with its own routes (flat packing, the same replay), float64; replay is in effect
+    (other values than the model's own routing); the routes cost rows against token-only sharing."""
+    rep = run["spawned"]["replay"]
+    (tree_path, tree), (flat_path, flat), (free_path, free) = rep["replay_tree"], rep["replay_flat"], rep["no_replay"]
+    _, t_rows = _read(tree_path)
+    _, f_rows = _read(flat_path)
+    _, n_rows = _read(free_path)
+    assert [r["record"] for r in t_rows] == list(range(5))
+    moved = 0.0
+    for a, b, c in zip(t_rows, f_rows, n_rows):
+        for k in ("logprobs", "entropy"):
+            torch.testing.assert_close(torch.tensor(a[k]), torch.tensor(b[k]), rtol=1e-9, atol=1e-9)
+            moved = max(moved, float((torch.tensor(a[k]) - torch.tensor(c[k])).abs().max()))
+    assert moved > 1e-3
+    assert t_rows[1] == {**t_rows[4], "record": 1}
+    assert free["tree_rows"] < tree["tree_rows"] < flat["tree_rows"] == flat["flat_tokens"]
+
+
+def test_routing_replay_record_without_routes_is_an_error(run, capsys):
+    from megatron_tree import cli
+
+    path = run["dir"] / "unrouted.jsonl"
+    lines = open(run["route_data"]).read().splitlines()
+    rec = json.loads(lines[2])
+    del rec["routed_experts"]
+    path.write_text("\n".join(lines[:2] + [json.dumps(rec)] + lines[3:]) + "\n")
+    rc = cli.main(["score", *MOE, "--routing-replay", "--load", run["ckpt"], "--data", str(path),
+                   "--out", str(run["dir"] / "z.parquet")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{path}:3: record 2 has no routed_experts" in err

@@ -24,7 +24,8 @@ What a run does (every rank):
    so expert-parallel collectives stay matched).
 3. Megatron's ``get_forward_backward_func`` runs them with ``forward_only=True`` under
    ``torch.no_grad()`` (TP, SP, PP, EP and tree CP as in training: `forward_step.context_parallel_params`
-   plans each microbatch), the model returning ``(logprobs, entropy)`` per occurrence
+   plans each microbatch; ``--routing-replay``: route-aware packing and every MoE layer replays its
+   rows' routes, `megatron.routing_replay`), the model returning ``(logprobs, entropy)`` per occurrence
    (``TreePackedSeqParams.return_entropy``); the loss function only hands them back with their
    ``(sample, position)`` keys.
 4. Rank 0 gathers every occurrence (each CP rank holds its own), checks that each record's target
@@ -90,6 +91,10 @@ def add_score_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
     g.add_argument("--packing", choices=("tree", "flat"), default="tree",
                    help="tree: share prefixes across all records (default); flat: each record its own chain")
+    g.add_argument("--routing-replay", action="store_true",
+                   help="rollout routing replay (R3) for MoE models: every record carries routed_experts "
+                        "([tokens][moe_layers][topk]); rows are shared only where tokens and routes agree and every "
+                        "MoE layer replays the routes of its rows (a record without routes is an error)")
     g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
                    help="same as --hybrid-override-pattern for our hybrid stack (train's --tree-* spelling)")
     g.add_argument("--tree-cp-planner", choices=CP_PLANNERS, default="balanced",
@@ -145,6 +150,9 @@ def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
     if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
             args.hybrid_override_pattern != args.tree_hybrid_pattern:
         errors.append("--hybrid-override-pattern and --tree-hybrid-pattern disagree; pass one of them")
+    if args.routing_replay and not (args.num_experts or "E" in (args.hybrid_override_pattern or "")
+                                    or "E" in (args.tree_hybrid_pattern or "")):
+        errors.append("--routing-replay needs MoE layers: --num-experts N (or an 'E' in the hybrid pattern)")
     if not str(args.out).endswith((".parquet", ".pq")):
         errors.append(f"--out {args.out}: the output is Parquet, name it FILE.parquet")
     pad = args.tree_pad_to_multiple_of
@@ -159,6 +167,12 @@ def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
     if errors:
         raise ValueError("invalid arguments for megatron-tree score:\n  - " + "\n  - ".join(errors))
     args.tree_pad_to_multiple_of = pad
+    if samples is not None and args.routing_replay:
+        missing = [i for i, s in enumerate(samples) if s.routed_experts is None]
+        if missing:
+            i = missing[0]
+            raise ValueError(f"{sources[i] if sources else f'record {i}'}: record {i} has no routed_experts, but "
+                             "--routing-replay replays every record's routes (it would be re-routed, not replayed)")
     if samples is not None:
         lens = np.array([len(s) for s in samples], dtype=np.int64)
         if budget is None:
@@ -263,12 +277,11 @@ def _score_step(data_iterator, model, *, cp_strategy: str = "balanced", device=N
 
 
 def _records_for_scoring(samples, all_tokens: bool) -> list:
-    """Tokens and the scored positions only (RL fields play no part in a forward pass)."""
+    """Tokens, the scored positions and the routes only (RL fields play no part in a forward pass)."""
     from ..tree.sample import Sample
 
-    if all_tokens:
-        return [Sample(tokens=s.tokens) for s in samples]
-    return [Sample(tokens=s.tokens, loss_mask=s.target_mask()) for s in samples]
+    return [Sample(tokens=s.tokens, loss_mask=None if all_tokens else s.target_mask(),
+                   routed_experts=s.routed_experts) for s in samples]
 
 
 def score(args, samples=None, sources=None) -> dict:
@@ -301,6 +314,8 @@ def _score(args, samples, on_cpu: bool) -> dict:
     from .trainer import _model_args
 
     margs = _model_args(args)
+    if args.routing_replay:  # Megatron gives every router a replay hook
+        margs.extra["moe_enable_routing_replay"] = True
     dtype = DTYPES[args.dtype]
     config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                          ep=args.expert_model_parallel_size, cp=args.context_parallel_size, sp=args.sequence_parallel,
@@ -312,15 +327,26 @@ def _score(args, samples, on_cpu: bool) -> dict:
         model = model.cuda()
     _load_model(resolve_checkpoint(args.load), model, args)
     model.eval()
+    spec = None
+    if args.routing_replay:
+        from ..megatron.routing_replay import install_routing_replay, reset_routing_replay
+        from ..tree.routes import RouteSpec
+
+        install_routing_replay(model)
+        spec = RouteSpec(moe_layers=model.routing_replay_moe_layers, topk=config.moe_router_topk,
+                         num_experts=config.num_moe_experts)
 
     records = _records_for_scoring(samples, args.all_tokens)
     budget, pad = args.tree_max_tokens_per_mb, args.tree_pad_to_multiple_of
     mbs = pack(records, budget, pad_to_multiple_of=pad, vocab_size=args.vocab_size,
-               share_prefixes=args.packing == "tree")
+               share_prefixes=args.packing == "tree", route_aware=spec is not None, route_spec=spec)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     per_rank = max(1, -(-len(mbs) // dp_size))
     mine = [mbs[i] for i in balance([microbatch_cost(mb) for mb in mbs], dp_size, per_rank)[dp_rank]] if mbs else []
-    mine += [padding_microbatch(budget, num_rows=pad) for _ in range(per_rank - len(mine))]
+    shape = None if spec is None else (spec.moe_layers, spec.topk)
+    mine += [padding_microbatch(budget, num_rows=pad, route_shape=shape) for _ in range(per_rank - len(mine))]
+    if spec is not None:
+        reset_routing_replay(model)
 
     dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     if dist.get_world_size() > 1:

@@ -12,7 +12,8 @@ One spawn of 2 gloo ranks: (a) DP 2, the API sharding a global batch (`from_list
 and entropy terms through DDP: every rank's per-rollout log-probs / entropies / per-token losses and
 the DP-reduced gradients; (b) tree CP 2 on a padded batch (`from_padded`, left and right padding):
 forward-only ``to_padded`` outputs, and a user ``loss_fn`` trained under CP; (c) PP 2, forward only:
-the per-rollout outputs on both stages. Planted fault: outputs
+the per-rollout outputs on both stages; (d) routing replay: a MoE model replaying per-rollout routes
+(prefix routes that disagree) equals every rollout alone with its routes. Planted fault: outputs
 mapped one column off (``rl.batch._FAULT``) must fail the comparison.
 """
 from __future__ import annotations
@@ -229,6 +230,47 @@ def _part_pp(oracle):
             for name, k in (("logprobs", 1), ("entropy", 2))}
 
 
+def _part_replay():
+    """Routing replay through the API (MoE model, random routes that differ between rollouts sharing a
+    prompt): tree microbatches equal every rollout alone with its routes (flat), and a batch without
+    routes is refused by the replaying model."""
+    from megatron_tree import rl
+    from megatron_tree.megatron.routing_replay import install_routing_replay
+    from megatron_tree.megatron.specs import get_tree_gpt_decoder_block_spec
+    from megatron_tree.megatron.model import TreeGPTModel
+    from megatron_tree.training.models import ModelArgs, make_config
+
+    cfg = make_config(ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                ffn_hidden_size=48, vocab_size=V, num_experts=4, moe_ffn_hidden_size=16,
+                                extra=dict(moe_enable_routing_replay=True)), dtype=torch.float64)
+    tree = TreeGPTModel(cfg, get_tree_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                                             normalization="RMSNorm"),
+                        vocab_size=V, max_sequence_length=64, position_embedding_type="rope").to(torch.float64)
+    randomize(tree, seed=9)
+    install_routing_replay(tree)
+    toks, masks, *_ = _rollouts()
+    rng = np.random.default_rng(2)
+    routes = [np.stack([np.stack([rng.permutation(4)[:2] for _ in range(2)]) for _ in t]) for t in toks]
+    for i in (1, 2, 3):  # the group's prompt routed alike, except rollout 3 at one token
+        routes[i][:8] = routes[0][:8]
+    routes[3][5, 0] = (routes[3][5, 0] + 1) % 4
+    routes[4] = routes[1].copy()  # the duplicate rollout: same tokens, same routes
+    batch = rl.RolloutBatch.from_lists(toks, loss_mask=masks, routed_experts=routes)
+    res = {}
+    for name, share in (("tree", True), ("flat", False)):
+        mbs = rl.build_microbatches(batch, BUDGET, share_prefixes=share)
+        out = rl.forward_backward(tree, mbs, forward_only=True)
+        res[name] = {k: [torch.as_tensor(v) for v in out.per_rollout(k)] for k in ("logprobs", "entropy")}
+        res[name + "_rows"] = sum(mb.stats.tree_tokens for mb in mbs.microbatches)
+    try:
+        rl.forward_backward(tree, rl.build_microbatches(rl.RolloutBatch.from_lists(toks, loss_mask=masks), BUDGET),
+                            forward_only=True)
+        res["unrouted"] = None
+    except ValueError as e:
+        res["unrouted"] = str(e)
+    return res
+
+
 def _body():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -239,14 +281,15 @@ def _body():
     rank = dist.get_rank()
     oracle = _oracle()
     res = {}
-    parts = (("dp", lambda: _part_dp(rank, oracle)), ("cp", lambda: _part_cp(oracle)), ("pp", lambda: _part_pp(oracle)))
+    parts = (("dp", lambda: _part_dp(rank, oracle)), ("cp", lambda: _part_cp(oracle)), ("pp", lambda: _part_pp(oracle)),
+             ("replay", _part_replay))
     for name, fn in parts:
         try:
             res[name] = fn()
         except Exception:  # noqa: BLE001 - reported by the tests of that part
             res[name] = {"error": traceback.format_exc()}
         ps.destroy_model_parallel()
-        if name != "pp":
+        if name != "replay":
             ps.initialize_model_parallel(context_parallel_size=2 if name == "dp" else 1,
                                          pipeline_model_parallel_size=2 if name == "cp" else 1)
             model_parallel_cuda_manual_seed(1234)
@@ -305,6 +348,16 @@ def test_pp_outputs_reach_every_stage(results, rank):
     for name in ("logprobs", "entropy"):
         for got, want in r[name]:
             torch.testing.assert_close(got, want, **F64)
+
+
+def test_routing_replay_through_the_api(results):
+    r = _part(results, 0, "replay")
+    for k in ("logprobs", "entropy"):
+        for a, b in zip(r["tree"][k], r["flat"][k]):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert torch.equal(r["tree"]["logprobs"][1], r["tree"]["logprobs"][4])
+    assert r["tree_rows"] < r["flat_rows"]
+    assert r["unrouted"] is not None and "carry no routes" in r["unrouted"]
 
 
 def test_planted_fault_column_shift_fails(results):

@@ -78,26 +78,30 @@ class RolloutBatch:
 
     @classmethod
     def from_lists(cls, tokens: Sequence, *, loss_mask=None, advantages=None, old_logprobs=None, ref_logprobs=None,
-                   weights=None) -> "RolloutBatch":
+                   weights=None, routed_experts=None) -> "RolloutBatch":
         """Per-rollout token lists (lists, arrays or tensors); every other field is per rollout too:
         ``loss_mask`` / ``old_logprobs`` / ``ref_logprobs`` one value per token, ``advantages`` /
-        ``weights`` a scalar or one value per token (or a ``[B]`` array of scalars). A bad rollout
-        is a ValueError naming it (``rollout i``) and the rule it breaks."""
+        ``weights`` a scalar or one value per token (or a ``[B]`` array of scalars),
+        ``routed_experts`` ``[L, moe_layers, topk]`` expert ids per token (routing replay: what the
+        rollout engine returned). A bad rollout is a ValueError naming it (``rollout i``) and the
+        rule it breaks."""
         samples = []
         for i in range(len(tokens)):
             s = Sample(tokens=_np(tokens[i]), loss_mask=_row(loss_mask, i), advantage=_row(advantages, i),
-                       old_logprobs=_row(old_logprobs, i), ref_logprobs=_row(ref_logprobs, i), weight=_row(weights, i))
+                       old_logprobs=_row(old_logprobs, i), ref_logprobs=_row(ref_logprobs, i), weight=_row(weights, i),
+                       routed_experts=_row(routed_experts, i))
             validate_sample(i, s, where=f"rollout {i}")
             samples.append(s)
         return cls(samples)
 
     @classmethod
     def from_padded(cls, input_ids, attention_mask, *, loss_mask=None, advantages=None, old_logprobs=None,
-                    ref_logprobs=None, weights=None) -> "RolloutBatch":
+                    ref_logprobs=None, weights=None, routed_experts=None) -> "RolloutBatch":
         """Padded ``[B, T]`` tensors: ``attention_mask`` marks each row's real tokens (one contiguous
         run: left and/or right padding); ``loss_mask``, ``old_logprobs``, ``ref_logprobs`` are
         ``[B, T]`` aligned with ``input_ids`` (a response-only tensor is padded on the left by the
-        prompt columns first); ``advantages`` / ``weights`` ``[B]`` or ``[B, T]``."""
+        prompt columns first); ``advantages`` / ``weights`` ``[B]`` or ``[B, T]``; ``routed_experts``
+        ``[B, T, moe_layers, topk]``."""
         ids, am = _np(input_ids), _np(attention_mask).astype(bool)
         if ids.ndim != 2 or am.shape != ids.shape:
             raise ValueError(f"input_ids and attention_mask must both be [B, T], got {ids.shape} and {am.shape}")
@@ -126,7 +130,8 @@ class RolloutBatch:
         samples = []
         for b in range(B):
             s = Sample(tokens=ids[b, start[b]:start[b] + n[b]], loss_mask=cut(lm, b), advantage=cut(advantages, b),
-                       old_logprobs=cut(old_logprobs, b), ref_logprobs=cut(ref_logprobs, b), weight=cut(weights, b))
+                       old_logprobs=cut(old_logprobs, b), ref_logprobs=cut(ref_logprobs, b), weight=cut(weights, b),
+                       routed_experts=cut(routed_experts, b))
             validate_sample(b, s, where=f"rollout {b}")
             samples.append(s)
         return cls(samples, starts=start.astype(np.int64), width=int(T))
@@ -168,7 +173,7 @@ def _dp_group():
 
 def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: int = 0, dp_size: int = 1,
                        pad_to_multiple_of: int = 8, share_prefixes: bool = True, vocab_size: Optional[int] = None,
-                       equalize: bool = True) -> RankMicrobatches:
+                       equalize: bool = True, route_spec=None) -> RankMicrobatches:
     """Pack ``batch`` into prefix-tree microbatches of at most ``max_tokens_per_mb`` rows and keep DP
     rank ``dp_rank``'s share.
 
@@ -180,6 +185,11 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
     like any other. With ``equalize`` and Megatron's parallel state initialised, every DP rank ends
     with the same microbatch count (padding microbatches: zero loss, zero gradient), which the MoE
     all-to-all and pipeline schedules need.
+
+    Routing replay: when the rollouts carry ``routed_experts`` (every one must), rows are shared only
+    where tokens and routes agree and each microbatch carries its rows' routes (``route_spec``, a
+    `tree.routes.RouteSpec`, checks them against the model); the model must be built with
+    ``moe_enable_routing_replay=True`` and `megatron.routing_replay.install_routing_replay` applied.
     """
     from ..data.sharding import balance, microbatch_cost
     from ..tree import pack, padding_microbatch
@@ -189,17 +199,25 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
         raise ValueError(f"max_tokens_per_mb ({budget}) must be a positive multiple of pad_to_multiple_of ({pad})")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+    from ..tree.routes import routes_shape
+
     lens = batch.lengths
+    shape = routes_shape(batch.samples)
+    routed = shape is not None
+    if routed:
+        missing = [i for i, s in enumerate(batch.samples) if s.routed_experts is None]
+        if missing:
+            raise ValueError(f"rollout {missing[0]}: has no routed_experts while others do: routing replay needs the "
+                             "routes of every rollout (one without would be re-routed, not replayed)")
+    kw = dict(pad_to_multiple_of=pad, vocab_size=vocab_size, route_aware=routed, route_spec=route_spec)
     normal, long = np.flatnonzero(lens <= budget), np.flatnonzero(lens > budget)
     mbs = []
     if len(normal):
         mbs += [_renumber(mb, normal) for mb in pack([batch.samples[i] for i in normal], budget,
-                                                     pad_to_multiple_of=pad, vocab_size=vocab_size,
-                                                     share_prefixes=share_prefixes)]
+                                                     share_prefixes=share_prefixes, **kw)]
     for i in long.tolist():  # alone, in a microbatch of its own length
         own = -(-int(lens[i]) // pad) * pad
-        mbs += [_renumber(mb, np.array([i])) for mb in pack([batch.samples[i]], own, pad_to_multiple_of=pad,
-                                                            vocab_size=vocab_size)]
+        mbs += [_renumber(mb, np.array([i])) for mb in pack([batch.samples[i]], own, **kw)]
     per_rank = -(-len(mbs) // dp_size)
     mine = [mbs[j] for j in balance([microbatch_cost(mb) for mb in mbs], dp_size, max(per_rank, 1))[dp_rank]] \
         if mbs else []
@@ -210,7 +228,7 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
         c = torch.tensor([count], dtype=torch.int64, device=dev)
         dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
         count = int(c)
-    mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields())
+    mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
              for _ in range(count - len(mine))]
     ids = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
     return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=ids, max_tokens_per_mb=budget)
@@ -298,6 +316,11 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     kw = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
     step = partial(_forward_step, cp_strategy=cp_strategy, loss=loss, loss_fn=loss_fn, loss_kwargs=kw)
     mbs = microbatches.microbatches
+    if any(getattr(mb, "routes", None) is not None for mb in mbs):
+        from ..megatron.routing_replay import reset_routing_replay
+
+        for c in chunks:  # no route left over from an earlier forward whose backward never ran
+            reset_routing_replay(c)
     data = [iter(list(mbs)) for _ in chunks] if len(chunks) > 1 else iter(list(mbs))
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         reports = get_forward_backward_func()(

@@ -55,6 +55,9 @@ def save_mtp_metrics(loss, correct, total, layer_number: int, num_layers: int, a
     Megatron's ``MTPLossLoggingHelper`` tracker, as stock ``GPTModel`` does in training."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as H
 
+    held = H.tracker.get("loss_values", H.tracker.get("values"))
+    if held is not None and held.shape[0] != num_layers:  # a model with another depth count logged before
+        H.tracker.clear()  # (stock sizes the tracker once, by the first model's depth count)
     if hasattr(H, "save_metrics_to_tracker"):
         H.save_metrics_to_tracker(loss, correct, total, layer_number, num_layers, avg_group=avg_group)
     else:

@@ -246,6 +246,15 @@ def test_function_gradcheck_and_low_precision():
     lp, ent = vocab_parallel_logprobs_entropy(z, inverse, targets)
     ref = torch.distributions.Categorical(logits=z[inverse]).entropy()
     torch.testing.assert_close(ent, ref, **F64)
+    # the entropy only logged (no gradient flows into it): the log-prob gradient is vocab_parallel_logprobs'
+    from megatron_tree.megatron.loss import vocab_parallel_logprobs
+
+    w = torch.arange(1.0, 8.0, dtype=torch.float64)
+    g1 = torch.autograd.grad((w * vocab_parallel_logprobs_entropy(z, inverse, targets)[0]).sum(), z)[0]
+    g2 = torch.autograd.grad((w * vocab_parallel_logprobs(z, inverse, targets)).sum(), z)[0]
+    torch.testing.assert_close(g1, g2, **F64)
+    g3 = torch.autograd.grad((w * vocab_parallel_logprobs_entropy(z, inverse, targets)[1]).sum(), z)[0]
+    assert g3.abs().max() > 0
     zb = z.detach().bfloat16().requires_grad_()
     lp_b, ent_b = vocab_parallel_logprobs_entropy(zb, inverse, targets)
     assert lp_b.dtype == ent_b.dtype == torch.float32

@@ -75,7 +75,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         zm = z - m.unsqueeze(-1)
         e = torch.exp(zm)
         sumexp = e.sum(-1)
-        sez = (e * zm).sum(-1)  # sum_v exp(z_v - m) (z_v - m): H = log S - sez / S
+        sez = e.mul_(zm).sum(-1)  # sum_v exp(z_v - m) (z_v - m): H = log S - sez / S (two [U, V] temporaries)
         del e, zm
         local_t = targets - vocab_start
         in_range = (local_t >= 0) & (local_t < Vl)
@@ -90,6 +90,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         ent = log_s - sez / sumexp  # [U]
         ctx.save_for_backward(z, lse, ent, inverse, local_t, in_range)
         ctx.in_dtype = logits.dtype
+        ctx.set_materialize_grads(False)  # an entropy only logged (detached) costs no backward work
         rows = inverse
         if _FAULT == "entropy_row_shift":
             rows = (inverse + 1) % max(ent.numel(), 1)
@@ -99,12 +100,19 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     def backward(ctx, g, g_ent):
         z, lse, ent, inverse, local_t, in_range = ctx.saved_tensors
         U = z.shape[0]
-        gsum = torch.zeros(U, dtype=z.dtype, device=z.device).index_add_(0, inverse, g.to(z.dtype))
-        hsum = torch.zeros(U, dtype=z.dtype, device=z.device).index_add_(0, inverse, g_ent.to(z.dtype))
+        zeros = lambda: torch.zeros(U, dtype=z.dtype, device=z.device)  # noqa: E731
+        gsum = zeros() if g is None else zeros().index_add_(0, inverse, g.to(z.dtype))
+        # d logp_e / dz = onehot - p ;  d H_u / dz = -p (log p + H_u)   (two [U, V] temporaries)
         logp = z - lse.unsqueeze(-1)
-        # d logp_e / dz = onehot - p ;  d H_u / dz = -p (log p + H_u)
-        grad = -torch.exp(logp) * (gsum.unsqueeze(-1) + hsum.unsqueeze(-1) * (logp + ent.unsqueeze(-1)))
-        grad.index_put_((inverse[in_range], local_t[in_range]), g.to(z.dtype)[in_range], accumulate=True)
+        p = torch.exp(logp)
+        if g_ent is None:
+            coef = gsum.unsqueeze(-1)
+        else:
+            hsum = zeros().index_add_(0, inverse, g_ent.to(z.dtype))
+            coef = logp.add_(ent.unsqueeze(-1)).mul_(hsum.unsqueeze(-1)).add_(gsum.unsqueeze(-1))
+        grad = p.mul_(coef).neg_()
+        if g is not None:
+            grad.index_put_((inverse[in_range], local_t[in_range]), g.to(z.dtype)[in_range], accumulate=True)
         return grad.to(ctx.in_dtype), None, None, None, None
 
 

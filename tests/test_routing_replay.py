@@ -6,8 +6,8 @@ side replays each sample's own routes through stock ``RouterReplay`` (independen
 ``routed_experts`` plus padding, fed to every stock router before the sample's forward). Routes are
 drawn from the token prefix, with a planted disagreement on a shared prompt in every fourth sample,
 so the route-aware trie really forks. Float64; MoE's router softmax runs in fp32 in Megatron (hence
-verify's 5e-6 MoE tolerance, and the seeds of the PP cases: Adam's first step is sign-like, so a
-gradient element near Adam's eps turns fp32 noise into a visible parameter difference).
+verify's 5e-6 MoE tolerance, and the SGD step verify takes for replay runs: Adam's sign-like first
+step would turn that fp32 noise into visible parameter differences).
 """
 from __future__ import annotations
 
@@ -35,18 +35,20 @@ WS1 = [
     both(VerifyConfig(model="hybrid", recompute="selective", **R)),  # M G * - * E
     both(VerifyConfig(model="mamba", **R)),  # MambaModel M * - E
     VerifyConfig(model="gpt", recompute="selective", fault="route_row_shift", **R),
+    VerifyConfig(model="mla", **R),  # DeepSeek-style: the first layer dense, MoE after it
+    VerifyConfig(model="qwen3next", **R),  # GDN + gated attention, MoE with a shared expert
 ]
 
 WS2 = [
     both(VerifyConfig(model="gpt", tp=2, sp=True, recompute="selective", **R)),  # each TP rank routes its SP slice
-    both(VerifyConfig(model="gpt", dp=2, ep=2, **{**R, "families": 4})),  # experts over 2 ranks: routed before dispatch
+    both(VerifyConfig(model="gpt", dp=2, ep=2, **R)),  # experts over 2 ranks: routed before dispatch
     # 1F1B: stage 0 runs microbatch 1's forward before microbatch 0's backward recomputes its routing
-    VerifyConfig(model="gpt", pp=2, recompute="selective", **{**R, "seed": 1}),
+    VerifyConfig(model="gpt", pp=2, recompute="selective", **R),
     both(VerifyConfig(model="hybrid", pp=2, recompute="full", **R)),
     VerifyConfig(model="gpt", tp=2, sp=True, fault="route_row_shift", **R),
     # tree CP: each rank replays its owned rows (and padding); the per-sample side runs on CP rank 0
     both(VerifyConfig(model="gpt", cp=2, recompute="selective", **R)),
-    VerifyConfig(model="gpt", cp=2, ep=2, **{**R, "families": 4}),  # experts over the CP ranks
+    VerifyConfig(model="gpt", cp=2, ep=2, **R),  # experts over the CP ranks
 ]
 
 
@@ -287,7 +289,7 @@ def test_recompute_replays_its_own_forwards_routes():
     microbatches differ in size, else by the comparison."""
     from megatron_tree.training.launch import DistributedError
 
-    cfg = VerifyConfig(model="gpt", pp=2, recompute="selective", fault="route_recompute_stale", **{**R, "seed": 1})
+    cfg = VerifyConfig(model="gpt", pp=2, recompute="selective", fault="route_recompute_stale", **R)
     try:
         out = run_verify_many([cfg])[0]
     except DistributedError as e:

@@ -153,6 +153,13 @@ def _missing_routes_body():
     got = local_routes(view)
     rows = torch.from_numpy(plan.owner_rows(1))
     out["cp_ok"] = bool(torch.equal(got[: len(rows)], mb.routes[rows])) and got.shape[0] == view.num_local_rows
+    # inside a GDN island the layers get the island view: its rows (another ownership) and padding
+    gplan = plan_context_parallel(mb.layout, 2, strategy="contiguous")
+    island = context_parallel_view(psp, plan, 1, pad_to_multiple_of=4, gdn_plan=gplan).island_view()
+    g_rows = torch.from_numpy(gplan.owner_rows(1))
+    got = local_routes(island)
+    out["island_ok"] = (bool(torch.equal(got[: len(g_rows)], mb.routes[g_rows])) and got.shape[0] ==
+                        island.num_local_rows and not torch.equal(g_rows, rows))
     return out
 
 
@@ -163,7 +170,7 @@ def test_missing_routes_are_an_error_never_a_reroute():
     assert "moe_enable_routing_replay=True" in out["no_flag"]
     assert out["ordinals"] == [0, 1]
     assert "carry no routes" in out["missing"] and "never re-routes" in out["missing"]
-    assert out["replayed"] and out["cp_ok"]
+    assert out["replayed"] and out["cp_ok"] and out["island_ok"]
 
 
 # ----------------------------------------------------------------------------------- megatron-tree train

@@ -303,3 +303,65 @@ def test_recompute_replays_its_own_forwards_routes():
         assert "routing replay (MoE layer" in str(e) and "routed rows" in str(e)
     else:
         check_verify(cfg, out)
+
+
+def _own_routes_body(data, routed):
+    """One rank: the routes the initial model itself picks for each sample (stock RouterReplay RECORD on
+    the model ``train`` builds, one sample at a time), written to ``routed``; then step 1 of ``train``
+    without and with ``--routing-replay`` of those routes."""
+    import torch
+
+    from megatron_tree.compat import cpu
+    from megatron_tree.data.io import read_jsonl, write_jsonl
+    from megatron_tree.training.trainer import _model_args, build_train_parser, check_train_args, train
+
+    cpu.enable()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from megatron_tree.megatron.packed_seq import tree_packed_seq_params
+    from megatron_tree.training.models import build_model, make_config
+    from megatron_tree.tree import pack
+
+    args = build_train_parser().parse_args(_train_argv(data, "--train-iters", "1"))
+    samples = read_jsonl(data)
+    check_train_args(args, samples)
+    ps.initialize_model_parallel()
+    margs = _model_args(args)
+    margs.extra["moe_enable_routing_replay"] = True
+    config = make_config(margs, recompute="none", dtype=torch.float32)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    model = build_model(config, margs)
+    routers = [m.router for m in model.modules() if isinstance(m, MoELayer)]
+    for r in routers:
+        r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    out = []
+    with torch.no_grad():
+        for s in samples:  # each sample alone: an unbranched chain of its own
+            psp = tree_packed_seq_params(pack([s], 64)[0])
+            psp.loss_map = None
+            model(psp.input_ids[None], psp.position_ids[None], None, packed_seq_params=psp)
+            rec = torch.stack([r.router_replay.get_recorded_indices() for r in routers], 1)
+            out.append(type(s)(tokens=s.tokens, loss_mask=s.loss_mask, routed_experts=rec.numpy()))
+    ps.destroy_model_parallel()
+    write_jsonl(out, routed)
+    plain = train(build_train_parser().parse_args(_train_argv(routed, "--train-iters", "1")))["history"][0]
+    replay = train(build_train_parser().parse_args(_train_argv(routed, "--train-iters", "1", "--routing-replay")))
+    return plain, replay["history"][0]
+
+
+def test_train_replaying_the_models_own_routes_equals_no_replay(tmp_path):
+    """Through the real ``train`` loop: replaying the experts the initial model picks itself gives step
+    1's loss and gradient norm of training without replay (replay gathers the same scores the top-k
+    returns, so the router's gradient is the same)."""
+    from dist import run_distributed
+    from megatron_tree.data.io import write_jsonl
+
+    write_jsonl(verify_samples(5, 128, 2), tmp_path / "d.jsonl")
+    plain, replay = run_distributed(_own_routes_body, 1, tmp_path / "d.jsonl", tmp_path / "r.jsonl", timeout=600)[0]
+    assert plain["num_targets"] == replay["num_targets"]
+    assert replay["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert replay["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)

@@ -58,7 +58,7 @@ def validate_routes(name: str, routes, length: int, spec: Optional[RouteSpec] = 
     if not np.issubdtype(r.dtype, np.integer):
         if not (np.issubdtype(r.dtype, np.floating) and np.all(np.mod(r, 1) == 0)):
             raise ValueError(f"{name}: routed_experts must hold integer expert ids, got dtype {r.dtype}")
-    r = r.astype(np.int64)
+    r = r.astype(np.int64, copy=False)
     spec = spec or RouteSpec()
     if spec.moe_layers is not None and r.shape[1] != spec.moe_layers:
         raise ValueError(f"{name}: routed_experts has {r.shape[1]} MoE layers per token but the model has "

@@ -358,18 +358,29 @@ def test_mtp_halo_gives_every_row_its_path_parent(cp):
 def _verify_cases():
     from megatron_tree.training.verify import MTP_FAULTS, VerifyConfig
 
-    ws1 = [VerifyConfig(mtp_num_layers=1, families=3),
-           VerifyConfig(mtp_num_layers=2, families=3, loss="grpo", recompute="full"),
-           VerifyConfig(model="mla", mtp_num_layers=1, families=3)]
-    ws1 += [VerifyConfig(mtp_num_layers=2, families=3, fault=f) for f in MTP_FAULTS]
-    ws2 = [VerifyConfig(mtp_num_layers=2, tp=2, sp=True, families=3),
-           VerifyConfig(mtp_num_layers=2, cp=2, families=3),
-           VerifyConfig(mtp_num_layers=1, pp=2, families=3),
-           VerifyConfig(mtp_num_layers=2, cp=2, families=3, fault="mtp_physical_roll")]
-    return ws1, ws2
+    # (the stock-oracle tests above plant every MTP fault; verify shows it fails on one per world size)
+    ws1 = [VerifyConfig(mtp_num_layers=1, families=2),
+           VerifyConfig(mtp_num_layers=2, families=2, loss="grpo", recompute="full"),
+           VerifyConfig(model="mla", mtp_num_layers=1, families=2),
+           VerifyConfig(mtp_num_layers=2, families=2, fault="mtp_shallow_visible")]
+    ws2 = [VerifyConfig(mtp_num_layers=2, tp=2, sp=True, families=2),
+           VerifyConfig(mtp_num_layers=2, cp=2, families=2),
+           VerifyConfig(mtp_num_layers=1, pp=2, families=2),
+           VerifyConfig(mtp_num_layers=2, cp=2, families=2, fault="mtp_physical_roll")]
+    # CP4 (parents on other ranks from every side); MoE in the MTP layers with experts over DP x CP
+    ws4 = [VerifyConfig(mtp_num_layers=2, cp=4, families=2),
+           VerifyConfig(mtp_num_layers=2, dp=2, cp=2, ep=2, families=6)]
+    assert {c.fault for c in ws1 + ws2} - {None} <= set(MTP_FAULTS)
+    return ws1, ws2, ws4
 
 
-VERIFY_WS1, VERIFY_WS2 = _verify_cases()
+VERIFY_WS1, VERIFY_WS2, VERIFY_WS4 = _verify_cases()
+LATEST = {("ws1", 0), ("ws1", 2), ("ws2", 0), ("ws2", 1), ("ws4", 1)}  # the rest repeat these paths (main tier only)
+
+
+def _cases(name, configs):
+    return [pytest.param(i, marks=[] if (name, i) in LATEST else [pytest.mark.main_tier_only])
+            for i in range(len(configs))]
 
 
 @pytest.fixture(scope="module")
@@ -396,12 +407,25 @@ def _check(cfg, out):
         assert "mtp_loss" in out and out["mtp_loss"] <= 1e-12
 
 
-@pytest.mark.parametrize("i", range(len(VERIFY_WS1)))
+@pytest.fixture(scope="module")
+def verify_ws4(request):
+    from megatron_tree.training.verify import run_verify_many
+    from selection import run_selected
+
+    return run_selected(request, "test_verify_mtp_world_size_4", VERIFY_WS4, run_verify_many)
+
+
+@pytest.mark.parametrize("i", _cases("ws4", VERIFY_WS4))
+def test_verify_mtp_world_size_4(verify_ws4, i):
+    _check(VERIFY_WS4[i], verify_ws4[i])
+
+
+@pytest.mark.parametrize("i", _cases("ws1", VERIFY_WS1))
 def test_verify_mtp_world_size_1(verify_ws1, i):
     _check(VERIFY_WS1[i], verify_ws1[i])
 
 
-@pytest.mark.parametrize("i", range(len(VERIFY_WS2)))
+@pytest.mark.parametrize("i", _cases("ws2", VERIFY_WS2))
 def test_verify_mtp_world_size_2(verify_ws2, i):
     _check(VERIFY_WS2[i], verify_ws2[i])
 

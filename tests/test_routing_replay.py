@@ -49,6 +49,9 @@ WS2 = [
     # tree CP: each rank replays its owned rows (and padding); the per-sample side runs on CP rank 0
     both(VerifyConfig(model="gpt", cp=2, recompute="selective", **R)),
     VerifyConfig(model="gpt", cp=2, ep=2, **R),  # experts over the CP ranks
+    # GDN layout islands: the MoE layer runs inside the island "GEG" on the island ownership (the
+    # model's island plan differs from zigzag's on these microbatches), so it replays the island rows
+    VerifyConfig(model="hybrid", pattern="GEG*", cp=2, cp_strategy="zigzag", **R),
 ]
 
 
@@ -63,8 +66,8 @@ def ws2(request):
 
 
 def _id(c: VerifyConfig) -> str:
-    return (f"{c.model}-tp{c.tp}-pp{c.pp}-dp{c.dp}-ep{c.ep}{'-sp' if c.sp else ''}-{c.recompute}-{c.loss}"
-            + (f"-{c.fault}" if c.fault else ""))
+    return (f"{c.model}{'(' + c.pattern + ')' if c.pattern else ''}-tp{c.tp}-pp{c.pp}-dp{c.dp}-ep{c.ep}-cp{c.cp}"
+            f"{'-sp' if c.sp else ''}-{c.recompute}-{c.loss}" + (f"-{c.fault}" if c.fault else ""))
 
 
 def _cases(configs):

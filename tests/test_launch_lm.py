@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -99,31 +100,37 @@ def test_cli_launch_takes_torchruns_flags(capsys):
 
 
 def test_launch_becomes_torchrun(monkeypatch, capsys):
-    """No launcher process stays between the scheduler and torchrun: `launch` execs torchrun, so a
-    SIGTERM to the launcher's pid is a SIGTERM to torchrun's agent, which forwards it to every rank."""
-    seen = {}
+    """No launcher process stays between the scheduler and torchrun: `launch` runs torchrun's own
+    entry point in its process, so a SIGTERM to the launcher's pid is a SIGTERM to torchrun's agent,
+    which forwards it to every rank; its exit status is torchrun's."""
+    import torch.distributed.run as torchrun
 
-    class Execed(Exception):
-        pass
-
-    def execve(path, argv, env):
-        seen.update(path=path, argv=argv, env=env)
-        raise Execed
-
+    seen = []
     imported = []
     monkeypatch.setattr(lm_api, "megatron_training_import_error", lambda: imported.append(1))  # None: importable
     monkeypatch.setattr(lm_api, "megatron_training_location_error", lambda: None)
-    monkeypatch.setattr(launch_lm.os, "execve", execve)
+    monkeypatch.setattr(torchrun, "main", lambda args: seen.append((args, dict(os.environ))))
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    with pytest.raises(Execed):
-        launch_lm.launch(str(GPT), ["--train-iters", "1"], nproc=2)
-    assert seen["path"] == sys.executable
-    assert seen["argv"] == launch_lm.build_command(str(GPT), ["--train-iters", "1"], nproc=2)
-    assert seen["argv"][1:3] == ["-m", "torch.distributed.run"]
+    monkeypatch.setattr(os, "environ", dict(os.environ, MTREE_CALLER_VARIABLE="kept"))  # launch replaces it
+    assert launch_lm.launch(str(GPT), ["--train-iters", "1"], nproc=2) == 0
+    cmd = launch_lm.build_command(str(GPT), ["--train-iters", "1"], nproc=2)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    (args, env), = seen
+    assert args == cmd[3:]
+    assert env["MTREE_CALLER_VARIABLE"] == "kept" and env["OMP_NUM_THREADS"]
     if not torch.cuda.is_available():
-        assert seen["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
         assert not imported  # a CPU launcher only locates megatron.training: each rank's worker imports it
     assert "megatron-tree launch: " in capsys.readouterr().out
+
+    def failed(args):
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException("Process 7 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun, "main", failed)
+    assert launch_lm.launch(str(GPT), [], nproc=2) == 1  # as plain torchrun exits after a signal or a failed rank
+    assert "SignalException: Process 7 got signal: 15" in capsys.readouterr().err
 
 
 def test_worker_stops_with_what_to_install_when_megatron_training_fails_to_import(monkeypatch):

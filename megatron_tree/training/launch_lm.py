@@ -21,9 +21,10 @@ machines in the order they join). One launcher per machine, e.g. one SLURM task 
 (``examples/slurm/*.sbatch``).
 
 Signals (preemption, time limits). The launcher does not stay in between: after its checks it
-*replaces itself* with torchrun (``exec``), so the process a scheduler or ``kill`` signals is
-torchrun's agent, exactly as with plain torchrun, on GPUs and on CPUs alike; there is no second
-process to forward from, nor a second copy of the signal. On SIGTERM, SIGINT, SIGHUP or SIGQUIT the
+*becomes* torchrun, running torchrun's own entry point (``torch.distributed.run.main``) in its own
+process, so the process a scheduler or ``kill`` signals is torchrun's agent, exactly as with plain
+torchrun, on GPUs and on CPUs alike; there is no second process to forward from, nor a second copy
+of the signal. (It used to ``exec`` a new interpreter for that, which only imported torch again.) On SIGTERM, SIGINT, SIGHUP or SIGQUIT the
 agent sends the same signal to every rank (each rank runs in its own session, so this also reaches
 them where a scheduler signals only the launcher's process group), waits up to
 ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds for them to exit (default 30; read by recent torchrun,
@@ -111,9 +112,12 @@ def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: s
     (else FileNotFoundError / RuntimeError with what to install). With CUDA the launcher imports it
     (the ranks run the script directly); on a CPU host it only locates it, and each rank's worker
     (:func:`worker_main`) imports it and stops with the same message if that fails: the import
-    costs ~7 s of CPU, which a launcher that execs torchrun would pay for nothing. ``dry_run`` returns 0 after printing.
-    Otherwise this process **becomes** torchrun (``os.execve``: it does not return), so signals
-    sent to it are torchrun's to handle (module docstring)."""
+    costs ~7 s of CPU, which a launcher that becomes torchrun would pay for nothing. ``dry_run``
+    returns 0 after printing.
+    Otherwise this process **becomes** torchrun: it runs ``torch.distributed.run.main`` with the
+    command's arguments and environment, so signals sent to it are torchrun's agent's to handle
+    (module docstring), and returns torchrun's exit status (0, or 1 when a rank failed or a signal
+    ended the job, as plain torchrun exits)."""
     from ..compat.lm_api import (MISSING_MEGATRON_TRAINING, megatron_training_import_error,
                                  megatron_training_location_error)
 
@@ -133,10 +137,19 @@ def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: s
 
         for key, value in CPU_ENV.items():
             run_env.setdefault(key, value)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(cmd[0], cmd, run_env)
-    raise AssertionError("unreachable: os.execve returned")  # pragma: no cover
+    os.environ.clear()
+    os.environ.update(run_env)  # what the agent and, through it, every rank inherits
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(cmd[3:])
+    except Exception as exc:  # noqa: BLE001 (ChildFailedError, SignalException: torchrun's own exit status 1)
+        print(f"megatron-tree launch: torchrun: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def worker_main(argv: Sequence[str]) -> None:

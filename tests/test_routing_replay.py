@@ -223,6 +223,27 @@ def test_train_routing_replay(tmp_path):
     assert "has no routed_experts" in out["missing"] and "re-routed" in out["missing"]
 
 
+def test_train_checks_routes_top_k_and_experts_where_file_and_line_are_known(tmp_path):
+    """``train --routing-replay`` reads records against the router's top-k and expert count: an error
+    names the file and line (the layer count is the built model's check)."""
+    import json
+
+    from megatron_tree.training.trainer import build_train_parser, load_train_samples
+
+    good = [[[0, 1], [2, 3]]] * 3
+    lines = [{"tokens": [5, 6, 7], "routed_experts": good},
+             {"tokens": [5, 6, 8], "routed_experts": [[[0, 1, 2], [2, 3, 0]]] * 3},  # top-3 for a top-2 router
+             {"tokens": [5, 9, 8], "routed_experts": [[[0, 4], [2, 3]]] * 3}]  # expert 4 of 4
+    for bad, rule in ((2, "top-3 per token and layer but the model routes top-2"), (3, "expert")):
+        path = tmp_path / f"bad{bad}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in [lines[0], lines[bad - 1]]) + "\n")
+        args = build_train_parser().parse_args(_train_argv(path, "--routing-replay"))
+        with pytest.raises(ValueError, match=rf"{path}:2\b(?s:.*){rule}"):
+            load_train_samples(args)
+    args = build_train_parser().parse_args(_train_argv(tmp_path / "bad2.jsonl"))  # no replay: routes unchecked
+    assert len(load_train_samples(args)) == 2
+
+
 # ----------------------------------------------------------------------------------- Megatron-LM hooks
 def _hooks_body():
     """TP2 + SP: ``--tree-routing-replay`` models from the hooks' model_provider replay what get_batch

@@ -363,8 +363,13 @@ def load_train_samples(args, report=None) -> list:
                            scale=args.synthetic_scale)
     from ..data.pipeline import read_samples
 
+    route_spec = None
+    if getattr(args, "routing_replay", False):  # top-k and expert ids checked where file:line is known; the
+        from ..tree.routes import RouteSpec     # MoE layer count once the model is built (it knows its layers)
+
+        route_spec = RouteSpec(topk=args.moe_router_topk, num_experts=args.num_experts)
     return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample,
-                        report=report)
+                        report=report, route_spec=route_spec)
 
 
 # --------------------------------------------------------------------------------------------- process group

@@ -347,6 +347,86 @@ def _check(rc, out, what):
     assert rc == 0, f"{what} failed:\n{out[-6000:]}"
 
 
+def _microbatches(tmp: Path, name: str, iteration: int) -> list:
+    """``[(sample ids, loss sum, num tokens)]``: every microbatch of ``iteration`` of run ``name`` as
+    tests/lm_entry.py recorded it (CP 1, PP 1: each rank reads a microbatch, then computes its loss)."""
+    out = []
+    for f in sorted(tmp.glob(f"record_{name}.*.jsonl")):
+        recs = [r for r in map(json.loads, f.read_text().splitlines()) if r["iteration"] == iteration]
+        assert [r["kind"] for r in recs] == ["data", "loss"] * (len(recs) // 2), recs
+        out += [(d["sample_ids"], lo["loss_sum"], lo["num_tokens"]) for d, lo in zip(recs[::2], recs[1::2])]
+    return out
+
+
+#: `megatron-tree score`'s model flags for COMMON + MODELS["gpt"] (Megatron-LM pads the vocabulary
+#: to 128 rows there; its RMSNorm, rope with base 10000, untied embeddings and no biases are ours too)
+SCORE_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+             "--swiglu", "--normalization", "RMSNorm", "--rotary-base", "10000", "--vocab-size", "128"]
+_SCORE_SCRIPT = """
+import json, sys
+from megatron_tree.cli import main
+print("MTREE_RC " + json.dumps([main(argv) for argv in json.loads(sys.argv[1])]), flush=True)
+"""
+
+
+def _check_score_of_megatron_lm_checkpoint(tmp: Path, data: Path, lm_loss: float) -> None:
+    """``megatron-tree score`` on the torch_dist checkpoint Megatron-LM's pretrain() saved at iteration 2
+    (the weights iteration 3 ran with, before its update), over the samples iteration 3 read: each
+    microbatch's summed -log-prob equals the loss sum Megatron-LM's loop computed for it (recorded by
+    tests/lm_entry.py), and their mean over the step's targets is iteration 3's "lm loss"
+    (--calculate-per-token-loss, SFT), to float32 rounding. Planted fault: the iteration-4 checkpoint
+    (two updates later) misses it. A model built without --swiglu is refused, naming the tensor.
+    One process scores all three (a single rank in the subprocess, no spawn)."""
+    import pyarrow.parquet as pq
+
+    from megatron_tree.training.launch import _free_port
+
+    mbs = _microbatches(tmp, "full", 3)
+    ids = sorted(i for m in mbs for i in m[0])
+    assert len(ids) == 8 and len(set(ids)) == 8
+    lines = data.read_text().splitlines()
+    (tmp / "iter3.jsonl").write_text("".join(lines[i] + "\n" for i in ids))
+    ckpt = tmp / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+    def argv(load, out, flags=SCORE_GPT):
+        return ["score", *flags, "--load", str(load), "--data", str(tmp / "iter3.jsonl"), "--out", str(tmp / out),
+                "--max-tokens-per-mb", "128", "--quiet"]
+
+    no_swiglu = [f for f in SCORE_GPT if f != "--swiglu"]
+    runs = [argv(ckpt / "iter_0000002", "it2.parquet"), argv(ckpt / "iter_0000004", "it4.parquet"),
+            argv(ckpt / "iter_0000002", "bad.parquet", no_swiglu)]
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    r = subprocess.run([sys.executable, "-c", _SCORE_SCRIPT, json.dumps(runs)], cwd=tmp, env=env, capture_output=True,
+                       text=True, timeout=600)
+    out = r.stdout + r.stderr
+    rcs = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("MTREE_RC ")]
+    assert r.returncode == 0 and rcs == [[0, 0, 2]], out[-6000:]
+    # a checkpoint whose tensors are not the model's: refused, naming the tensor and both shapes
+    assert "the checkpoint's parameters do not match" in out and "--swiglu" in out, out[-3000:]
+    assert "decoder.layers.mlp.linear_fc1.weight: checkpoint [2, 128, 32], model [2, 64, 32]" in out, out[-3000:]
+    assert not (tmp / "bad.parquet").exists()
+
+    def nll(name):
+        rows = pq.read_table(tmp / name).to_pylist()
+        assert [row["record"] for row in rows] == list(range(len(ids)))
+        return ({i: -float(np.sum(row["logprobs"], dtype=np.float64)) for i, row in zip(ids, rows)},
+                {i: len(row["logprobs"]) for i, row in zip(ids, rows)})
+
+    s2, n2 = nll("it2.parquet")
+    for sample_ids, loss_sum, num_tokens in mbs:  # each microbatch of Megatron-LM's step
+        assert sum(n2[i] for i in sample_ids) == num_tokens, (sample_ids, n2)
+        assert sum(s2[i] for i in sample_ids) == pytest.approx(loss_sum, rel=1e-6, abs=1e-6), (sample_ids, loss_sum)
+    scored = sum(s2.values()) / sum(n2.values())
+    assert sum(n2.values()) == sum(m[2] for m in mbs)
+    assert scored == pytest.approx(lm_loss, rel=1e-6), (scored, lm_loss)
+    s4, n4 = nll("it4.parquet")  # planted fault: weights two updates later
+    assert n4 == n2 and abs(sum(s4.values()) / sum(n4.values()) - lm_loss) > 1e-4 * lm_loss
+    print(f"\ngpt: iteration-3 lm loss {lm_loss!r}, score of iter_0000002 {scored!r} "
+          f"(iter_0000004: {sum(s4.values()) / sum(n4.values())!r})")
+
+
 #: The fresh tree-CP run of each model (extra flags, ranks). GPT also under TP2 + SP: its weights are full
 #: master weights split over TP (--use-cpu-initialization). Not the hybrid: Megatron-Core draws the TP
 #: shards of the Mamba-2 / GDN layers' conv1d, dt_bias and A_log from each TP rank's own RNG stream (on
@@ -381,6 +461,8 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
     assert "iteration        4/       4" in out and "lm loss:" in out  # Megatron-LM's own log
     assert sorted(full_samples) == [1, 2, 3, 4] and all(set(c.values()) == {1} for c in full_samples.values())
     assert sum(len(c) for c in full_samples.values()) == 4 * 8  # --tree-global-batch-samples 8 per step
+    if model == "gpt":
+        _check_score_of_megatron_lm_checkpoint(tmp_path, data, full[3])
 
     cp_flags, cp_ranks = FRESH_CP[model]
     cp_samples: dict = {}

@@ -274,6 +274,54 @@ def test_model_flags_must_match_the_checkpoint(run, capsys):
     assert rc == 2 and "--hidden-size: checkpoint 32, here 48" in err
 
 
+def test_swiglu_and_rotary_base_flags_reach_the_config():
+    """Megatron-LM's --swiglu (gated linear unit with SiLU) and --rotary-base, in train's and score's model
+    flags; their defaults leave the model as it was (GeLU, base 10000)."""
+    import torch.nn.functional as F
+
+    from megatron_tree.training.models import make_config
+    from megatron_tree.training.score import build_score_parser
+    from megatron_tree.training.trainer import _model_args, fill_model_defaults
+
+    def margs(*extra):
+        args = build_score_parser().parse_args([*MODEL, "--load", "x", "--data", "y", "--out", "z.parquet", *extra])
+        args.tree_hybrid_pattern = None
+        args.tree_max_tokens_per_mb = 64
+        return _model_args(fill_model_defaults(args))
+
+    plain, glu = margs(), margs("--swiglu", "--rotary-base", "500000")
+    assert plain.rotary_base == 10000 and glu.rotary_base == 500000
+    assert not make_config(plain).gated_linear_unit
+    cfg = make_config(glu)
+    assert cfg.gated_linear_unit and cfg.activation_func is F.silu
+
+
+def test_checkpoint_tensors_must_be_the_models(run):
+    """A checkpoint holding other tensors than the model's (a bias, a missing output layer, another
+    shape) is refused naming each; optimizer state is not the model's. The real case (a Megatron-LM
+    checkpoint scored without --swiglu) runs in tests/test_launch_lm.py."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_tree.training.score import CheckpointMismatch, check_checkpoint_tensors, resolve_checkpoint
+
+    path = resolve_checkpoint(run["ckpt"])
+    stored = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(path).items()}
+    model = {k: v for k, v in stored.items() if not k.startswith("optimizer.")}
+    assert "output_layer.weight" in model and len(model) < len(stored)
+    check_checkpoint_tensors(path, model)  # exactly the model's tensors: accepted
+    wrong = dict(model)
+    del wrong["output_layer.weight"]  # the checkpoint has a tensor the model lacks (e.g. untied vs tied)
+    fc1 = next(k for k in model if k.endswith("linear_fc1.weight"))
+    wrong[fc1] = (model[fc1][0] * 2,) + model[fc1][1:]
+    wrong["decoder.layers.0.mlp.linear_fc2.bias"] = (32,)  # the model has a bias the checkpoint lacks
+    with pytest.raises(CheckpointMismatch) as e:
+        check_checkpoint_tensors(path, wrong)
+    msg = str(e.value)
+    assert "not in the checkpoint: decoder.layers.0.mlp.linear_fc2.bias" in msg
+    assert "in the checkpoint, not in the model: output_layer.weight" in msg
+    assert f"{fc1}: checkpoint {list(model[fc1])}, model {list(wrong[fc1])}" in msg and "--swiglu" in msg
+
+
 def test_resolve_checkpoint_finds_train_and_megatron_lm_layouts(tmp_path):
     from megatron_tree.training.score import resolve_checkpoint
 

@@ -62,6 +62,7 @@ class ModelArgs:
     sinks: bool = False  # learned softmax sinks ("learnable" softmax offset)
     normalization: str = "RMSNorm"
     position_embedding_type: str = "rope"
+    rotary_base: int = 10000
     extra: dict = field(default_factory=dict)  # more TransformerConfig fields
     linear_attention_freq: int = 2  # qwen3next: one standard attention layer every N layers
 
@@ -197,7 +198,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
         model = TreeMambaModel(config, get_tree_mamba_stack_spec(use_transformer_engine=False),
                                vocab_size=margs.vocab_size, max_sequence_length=margs.max_position, pre_process=pre,
                                post_process=post, hybrid_override_pattern=margs.pattern,
-                               position_embedding_type=margs.position_embedding_type,
+                               position_embedding_type=margs.position_embedding_type, rotary_base=margs.rotary_base,
                                share_embeddings_and_output_weights=False)
     else:
         raise ValueError(f"model kind must be gpt, hybrid, mla, dsa, mamba or qwen3next, got {margs.kind!r}")
@@ -219,7 +220,8 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
     if margs.kind != "mamba":
         model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
                              pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
-                             share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec)
+                             rotary_base=margs.rotary_base, share_embeddings_and_output_weights=False,
+                             mtp_block_spec=mtp_spec)
     if config.params_dtype == torch.float64:
         model.to(torch.float64)  # Megatron keeps Mamba's A_log / D in fp32 whatever params_dtype says
     return model

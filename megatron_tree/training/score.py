@@ -8,9 +8,13 @@ model. The model flags are ``megatron-tree train``'s (`trainer.add_model_args` /
 `trainer.add_parallel_args`; the model is built by the same `models.build_model`); ``--load`` is a
 ``megatron-tree train`` checkpoint directory (its ``latest`` marker), a Megatron-LM one (its
 ``latest_checkpointed_iteration.txt``; distributed-checkpoint format, with model flags that build
-the same parameters: Megatron-LM ties the output layer to the embedding unless
-``--untie-embeddings-and-output-weights``, our models never do) or one ``iter_XXXXXXX`` directory.
-Only the model's sharded tensors are read: no optimizer (or its state) is built.
+the same parameters: ``--swiglu``, ``--rotary-base``, ``--vocab-size`` = Megatron-LM's padded size;
+Megatron-LM ties the output layer to the embedding unless ``--untie-embeddings-and-output-weights``
+and has biases unless ``--disable-bias-linear``, our models never do) or one ``iter_XXXXXXX``
+directory. Only the model's sharded tensors are read: no optimizer (or its state) is built. The
+checkpoint's model tensors (names, global shapes; ``optimizer.*`` aside) must be exactly the model's
+(every stage's, gathered): anything else is a `CheckpointMismatch` naming each tensor, never a
+partial or silent load (`check_checkpoint_tensors`).
 
 What a run does (every rank):
 
@@ -53,7 +57,8 @@ import torch.distributed as dist
 from .arguments import CP_PLANNERS, DEFAULT_PAD_MULTIPLE
 
 __all__ = ["add_score_args", "build_score_parser", "check_score_args", "load_score_records", "score", "run",
-           "resolve_checkpoint", "SCORE_COLUMNS"]
+           "resolve_checkpoint", "check_checkpoint_tensors", "CheckpointMismatch",
+           "SCORE_COLUMNS"]
 
 SCORE_COLUMNS = ("record", "logprobs", "entropy")
 # Test-only fault switch (None in normal use): "occurrence_shift" writes every record's values one
@@ -225,7 +230,7 @@ def resolve_checkpoint(directory: str) -> str:
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
                 "hybrid_override_pattern", "tree_hybrid_pattern", "num_experts", "moe_ffn_hidden_size",
                 "moe_router_topk", "normalization", "model_family", "experimental_attention_variant",
-                "multi_latent_attention", "linear_attention_freq", "dsa_indexer_topk")
+                "multi_latent_attention", "linear_attention_freq", "dsa_indexer_topk", "swiglu", "rotary_base")
 
 
 def check_checkpoint_flags(path: str, args) -> None:
@@ -246,12 +251,66 @@ def check_checkpoint_flags(path: str, args) -> None:
                              + "\n  - ".join(bad))
 
 
+def _model_tensor_shapes(sharded: dict) -> dict:
+    """``{key: global shape or None}`` of the sharded tensors (and factories: shape None) in ``sharded``."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for v in nested_values(sharded):
+        if isinstance(v, ShardedTensor):
+            out[v.key] = tuple(v.global_shape)
+        elif isinstance(v, ShardedTensorFactory):
+            out.setdefault(v.key, None)
+    return out
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint's parameters are not the ones the model flags build (`check_checkpoint_tensors`)."""
+
+
+def check_checkpoint_tensors(path: str, model_shapes: dict) -> None:
+    """ValueError unless checkpoint ``path`` holds exactly the model's tensors (``model_shapes``: every
+    pipeline stage's ``{key: global shape}``), with their shapes: a tensor the model lacks (a bias,
+    a tied or untied output layer, an extra layer) would otherwise be silently ignored, one the
+    checkpoint lacks or of another shape would load wrong. Optimizer state (``optimizer.*``) is not
+    the model's and is skipped."""
+    from megatron.core import dist_checkpointing
+
+    stored = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(path).items()
+              if not k.startswith("optimizer.")}
+    missing = sorted(set(model_shapes) - set(stored))
+    extra = sorted(set(stored) - set(model_shapes))
+    shapes = sorted(f"{k}: checkpoint {list(stored[k])}, model {list(s)}" for k, s in model_shapes.items()
+                    if k in stored and s is not None and stored[k] != s)
+    problems = ([f"not in the checkpoint: {', '.join(missing)}"] if missing else []) + \
+               ([f"in the checkpoint, not in the model: {', '.join(extra)}"] if extra else []) + \
+               [f"shape differs: {x}" for x in shapes]
+    if problems:
+        hint = ""
+        if "output_layer.weight" in missing:
+            hint += ("\n  (no output_layer.weight: a Megatron-LM model with tied embeddings; our models are untied, "
+                     "train with --untie-embeddings-and-output-weights)")
+        if any(k.endswith(".bias") for k in extra):
+            hint += "\n  (biases: our models have none, train with --disable-bias-linear)"
+        if any("linear_fc1" in x for x in shapes):
+            hint += "\n  (linear_fc1 twice as wide: the checkpoint's MLPs are SwiGLU: pass --swiglu; half: drop it)"
+        raise CheckpointMismatch(f"--load {path}: the checkpoint's parameters do not match the model the flags build "
+                         "(pass the model flags it was trained with; the vocabulary is Megatron-LM's padded size):\n"
+                         "  - " + "\n  - ".join(problems) + hint)
+
+
 def _load_model(path: str, model, args) -> None:
-    """The model's tensors from checkpoint ``path`` (nothing else is read into memory)."""
+    """The model's tensors from checkpoint ``path`` (nothing else is read into memory), after checking
+    that the checkpoint holds exactly the model's parameters (`check_checkpoint_tensors`)."""
     from megatron.core import dist_checkpointing
 
     check_checkpoint_flags(path, args)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+    sharded = model.sharded_state_dict()
+    shapes = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, _model_tensor_shapes(sharded))  # every stage's tensors
+    check_checkpoint_tensors(path, {k: v for d in shapes for k, v in d.items()})
+    loaded = dist_checkpointing.load({"model": sharded}, path)
     model.load_state_dict(loaded["model"])
 
 
@@ -415,7 +474,10 @@ def _rank_score(args, samples, sources) -> dict:
     from .trainer import _quiet_warnings
 
     _quiet_warnings()
-    return score(args, samples, sources)
+    try:
+        return score(args, samples, sources)
+    except CheckpointMismatch as e:  # every rank finds the same mismatch (gathered shapes): handed back, not a crash
+        return {"error": str(e)}
 
 
 def format_summary(out: dict) -> str:
@@ -442,6 +504,8 @@ def run(args) -> dict:
         from .launch import run_distributed
 
         out = run_distributed(_rank_score, args.nproc, args, samples, sources, timeout=args.timeout)[0]
+        if "error" in out:
+            raise CheckpointMismatch(out["error"])
     if not args.quiet and (not dist.is_initialized() or dist.get_rank() == 0):
         print(format_summary(out), flush=True)
     return out

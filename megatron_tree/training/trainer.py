@@ -140,6 +140,11 @@ def add_model_args(parser: argparse.ArgumentParser):
     m.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size / 2")
     m.add_argument("--moe-router-topk", type=int, default=2)
     m.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default="RMSNorm")
+    m.add_argument("--swiglu", action="store_true",
+                   help="SwiGLU MLPs (gated linear unit with SiLU; fc1 is 2 x --ffn-hidden-size wide), as Megatron-LM's "
+                        "flag. Default: GeLU MLPs")
+    m.add_argument("--rotary-base", type=int, default=10000, help="base period of the rotary embeddings (Megatron-LM's "
+                                                                  "flag and default)")
     m.add_argument("--model-family", choices=MODEL_FAMILIES, default="gpt",
                    help="gpt: GPTModel (our hybrid stack with --hybrid-override-pattern); mamba: Megatron's "
                         "MambaModel (Nemotron-H), layers from --hybrid-override-pattern letters M * - E")
@@ -621,6 +626,8 @@ def _model_args(args):
     pattern = args.tree_hybrid_pattern
     kind = "hybrid" if pattern else "gpt"
     extra = {"bf16": True} if args.bf16 else {}
+    if getattr(args, "swiglu", False):  # Megatron-LM's --swiglu: gated linear unit with SiLU
+        extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     if args.model_family == "mamba":
         kind, pattern = "mamba", args.hybrid_override_pattern
     elif args.experimental_attention_variant == "dsa":
@@ -641,7 +648,8 @@ def _model_args(args):
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, vocab_size=args.vocab_size,
         max_position=args.max_position_embeddings or args.tree_max_tokens_per_mb, num_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
-        normalization=args.normalization, extra=dict(extra, **_mtp_extra(args)))
+        normalization=args.normalization, rotary_base=getattr(args, "rotary_base", 10000),
+        extra=dict(extra, **_mtp_extra(args)))
 
 
 def _mtp_extra(args) -> dict:

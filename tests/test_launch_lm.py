@@ -441,7 +441,8 @@ FRESH_CP = {"gpt": (["--context-parallel-size", "2"] + TP2_SP, 4), "hybrid": (["
 def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
     """Megatron-LM's pretrain() with our hooks on CPU ranks, four runs of one job:
 
-    * DP2, CP1: the reference (4 iterations, checkpoint at iteration 2);
+    * DP2, CP1: the reference (4 iterations, checkpoint at iteration 2); GPT: ``megatron-tree score`` of
+      that checkpoint reproduces iteration 3's loss (`_check_score_of_megatron_lm_checkpoint`);
     * started afresh under tree CP2 (GPT: CP2 + TP2 + SP): the same model from the same seed, so the
       iteration-1 loss (before any update) equals CP1's to float32 rounding, and so do the next
       three steps, each reading the same samples as CP1 (each sample once per step and CP rank);
@@ -511,6 +512,10 @@ def test_examples_readme_documents_launch_cpu_recipe_and_dependencies():
     # tree CP runs through the hooks: no stale "CP 1 only" advice, the way to pick CP, multi-node and signals
     assert "not wired" not in readme and "for now" not in readme and "do not run yet" not in readme
     assert "megatron-tree plan --data" in readme and "--context-parallel-size" in readme
+    # scoring a Megatron-LM checkpoint: the flags it takes (the test's own) and the padded vocabulary
+    assert "megatron-tree score --load ckpt/iter_0000002" in readme and "padded" in readme
+    for flag in (f for f in SCORE_GPT if f.startswith("--")):
+        assert flag in readme, flag
     for word in ("--nnodes", "--rdzv-endpoint", "--node-rank", "--exit-signal-handler", "#SBATCH --signal=TERM@",
                  "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "consumed"):
         assert word in readme, word

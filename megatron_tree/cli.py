@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "side packs route-aware and replays per row, the per-sample side replays through stock "
                          "RouterReplay (dense models get 4 experts in every layer)")
     vf.add_argument("--mtp-num-layers", type=int, default=0,
-                    help="multi-token prediction depths (--model gpt or mla): the per-sample side is stock MTP "
+                    help="multi-token prediction depths (--model gpt, mla or qwen3next): the per-sample side is stock MTP "
                          "(Megatron's MultiTokenPredictionLayer rolling each sample); each depth's loss is compared")
     vf.add_argument("--inject-fault", default=None, choices=FAULTS,
                     help="inject a known bug into the tree side (verify must then fail; nan: a NaN in one "

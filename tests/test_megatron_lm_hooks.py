@@ -105,7 +105,7 @@ def test_validate_fills_derived_defaults_and_is_a_noop_without_tree_packing():
     (dict(rampup_batch_size=[1, 1, 10]), "--rampup-batch-size"),
     (dict(train_samples=1000), "--train-iters"),
     (dict(mtp_num_layers=1, pipeline_model_parallel_layout="Et*2|mL"), "places every MTP layer on the last"),
-    (dict(mtp_num_layers=1, experimental_attention_variant="gated_delta_net"), "verified for GPT and MLA stacks"),
+    (dict(mtp_num_layers=1, experimental_attention_variant="dsa"), "verified for GPT, MLA and Qwen3-Next"),
     (dict(num_experts=8), "--moe-token-dispatcher-type alltoall"),
     (dict(tree_loss="grpo", tree_clip_eps=0.0), "--tree-clip-eps must be > 0"),
     (dict(tree_loss="ppo", tree_clip_eps_high=-0.1), "--tree-clip-eps-high must be > 0"),
@@ -129,6 +129,7 @@ def test_validate_tree_args_errors(over, needle):
 
 def test_validate_accepts_mtp_with_tree_packing():
     validate_tree_args(_megatron_like(mtp_num_layers=2, mtp_loss_scaling_factor=0.3))
+    validate_tree_args(_megatron_like(mtp_num_layers=1, experimental_attention_variant="gated_delta_net"))
 
 
 def test_validate_reports_every_problem_at_once():

@@ -179,10 +179,23 @@ def _checkpoints(root: str) -> dict:
     return out
 
 
-def _hooks(K: int = 2) -> dict:
+def _qwen3next_tree(K: int):
+    """`build_model`'s Qwen3-Next stack (GDN, then gated qk-normed attention) with K MTP layers."""
+    from megatron_tree.training.models import ModelArgs, build_model, make_config
+
+    margs = ModelArgs(kind="qwen3next", num_layers=2, vocab_size=V,
+                      extra=dict(mtp_num_layers=K, mtp_loss_scaling_factor=SCALE))
+    tree = build_model(make_config(margs, dtype=torch.float64), margs)
+    randomize(tree, seed=5)
+    return tree
+
+
+def _hooks(K: int = 2, kind: str = "gpt") -> dict:
     """The Megatron-LM hooks with ``--mtp-num-layers``: ``model_provider`` builds the tree MTP block, and
     ``forward_step`` on the forest gives what `tree_forward_step` gives with the same weights (loss, every
-    gradient), with each depth's mean loss in stock's tracker (what Megatron-LM's training_log prints)."""
+    gradient), with each depth's mean loss in stock's tracker (what Megatron-LM's training_log prints).
+    ``kind`` "qwen3next": the provider's Qwen3-Next stack (``--experimental-attention-variant
+    gated_delta_net``, read from the config)."""
     import argparse
 
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
@@ -192,11 +205,12 @@ def _hooks(K: int = 2) -> dict:
     from megatron_tree.training.arguments import add_tree_args
     from megatron_tree.tree import pack
 
-    _, tree = _models(K)
+    tree = _qwen3next_tree(K) if kind == "qwen3next" else _models(K)[1]
     a = add_tree_args(argparse.ArgumentParser()).parse_args(["--tree-packing", "--tree-max-tokens-per-mb", "64"])
     for k, v in dict(vocab_size=V, padded_vocab_size=V, transformer_impl="local", normalization="RMSNorm",
                      untie_embeddings_and_output_weights=True, position_embedding_type="rope",
-                     max_position_embeddings=64, micro_batch_size=1, attention_dropout=0.0, num_layers=2,
+                     max_position_embeddings=64 if kind == "gpt" else 4096, micro_batch_size=1,
+                     attention_dropout=0.0, num_layers=2,
                      mtp_num_layers=K, mtp_loss_scaling_factor=SCALE, calculate_per_token_loss=True).items():
         setattr(a, k, v)
     hooks = H.model_provider(config=tree.config, args=a)
@@ -214,7 +228,13 @@ def _hooks(K: int = 2) -> dict:
     t_loss.backward()
     means = torch.stack([report[f"mtp_{k} loss"][0] / report[f"mtp_{k} loss"][1] for k in range(1, K + 1)])
     hg, tg = dict(hooks.named_parameters()), dict(tree.named_parameters())
+    from megatron_tree.compat.mtp import mtp_inner_layer
+
+    inner = [mtp_inner_layer(m).self_attention for m in hooks.mtp.layers]
     return dict(layers=[type(m).__name__ for m in hooks.mtp.layers], loss=(h_loss.detach(), t_loss.detach()),
+                decoder=[type(m.self_attention).__name__ for m in hooks.decoder.layers],
+                mtp_attention=[(type(a).__name__, type(a.core_attention).__name__,
+                                bool(getattr(a.config, "attention_output_gate", False))) for a in inner],
                 depth=(tracked.double(), means.double()),
                 worst_grad=max(float((hg[n].grad - tg[n].grad).abs().max()) for n in tg),
                 mtp_grad=float(sum(tg[n].grad.abs().sum() for n in tg if n.startswith("mtp."))))
@@ -226,7 +246,8 @@ def _body(ckpt_root: str):
     from megatron_tree.megatron.mtp import FAULTS
 
     out = {}
-    for name, fn in (("checkpoints", lambda: _checkpoints(ckpt_root)), ("hooks", _hooks)):
+    for name, fn in (("checkpoints", lambda: _checkpoints(ckpt_root)), ("hooks", _hooks),
+                     ("hooks_qwen3next", lambda: _hooks(1, "qwen3next"))):
         try:
             out[name] = fn()
         except Exception:  # noqa: BLE001 - reported by its test
@@ -261,6 +282,19 @@ def test_stock_mtp_checkpoint_loads_into_the_tree_model_and_back(oracle, directi
 def test_megatron_lm_hooks_train_mtp_on_the_tree(oracle):
     r = _result(oracle, "hooks")
     assert r["layers"] == ["TreeMultiTokenPredictionLayer"] * 2
+    torch.testing.assert_close(*r["loss"], **F64)
+    torch.testing.assert_close(*r["depth"], **F64)
+    assert r["worst_grad"] < 1e-12 and r["mtp_grad"] > 0
+
+
+def test_megatron_lm_hooks_train_qwen3next_mtp_on_the_tree(oracle):
+    """Qwen3-Next (GDN, then gated attention) with MTP through the hooks: the MTP layer copies the last decoder
+    layer (gated attention, tree core attention); hooks == tree_forward_step (verify checks it against stock)."""
+    r = _result(oracle, "hooks_qwen3next")
+    assert r["layers"] == ["TreeMultiTokenPredictionLayer"]
+    assert r["decoder"] == ["TreeGatedDeltaNet", "SelfAttention"]
+    (attn, core, gated), = r["mtp_attention"]
+    assert attn == "SelfAttention" and core.startswith("Tree") and gated
     torch.testing.assert_close(*r["loss"], **F64)
     torch.testing.assert_close(*r["depth"], **F64)
     assert r["worst_grad"] < 1e-12 and r["mtp_grad"] > 0
@@ -362,11 +396,17 @@ def _verify_cases():
     ws1 = [VerifyConfig(mtp_num_layers=1, families=2),
            VerifyConfig(mtp_num_layers=2, families=2, loss="grpo", recompute="full"),
            VerifyConfig(model="mla", mtp_num_layers=1, families=2),
-           VerifyConfig(mtp_num_layers=2, families=2, fault="mtp_shallow_visible")]
+           VerifyConfig(mtp_num_layers=2, families=2, fault="mtp_shallow_visible"),
+           # Qwen3-Next: GDN layers, the MTP layer copies the last decoder layer (qk-normed attention;
+           # stock refuses an MTP layer copying a GDN layer)
+           VerifyConfig(model="qwen3next", mtp_num_layers=1, families=2),
+           VerifyConfig(model="qwen3next", mtp_num_layers=2, families=2, fault="mtp_physical_roll")]
     ws2 = [VerifyConfig(mtp_num_layers=2, tp=2, sp=True, families=2),
            VerifyConfig(mtp_num_layers=2, cp=2, families=2),
            VerifyConfig(mtp_num_layers=1, pp=2, families=2),
-           VerifyConfig(mtp_num_layers=2, cp=2, families=2, fault="mtp_physical_roll")]
+           VerifyConfig(mtp_num_layers=2, cp=2, families=2, fault="mtp_physical_roll"),
+           # the seed whose GDN decay gradients sit nearest the bound (1.16e-9 of 4e-9: `VerifyConfig.tol`)
+           VerifyConfig(model="qwen3next", mtp_num_layers=1, tp=2, sp=True, families=2)]
     # CP4 (parents on other ranks from every side); MoE in the MTP layers with experts over DP x CP
     ws4 = [VerifyConfig(mtp_num_layers=2, cp=4, families=2),
            VerifyConfig(mtp_num_layers=2, dp=2, cp=2, ep=2, families=6)]
@@ -375,7 +415,7 @@ def _verify_cases():
 
 
 VERIFY_WS1, VERIFY_WS2, VERIFY_WS4 = _verify_cases()
-LATEST = {("ws1", 0), ("ws1", 2), ("ws2", 0), ("ws2", 1), ("ws4", 1)}  # the rest repeat these paths (main tier only)
+LATEST = {("ws1", 0), ("ws1", 2), ("ws1", 4), ("ws2", 0), ("ws2", 1), ("ws4", 1)}  # the rest repeat these paths (main tier only)
 
 
 def _cases(name, configs):
@@ -434,10 +474,22 @@ def test_verify_mtp_refuses_what_it_does_not_cover():
     from megatron_tree.training.verify import VerifyConfig, run_verify_many
 
     for cfg, needle in [(VerifyConfig(model="mamba", mtp_num_layers=1), "MambaModel has no MTP"),
+                        (VerifyConfig(model="dsa", mtp_num_layers=1), "trailing positions of each sample"),
                         (VerifyConfig(mtp_num_layers=1, dtype="bfloat16"), "float64 / float32"),
                         (VerifyConfig(fault="mtp_per_row_loss"), "needs mtp_num_layers")]:
         with pytest.raises(ValueError, match=needle):
             run_verify_many([cfg])
+
+
+def test_train_cli_mtp_refuses_dsa_accepts_qwen3next():
+    from megatron_tree.training.trainer import build_train_parser, check_train_args
+
+    base = ["--synthetic-preset", "many_small_64_4x16", "--train-iters", "1", "--mtp-num-layers", "1",
+            "--tree-max-tokens-per-mb", "256"]
+    with pytest.raises(ValueError, match="dsa with --mtp-num-layers"):
+        check_train_args(build_train_parser().parse_args(base + ["--experimental-attention-variant", "dsa"]))
+    check_train_args(build_train_parser().parse_args(base + ["--experimental-attention-variant", "gated_delta_net",
+                                                        "--linear-attention-freq", "2", "--num-layers", "2"]))
 
 
 def test_train_cli_mtp_tree_flat_and_cp2_agree():

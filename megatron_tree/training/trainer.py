@@ -310,6 +310,9 @@ def _family_errors(args) -> list:
         if dsa and args.recompute_granularity == "selective":
             errors.append("--experimental-attention-variant dsa: selective recomputation drops the indexer's inputs "
                           "in Megatron-Core's MLA checkpoint; use --recompute-granularity full")
+        if dsa and getattr(args, "mtp_num_layers", None):
+            errors.append("--experimental-attention-variant dsa with --mtp-num-layers: stock's indexer loss inside an "
+                          "MTP layer covers each sample's last positions, which have no tree row (not exact on trees)")
     elif (args.dsa_indexer_topk is not None or args.dsa_indexer_loss_coeff is not None
           or args.dsa_indexer_use_sparse_loss):
         errors.append("--dsa-indexer-* options need --experimental-attention-variant dsa")

@@ -12,6 +12,10 @@ log-probs. Stock's ``vocab_parallel_cross_entropy`` upcasts to float32; the per-
 (`float64_cross_entropy`), so float64 runs stay exact. Each depth's summed loss is read from stock's
 ``MTPLossLoggingHelper`` tracker (its per-microbatch mean times the rolled mask's sum).
 
+Models: gpt, mla and qwen3next (the MTP layer copies the decoder's last layer, Qwen3-Next's attention layer;
+its float64 tolerance, `VerifyConfig.tol`, allows for GDN decay gradients below `_rel`'s floor). DSA is
+refused (`check_mtp_config` says why).
+
 Under tree CP (``cp > 1``) the per-sample side is the tree MTP code on each sample's chain over verify's
 single-owner plan (stock's packed CP roll would split the sample over CP ranks zigzag-wise, which the
 single-owner plan does not do); the CP 1 runs tie that code to stock.
@@ -123,9 +127,14 @@ def check_mtp_config(cfg) -> None:
         return
     if cfg.mtp_num_layers < 0:
         raise ValueError(f"mtp_num_layers must be >= 0, got {cfg.mtp_num_layers}")
-    if cfg.model not in ("gpt", "mla"):
-        raise ValueError(f"verify --mtp-num-layers covers --model gpt and mla (got {cfg.model!r}): Megatron-Core's "
-                         "MambaModel has no MTP; MTP after DSA / GDN stacks is not verified")
+    if cfg.model == "dsa":
+        raise ValueError("verify --mtp-num-layers does not cover --model dsa: stock DSA inside MTP layers is not "
+                         "reproducible per sample on a tree (megatron-core 0.16 indexes its indexer-loss tracker out of "
+                         "range for MTP layers; 0.19's indexer loss of an MTP layer of depth k includes the k trailing "
+                         "positions of each sample, which embed a rolled-in token 0 and have no tree row)")
+    if cfg.model not in ("gpt", "mla", "qwen3next"):
+        raise ValueError(f"verify --mtp-num-layers covers --model gpt, mla and qwen3next (got {cfg.model!r}): "
+                         "Megatron-Core's MambaModel has no MTP; the hybrid stack's MTP layer is not verified")
     if cfg.dtype == "bfloat16":
         raise ValueError("verify --mtp-num-layers runs in float64 / float32 (its per-sample side is stock MTP one "
                          "sample per microbatch; the bf16 judge's packed baseline is not)")

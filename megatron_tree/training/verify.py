@@ -151,7 +151,7 @@ class VerifyConfig:
                 # the error is absolute: |tree - per-sample| / 1e-8. Measured, TP2+SP, 2 families,
                 # seeds 1-5 and 1234: |diff| <= 1.2e-17 on those gradients with MTP K=1/2 (1.16e-9 at
                 # seed 1234, K=1) and <= 8.1e-18 without MTP (same configs, 8.1e-10 at seed 5), i.e.
-                # ~1e-16 of the model's largest gradient (0.1-0.2); a float32 run moves it by 3e8
+                # ~1e-16 of the model's largest gradient (0.1-0.2); float32 runs multiply it by 3e8..1e9
                 # (eps32/eps64 = 5e8): rounding. The MTP part of those gradients (1e-9..1e-4) agrees
                 # to <= 4e-9 of itself, so no MTP path is off. 4e-9: 3.5x the worst measured.
                 return 4e-9

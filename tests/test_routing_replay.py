@@ -37,6 +37,7 @@ WS1 = [
     VerifyConfig(model="gpt", recompute="selective", fault="route_row_shift", **R),
     VerifyConfig(model="mla", **R),  # DeepSeek-style: the first layer dense, MoE after it
     VerifyConfig(model="qwen3next", **R),  # GDN + gated attention, MoE with a shared expert
+    VerifyConfig(model="dsa", **R),  # MLA + DeepSeek sparse attention (indexer top-k), MoE after the first layer
 ]
 
 WS2 = [

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..tree.loss import entropy_loss, policy_loss, sft_loss
+from ..tree.loss import tree_loss
 from ..tree.loss_map import LossMap
 
 
@@ -161,16 +161,9 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
     if entropy_coef and entropy is None:
         raise ValueError("entropy_coef needs the per-occurrence entropy: run the model with "
                          "TreePackedSeqParams(return_entropy=True) (tree_forward_step(..., return_entropy=True))")
-    if loss_type == "sft":
-        loss_sum = sft_loss(logprobs, loss_map, reduction="sum")
-        metrics = {}
-    elif loss_type in ("grpo", "ppo"):
-        loss_sum, metrics = policy_loss(logprobs, loss_map, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-                                        kl_coef=kl_coef, reduction="sum")
-    else:
-        raise ValueError(f"loss_type must be sft, grpo or ppo, got {loss_type!r}")
-    if entropy_coef:
-        loss_sum = loss_sum + entropy_loss(entropy, loss_map, coef=entropy_coef, reduction="sum")
+    loss_sum, metrics = tree_loss(logprobs, loss_map, loss_type=loss_type, clip_eps=clip_eps,
+                                  clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy=entropy,
+                                  entropy_coef=entropy_coef, reduction="sum")
     num_tokens = torch.tensor(len(loss_map), dtype=torch.int, device=logprobs.device)
     acc = torch.float64 if loss_sum.dtype == torch.float64 else torch.float32
     report = {"lm loss": torch.stack([loss_sum.detach().clone().to(acc), num_tokens.to(acc)])}

@@ -23,13 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..tree.loss import entropy_loss, policy_loss, sft_loss
+from ..tree.loss import LOSS_TYPES as LOSSES, tree_loss
 from ..tree.sample import Sample, validate_sample
 
 __all__ = ["RolloutBatch", "RankMicrobatches", "RolloutOutputs", "build_microbatches", "forward_backward",
            "per_occurrence_loss"]
 
-LOSSES = ("sft", "grpo", "ppo")
 # Test-only fault switch (None in normal use): "column_shift" puts every value one column to the
 # right in `RolloutOutputs.to_padded`, which tests/test_rl.py must catch.
 _FAULT = None
@@ -241,16 +240,10 @@ def per_occurrence_loss(logprobs: torch.Tensor, entropy: torch.Tensor, loss_map,
     """Our losses per occurrence, weighted, before normalisation: ``[M]`` whose sum is
     `megatron.loss.tree_loss_func`'s ``loss_sum`` (sft: ``-w logp``; grpo / ppo: the clipped
     surrogate plus ``kl_coef`` x k3 KL; both minus ``entropy_coef`` x ``w H``), and the metrics."""
-    if loss == "sft":
-        per, metrics = sft_loss(logprobs, loss_map, reduction="none"), {}
-    elif loss in ("grpo", "ppo"):
-        per, metrics = policy_loss(logprobs, loss_map, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-                                   kl_coef=kl_coef, reduction="none")
-    else:
+    if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES} or a loss_fn, got {loss!r}")
-    if entropy_coef:
-        per = per + entropy_loss(entropy, loss_map, coef=entropy_coef, reduction="none")
-    return per, metrics
+    return tree_loss(logprobs, loss_map, loss_type=loss, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                     kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef, reduction="none")
 
 
 def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs):

@@ -13,6 +13,8 @@ Pass ``denominator`` to normalise across microbatches / DP ranks (e.g. the globa
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .loss_map import LossMap
@@ -117,4 +119,28 @@ def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | 
             ratio_mean=float(ratio.sum()) / n,
             num_tokens=len(per),
         )
+    return loss, metrics
+
+
+LOSS_TYPES = ("sft", "grpo", "ppo")
+
+
+def tree_loss(logprobs: torch.Tensor, loss_map: LossMap, *, loss_type: str = "sft", clip_eps=0.2,
+              clip_eps_high=None, kl_coef: float = 0.0, entropy: Optional[torch.Tensor] = None,
+              entropy_coef: float = 0.0, reduction: str = "token", denominator=None) -> tuple[torch.Tensor, dict]:
+    """The loss every entry point trains with: ``loss_type`` "sft" (`sft_loss`) or "grpo" / "ppo"
+    (`policy_loss`: clipped surrogate plus ``kl_coef`` x k3 KL), minus ``entropy_coef`` x the entropy
+    (`entropy_loss`, needs ``entropy`` [M]), all with one ``reduction`` and ``denominator``.
+    Returns (loss, metrics)."""
+    if loss_type == "sft":
+        loss, metrics = sft_loss(logprobs, loss_map, reduction=reduction, denominator=denominator), {}
+    elif loss_type in ("grpo", "ppo"):
+        loss, metrics = policy_loss(logprobs, loss_map, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                                    kl_coef=kl_coef, reduction=reduction, denominator=denominator)
+    else:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef needs the per-occurrence entropy")
+        loss = loss + entropy_loss(entropy, loss_map, coef=entropy_coef, reduction=reduction, denominator=denominator)
     return loss, metrics

@@ -25,16 +25,37 @@ import json
 import time
 
 
+def best_step_seconds(margs, batches: dict, repeats: int) -> dict:
+    """One model from ``margs`` (seed 0) in DDP; each of ``batches`` ({name: microbatches}) as a
+    forward-backward step, interleaved ``repeats`` times; {name: best wall seconds}."""
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tree.training.models import build_model, forward_backward, make_config, wrap_ddp
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = make_config(margs)
+    ddp = wrap_ddp(build_model(config, margs), config)
+    times: dict = {name: [] for name in batches}
+    for _ in range(repeats):
+        for name, mbs in batches.items():
+            ddp.zero_grad_buffer()
+            t0 = time.perf_counter()
+            forward_backward(ddp, mbs)
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(t) for name, t in times.items()}
+
+
 def _body(a: dict) -> dict:
     import numpy as np
     import torch
 
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_tree.compat import cpu as compat_cpu
-    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
+    from megatron_tree.training.models import ModelArgs
     from megatron_tree.tree import Sample, pack, summarize
 
     compat_cpu.enable(kernels=True)
@@ -69,20 +90,10 @@ def _body(a: dict) -> dict:
                           num_attention_heads=4, num_query_groups=2, ffn_hidden_size=2 * a["hidden"],
                           vocab_size=a["vocab"], max_position=budget,
                           num_experts=4 if a["model_family"] == "qwen3next" else None)
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    config = make_config(margs)
-    ddp = wrap_ddp(build_model(config, margs), config)
-    times = {"tree": [], "flat": []}
-    for _ in range(a["repeats"]):
-        for name, mbs in (("tree", tree), ("flat", flat)):
-            ddp.zero_grad_buffer()
-            t0 = time.perf_counter()
-            forward_backward(ddp, mbs)
-            times[name].append(time.perf_counter() - t0)
+    best = best_step_seconds(margs, {"tree": tree, "flat": flat}, a["repeats"])
     st_t, st_f = summarize(tree), summarize(flat)
     ideal = st_f["tree_tokens"] / st_t["tree_tokens"]
-    t_tree, t_flat = min(times["tree"]), min(times["flat"])
+    t_tree, t_flat = best["tree"], best["flat"]
     return {"flat_tokens": st_f["tree_tokens"], "tree_tokens": st_t["tree_tokens"],
             "microbatches_tree": len(tree), "microbatches_flat": len(flat), "tree_s": t_tree, "flat_s": t_flat,
             "speedup": t_flat / t_tree, "ideal": ideal, "fraction_of_ideal": t_flat / t_tree / ideal,

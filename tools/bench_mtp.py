@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 
 def _family(a):
@@ -41,11 +40,11 @@ def _body(a: dict) -> dict:
     import torch
 
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
+    from bench_model import best_step_seconds  # tools/, this script's directory
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_tree.compat import cpu as compat_cpu
-    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
+    from megatron_tree.training.models import ModelArgs
     from megatron_tree.tree import pack, summarize
 
     compat_cpu.enable()
@@ -60,18 +59,8 @@ def _body(a: dict) -> dict:
         margs = ModelArgs(kind="gpt", num_layers=4, hidden_size=a["hidden"], num_attention_heads=4, num_query_groups=2,
                           ffn_hidden_size=2 * a["hidden"], vocab_size=a["vocab"], max_position=a["budget"],
                           extra=dict(mtp_num_layers=k) if k else {})
-        torch.manual_seed(0)
-        model_parallel_cuda_manual_seed(0)
-        config = make_config(margs)
-        ddp = wrap_ddp(build_model(config, margs), config)
-        times = {"tree": [], "flat": []}
-        for _ in range(a["repeats"]):
-            for name, mbs in (("tree", tree), ("flat", flat)):
-                ddp.zero_grad_buffer()
-                t0 = time.perf_counter()
-                forward_backward(ddp, mbs)
-                times[name].append(time.perf_counter() - t0)
-        t, f = min(times["tree"]), min(times["flat"])
+        best = best_step_seconds(margs, {"tree": tree, "flat": flat}, a["repeats"])
+        t, f = best["tree"], best["flat"]
         out["runs"][k] = {"tree_s": t, "flat_s": f, "speedup": f / t, "fraction_of_ideal": f / t / out["ideal"]}
     return out
 

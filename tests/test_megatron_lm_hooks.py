@@ -105,7 +105,7 @@ def test_validate_fills_derived_defaults_and_is_a_noop_without_tree_packing():
     (dict(rampup_batch_size=[1, 1, 10]), "--rampup-batch-size"),
     (dict(train_samples=1000), "--train-iters"),
     (dict(mtp_num_layers=1, pipeline_model_parallel_layout="Et*2|mL"), "places every MTP layer on the last"),
-    (dict(mtp_num_layers=1, experimental_attention_variant="dsa"), "verified for GPT, MLA and Qwen3-Next"),
+    (dict(mtp_num_layers=1, tree_hybrid_pattern="M*-", num_layers=3), "verified for GPT, MLA, DSA and Qwen3-Next"),
     (dict(num_experts=8), "--moe-token-dispatcher-type alltoall"),
     (dict(tree_loss="grpo", tree_clip_eps=0.0), "--tree-clip-eps must be > 0"),
     (dict(tree_loss="ppo", tree_clip_eps_high=-0.1), "--tree-clip-eps-high must be > 0"),
@@ -130,6 +130,14 @@ def test_validate_tree_args_errors(over, needle):
 def test_validate_accepts_mtp_with_tree_packing():
     validate_tree_args(_megatron_like(mtp_num_layers=2, mtp_loss_scaling_factor=0.3))
     validate_tree_args(_megatron_like(mtp_num_layers=1, experimental_attention_variant="gated_delta_net"))
+    from megatron_tree.compat.dsa import stock_dsa_mtp_runs
+
+    dsa = _megatron_like(mtp_num_layers=1, experimental_attention_variant="dsa")
+    if stock_dsa_mtp_runs():  # the tree packs each sample's MTP tail rows (megatron_tree.megatron.mtp)
+        validate_tree_args(dsa)
+    else:
+        with pytest.raises(ValueError, match="needs megatron-core >= 0.19"):
+            validate_tree_args(dsa)
 
 
 def test_validate_reports_every_problem_at_once():

@@ -410,12 +410,30 @@ def _verify_cases():
     # CP4 (parents on other ranks from every side); MoE in the MTP layers with experts over DP x CP
     ws4 = [VerifyConfig(mtp_num_layers=2, cp=4, families=2),
            VerifyConfig(mtp_num_layers=2, dp=2, cp=2, ep=2, families=6)]
+    # DSA in the MTP layers (megatron-core >= 0.19; 0.16's stock DSA cannot run in an MTP layer): stock's
+    # indexer loss of depth k covers every sample's k trailing positions, the tree's MTP tail rows; without
+    # them (planted) the MTP layer's indexer gradients and indexer loss differ
+    dsa = []
+    if stock_dsa_mtp_runs():
+        dsa = [("ws1", VerifyConfig(model="dsa", mtp_num_layers=2, families=2)),
+               ("ws1", VerifyConfig(model="dsa", mtp_num_layers=1, families=2, fault="mtp_no_tail")),
+               ("ws2", VerifyConfig(model="dsa", mtp_num_layers=2, cp=2, families=2))]
+    latest = {("ws1", 0), ("ws1", 2), ("ws1", 4), ("ws2", 0), ("ws2", 1), ("ws4", 1)}  # the rest repeat these
+    for name, cfg in dsa:  # (main tier only)
+        cases = ws1 if name == "ws1" else ws2
+        latest.add((name, len(cases)))
+        cases.append(cfg)
     assert {c.fault for c in ws1 + ws2} - {None} <= set(MTP_FAULTS)
-    return ws1, ws2, ws4
+    return ws1, ws2, ws4, latest
 
 
-VERIFY_WS1, VERIFY_WS2, VERIFY_WS4 = _verify_cases()
-LATEST = {("ws1", 0), ("ws1", 2), ("ws1", 4), ("ws2", 0), ("ws2", 1), ("ws4", 1)}  # the rest repeat these paths (main tier only)
+def stock_dsa_mtp_runs() -> bool:
+    from megatron_tree.compat.dsa import stock_dsa_mtp_runs as runs
+
+    return runs()
+
+
+VERIFY_WS1, VERIFY_WS2, VERIFY_WS4, LATEST = _verify_cases()
 
 
 def _cases(name, configs):
@@ -442,7 +460,8 @@ def verify_ws2(request):
 def _check(cfg, out):
     from verify_checks import check_verify
 
-    check_verify(cfg, out, fault_seen="mtp_loss" if cfg.fault else None, far=1e-6)
+    seen = {None: None, "mtp_no_tail": "indexer_loss"}.get(cfg.fault, "mtp_loss")
+    check_verify(cfg, out, fault_seen=seen, far=1e-6)
     if cfg.fault is None:
         assert "mtp_loss" in out and out["mtp_loss"] <= 1e-12
 
@@ -474,27 +493,36 @@ def test_verify_mtp_refuses_what_it_does_not_cover():
     from megatron_tree.training.verify import VerifyConfig, run_verify_many
 
     for cfg, needle in [(VerifyConfig(model="mamba", mtp_num_layers=1), "MambaModel has no MTP"),
-                        (VerifyConfig(model="dsa", mtp_num_layers=1), "trailing positions of each sample"),
                         (VerifyConfig(mtp_num_layers=1, dtype="bfloat16"), "float64 / float32"),
                         (VerifyConfig(fault="mtp_per_row_loss"), "needs mtp_num_layers")]:
         with pytest.raises(ValueError, match=needle):
             run_verify_many([cfg])
+    dsa = VerifyConfig(model="dsa", mtp_num_layers=1, dsa_topk_freq=2)
+    with pytest.raises(ValueError, match="IndexShare" if stock_dsa_mtp_runs() else "needs megatron-core >= 0.19"):
+        run_verify_many([dsa])
 
 
-def test_train_cli_mtp_refuses_dsa_accepts_qwen3next():
+def test_train_cli_mtp_accepts_dsa_where_stock_runs_it_and_qwen3next():
     from megatron_tree.training.trainer import build_train_parser, check_train_args
 
     base = ["--synthetic-preset", "many_small_64_4x16", "--train-iters", "1", "--mtp-num-layers", "1",
             "--tree-max-tokens-per-mb", "256"]
-    with pytest.raises(ValueError, match="dsa with --mtp-num-layers"):
-        check_train_args(build_train_parser().parse_args(base + ["--experimental-attention-variant", "dsa"]))
+    dsa = base + ["--experimental-attention-variant", "dsa"]
+    if stock_dsa_mtp_runs():
+        check_train_args(build_train_parser().parse_args(dsa))
+    else:
+        with pytest.raises(ValueError, match="needs megatron-core >= 0.19"):
+            check_train_args(build_train_parser().parse_args(dsa))
     check_train_args(build_train_parser().parse_args(base + ["--experimental-attention-variant", "gated_delta_net",
                                                         "--linear-attention-freq", "2", "--num-layers", "2"]))
 
 
-def test_train_cli_mtp_tree_flat_and_cp2_agree():
+@pytest.mark.parametrize("kind", ["gpt"] + (["dsa"] if stock_dsa_mtp_runs() else []))
+def test_train_cli_mtp_tree_flat_and_cp2_agree(kind):
     """`megatron-tree train --mtp-num-layers 2`: each depth's loss is in the step metrics, and tree packing,
-    flat packing and tree CP 2 give the same main and MTP losses over two steps (float32 noise)."""
+    flat packing and tree CP 2 give the same main and MTP losses over two steps (float32 noise). "dsa":
+    DeepSeek sparse attention in the decoder and the MTP layers (MTP tail rows packed by the trainer's
+    pipeline, across CP ranks under CP 2); tree vs CP 2 (flat packs the same tails)."""
     from megatron_tree.training.launch import run_distributed as run
     from megatron_tree.training.trainer import build_train_parser, check_train_args, format_progress, train
 
@@ -502,13 +530,17 @@ def test_train_cli_mtp_tree_flat_and_cp2_agree():
               "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "2",
               "--tree-global-batch-samples", "8", "--tree-max-tokens-per-mb", "256", "--lr", "1e-2", "--quiet",
               "--tree-lookahead", "1", "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+    if kind == "dsa":
+        common += ["--experimental-attention-variant", "dsa", "--recompute-granularity", "full"]
     runs = {}
     for name, extra in (("tree", []), ("flat", ["--packing", "flat"]),
                         ("cp2", ["--context-parallel-size", "2", "--nproc", "2"])):
+        if kind == "dsa" and name == "flat":
+            continue
         args = check_train_args(build_train_parser().parse_args(common + extra))
         runs[name] = run(train, 2 if name == "cp2" else 1, args, timeout=300)[0]["history"]
     keys = ("loss", "mtp_1 loss", "mtp_2 loss")
-    for name in ("flat", "cp2"):
+    for name in set(runs) - {"tree"}:
         for a, b in zip(runs["tree"], runs[name]):
             for k in keys:
                 assert abs(a[k] - b[k]) < 1e-5 * abs(a[k]), (name, k, a[k], b[k])

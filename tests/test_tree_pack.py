@@ -283,3 +283,66 @@ def test_stats_definitions():
     assert s.flat_attention_pairs == 6 + 6 + 1
     assert s.tree_attention_pairs == 1 + 2 + 3 + 3 + 1  # rows: 1,2 | 3 | 4 | 7
     assert s.fill == pytest.approx(5 / 16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(), st.sampled_from([1, 2, 3]), st.sampled_from([24, 64]), st.sampled_from([1, 8]))
+def test_mtp_tail_rows_follow_each_sample_and_change_nothing_else(forest, K, budget, pad):
+    """``pack(..., mtp_tail=K)``: every sample's path, loss map and sample statistics are those of the
+    packing without tails (same rows up to renumbering), and after its last row come K rows of token 0
+    that only it has (a chain, each one the previous one's child), seeing exactly the sample's path and
+    the earlier tail rows; the tails count against the budget and `PrefixPlan` prices them."""
+    samples, masks = forest
+    budget = -(-max(budget, max(len(s) for s in samples) + K) // pad) * pad
+    sm = [Sample(tokens=s, loss_mask=m) for s, m in zip(samples, masks)]
+    mbs = pack(sm, budget, pad_to_multiple_of=pad, mtp_tail=K)
+    plan = PrefixPlan([np.asarray(s, np.int64) for s in samples], mtp_tail=K)
+    assert [mb.num_rows for mb in mbs] == plan.microbatch_rows(budget, pad)
+    seen = []
+    for mb in mbs:
+        L = mb.layout
+        L.validate()
+        assert mb.num_rows <= budget and mb.num_rows % pad == 0 and mb.mtp_tail == K
+        dense = L.dense_mask()
+        index, inv = mb.mtp_tail_stats()
+        tails = []
+        for sid in mb.sample_ids:
+            rows, tail = mb.sample_rows(sid), mb.tail_rows(sid)
+            assert ids_at(L.input_ids.tolist(), rows) == list(samples[sid])
+            assert tail.shape == (K,) and (L.input_ids[tail] == 0).all()
+            chain = torch.cat([rows, tail])
+            assert (L.path_prev[chain[1:]] == chain[:-1]).all()
+            assert (L.position_ids[tail] == torch.arange(len(rows), len(rows) + K)).all()
+            for j in range(K):  # a tail row sees the path and the tail rows before it, nothing else
+                assert set(torch.nonzero(dense[tail[j]]).flatten().tolist()) == set(chain[: len(rows) + j + 1].tolist())
+            assert index[tail].tolist() == list(range(1, K + 1))
+            assert torch.allclose(inv[tail], torch.full((K,), 1.0 / len(rows), dtype=torch.float64))
+            tails += tail.tolist()
+        assert len(set(tails)) == len(tails)  # never shared, not even by identical samples
+        assert int((index > 0).sum()) == len(tails) and (inv[index == 0] == 0).all()
+        assert mb.stats.tree_tokens == L.num_real_rows
+        assert mb.stats.flat_tokens == sum(len(samples[s]) for s in mb.sample_ids)
+        # without the tail rows: the same loss map (rows renumbered), sample statistics and sharing
+        (alone,) = pack([sm[s] for s in mb.sample_ids], budget)
+        to_alone = {}
+        for j, sid in enumerate(mb.sample_ids):
+            to_alone.update(zip(mb.sample_rows(sid).tolist(), alone.sample_rows(j).tolist()))
+        back = dict(zip(range(len(mb.sample_ids)), mb.sample_ids))
+        got = [(s, p, to_alone[r], t, w) for s, p, r, t, w in _loss_entries(mb)]
+        assert sorted(got) == _loss_entries(alone, back.__getitem__)
+        count, row_inv = mb.row_sample_stats()
+        a_count, a_inv = alone.row_sample_stats()
+        real = [r for r in range(L.num_real_rows) if r not in set(tails)]
+        assert len(real) == alone.layout.num_real_rows
+        assert [count[r].item() for r in real] == [a_count[to_alone[r]].item() for r in real]
+        assert all(count[r] == 0 for r in tails)
+        seen += mb.sample_ids
+    assert sorted(seen) == list(range(len(samples)))
+
+
+def test_mtp_tail_that_does_not_fit_names_the_sample():
+    with pytest.raises(ValueError, match=r"sample 1: 6 tokens and its 3 MTP tail rows \(mtp_tail\) exceed "
+                                         r"max_tokens_per_mb=8"):
+        pack([[1, 2], [1, 2, 3, 4, 5, 6]], 8, mtp_tail=3)
+    with pytest.raises(ValueError, match="mtp_tail must be >= 0"):
+        pack([[1, 2]], 8, mtp_tail=-1)

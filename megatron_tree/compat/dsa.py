@@ -45,6 +45,7 @@ import torch
 
 __all__ = ["hadamard_rotate", "enable", "stable_topk", "float64_oracle", "DuplicatedLinear", "index_share_settings",
            "is_skip_topk_layer", "source_topk_layer", "stock_oracle_class", "capture_stock_selected",
+           "stock_dsa_mtp_runs", "capture_layer",
            "indexer_loss_per_token",
            "dsa_module", "kl_form"]
 
@@ -60,6 +61,18 @@ def _has_index_share() -> bool:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return "dsa_indexer_topk_freq" in TransformerConfig.__dataclass_fields__
+
+
+def stock_dsa_mtp_runs() -> bool:
+    """Whether stock DSA runs inside an MTP layer. megatron-core 0.16 numbers the MTP layer's transformer
+    layer ``num_layers + k``, past the end of the indexer-loss tracker it sizes by ``num_layers``
+    (IndexError in training); 0.19 builds it as ``is_mtp_layer`` numbered k (its indexer loss is then
+    logged with decoder layer k's)."""
+    import inspect
+
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return "is_mtp_layer" in inspect.signature(TransformerLayer.__init__).parameters
 
 
 def kl_form() -> str:
@@ -328,7 +341,7 @@ def _oracle_cls():
                     raise RuntimeError(f"IndexShare layer {self.layer_number} needs the top-k of layer {self._source}")
                 with float64_oracle():
                     out = mod.unfused_dsa_fn(query, key, value, holder[self._source], self.softmax_scale)
-                _record(token, self.layer_number, holder[self._source])
+                _record(token, capture_layer(self), holder[self._source])
                 return out
             # the top-k stock uses: 0.16 through the indexer's forward_with_scores, 0.19 (its own
             # IndexShare too) through the module's sparse attention function
@@ -363,7 +376,7 @@ def _oracle_cls():
                 mod.unfused_dsa_fn = saved_fn
             if holder is not None:
                 holder[self.layer_number] = seen[-1]
-            _record(token, self.layer_number, seen[-1])
+            _record(token, capture_layer(self), seen[-1])
             return out
 
     return _StockDSAOracle
@@ -379,10 +392,19 @@ def _capture_token(psp) -> int:
     the same one)."""
     if psp is None:
         return -1
+    while "_capture_parent" in psp.__dict__:  # a view made for one layer (an MTP depth): its microbatch's forward
+        psp = psp.__dict__["_capture_parent"]
     tok = psp.__dict__.get("_dsa_capture_token")
     if tok is None:
         tok = psp.__dict__["_dsa_capture_token"] = next(_TOKENS)
     return tok
+
+
+def capture_layer(module) -> int:
+    """The layer number a DSA core attention's captured selections are filed under: its
+    ``layer_number``, or ``capture_layer_number`` where one was set (an MTP layer's, whose own number
+    repeats a decoder layer's on 0.19: `verify_mtp.number_mtp_captures`)."""
+    return getattr(module, "capture_layer_number", module.layer_number)
 
 
 def _record(token: int, layer: int, topk_indices: torch.Tensor) -> None:

@@ -223,6 +223,9 @@ class TreeDataPipeline:
                           and ``routed_experts`` agree; microbatches, padding ones too, carry per-row
                           routes); every sample must carry routes (error naming the first that does not)
     route_spec            `megatron_tree.tree.routes.RouteSpec` the routes must match
+    mtp_tail              K MTP tail rows after every sample (``pack(..., mtp_tail=K)``: a model whose MTP
+                          layers run DSA with an indexer loss, `megatron.mtp.mtp_tail_rows`); they count
+                          against ``max_tokens_per_mb``
 
     Iterate it (``for step in pipe``) to get `TreeStep`s from the current state; `build_step`
     builds any step directly. `state_dict` / `load_state_dict` resume; `timing` reports production
@@ -237,7 +240,8 @@ class TreeDataPipeline:
                  cost_fn: Callable[[TreeMicrobatch], float] | None = None, balance_budget: bool = True,
                  share_prefixes: bool = True, lookahead: int = 0,
                  plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None,
-                 read_report: ReadReport | None = None, route_aware: bool = False, route_spec=None):
+                 read_report: ReadReport | None = None, route_aware: bool = False, route_spec=None,
+                 mtp_tail: int = 0):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         if global_batch_samples < 1:
@@ -272,6 +276,7 @@ class TreeDataPipeline:
         self.lookahead = int(lookahead)
         self.plan_fn = plan_fn
         self.route_aware, self.route_spec = bool(route_aware), route_spec
+        self.mtp_tail = int(mtp_tail)
         self._float_fields = self._validate(vocab_size)
         self._group_code, self._num_groups = self._group_codes()
         self._fingerprint = self._dataset_fingerprint()
@@ -313,6 +318,9 @@ class TreeDataPipeline:
         for i, s in enumerate(self.samples):
             validate_sample(i, s, max_tokens=self.max_tokens_per_mb, vocab_size=vocab_size, where=self._where(i),
                             route_spec=self.route_spec)
+            if self.mtp_tail and len(s.tokens) + self.mtp_tail > self.max_tokens_per_mb:
+                raise ValueError(f"{self._where(i)}: {len(s.tokens)} tokens and its {self.mtp_tail} MTP tail rows "
+                                 f"exceed max_tokens_per_mb={self.max_tokens_per_mb}")
         self._route_shape = None
         if self.route_aware:
             from ..tree.routes import routes_shape
@@ -405,7 +413,7 @@ class TreeDataPipeline:
                 for mb in pack([self.samples[i] for i in window.tolist()], budget,
                                pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
                                pad_to_budget=self.pad_to_budget, share_prefixes=self.share_prefixes,
-                               route_aware=self.route_aware)]
+                               route_aware=self.route_aware, mtp_tail=self.mtp_tail)]
 
     def _slots_makespan(self, rows: Sequence[int]) -> float:
         """Slowest rank's rows when microbatches of ``rows`` are balanced (inf if they cannot fit)."""
@@ -431,7 +439,8 @@ class TreeDataPipeline:
             return B
         m = self.pad_to_multiple_of
         plan = PrefixPlan([self.samples[i].tokens.astype(np.int64, copy=False) for i in window.tolist()],
-                          [self.samples[i].routed_experts for i in window.tolist()] if self.route_aware else None)
+                          [self.samples[i].routed_experts for i in window.tolist()] if self.route_aware else None,
+                          mtp_tail=self.mtp_tail)
 
         def bin_rows(budget):
             return plan.microbatch_rows(budget, m)

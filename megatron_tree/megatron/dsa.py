@@ -257,7 +257,7 @@ class TreeDSAttention(MegatronModule):
         if _HOOKS:
             token = cdsa._capture_token(psp)
             for store in _HOOKS:
-                store.append((token, self.layer_number, rows.detach().cpu(), ids.detach().cpu()))
+                store.append((token, cdsa.capture_layer(self), rows.detach().cpu(), ids.detach().cpu()))
         out = o.reshape(n, 1, o.shape[1] * o.shape[2]).to(query.dtype)  # n may be 0: a CP rank owning nothing
         if s > n:  # CP padding rows: attend to nothing
             out = torch.cat([out, out.new_zeros(s - n, 1, out.shape[-1])])

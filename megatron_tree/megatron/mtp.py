@@ -66,13 +66,14 @@ from .packed_seq import TreePackedSeqParams
 
 __all__ = ["TreeMultiTokenPredictionLayer", "get_tree_gpt_mtp_block_spec", "mtp_layout", "mtp_view", "mtp_halo",
            "MTPHalo", "mtp_cp_figures", "tree_mtp_postprocess", "with_mtp_report",
-           "logits_without_mtp", "FAULTS"]
+           "logits_without_mtp", "mtp_tail_rows", "FAULTS"]
 
 # Test-only fault switch (None in normal use), each a bug the stock oracle must catch:
 #   "physical_roll"    depth-k input from the previous physical row (stock's roll) instead of path_prev
 #   "shallow_visible"  a depth-k layer also sees the rows of depth < k on its path
 #   "per_row_loss"     each source row's MTP loss counted once instead of once per occurrence
-FAULTS = ("physical_roll", "shallow_visible", "per_row_loss")
+#   "no_tail"          the MTP tail rows left out of the depth-k layer (their indexer loss lost)
+FAULTS = ("physical_roll", "shallow_visible", "per_row_loss", "no_tail")
 _FAULT = None
 
 
@@ -81,13 +82,14 @@ def _is_tree(psp) -> bool:
 
 
 # ------------------------------------------------------------------------------------ layouts
-def mtp_layout(layout: TreeLayout, k: int) -> TreeLayout:
+def mtp_layout(layout: TreeLayout, k: int, tail_index: Optional[torch.Tensor] = None) -> TreeLayout:
     """The layout MTP depth ``k`` attends over: the same rows, every root path cut at depth ``k``.
 
     Rows of depth >= k keep their segments (a row of depth k starts a new root segment), so a row
     sees exactly its ancestors of depth >= k; ``position_ids`` are ``depth - k`` (the anchor's
-    position). Rows of depth < k (and padding) are one-row root segments: isolated. Host-side,
-    vectorised; the result is on ``layout``'s device.
+    position). Rows of depth < k (and padding) are one-row root segments: isolated. ``tail_index``
+    [N] (`TreeMicrobatch.mtp_tail_stats`): MTP tail rows j > k are isolated too (stock's depth k has
+    k trailing positions per sample). Host-side, vectorised; the result is on ``layout``'s device.
     """
     if k < 1:
         raise ValueError(f"MTP depth must be >= 1, got {k}")
@@ -99,11 +101,14 @@ def mtp_layout(layout: TreeLayout, k: int) -> TreeLayout:
         return dataclasses.replace(cpu, position_ids=torch.from_numpy(np.maximum(pos - k, 0))).to(dev)
     seg_start = np.zeros(n_real, bool)
     seg_start[cpu.segment_offsets.numpy()[:-1][cpu.segment_offsets.numpy()[:-1] < n_real]] = True
-    start = seg_start | (pos[:n_real] <= k)
+    root = pos[:n_real] <= k
+    if tail_index is not None:  # a tail row past depth k: isolated (it follows its chain's rows, so a root)
+        root |= tail_index.cpu().numpy()[:n_real] > k
+    start = seg_start | root
     new_seg = np.cumsum(start) - 1
     first = np.nonzero(start)[0]
     lengths = np.bincount(new_seg, minlength=len(first)) if n_real else np.zeros(0, np.int64)
-    parent = np.where(pos[first] <= k, -1, new_seg[np.maximum(prev[first], 0)])
+    parent = np.where(root[first], -1, new_seg[np.maximum(prev[first], 0)])
     pad_id = int(cpu.input_ids[n_real]) if layout.num_padding else 0
     out = TreeLayout.from_segments(lengths, parent, cpu.input_ids.numpy()[:n_real], num_padding=layout.num_padding,
                                    pad_id=pad_id)
@@ -116,17 +121,45 @@ def mtp_view(psp: TreePackedSeqParams, k: int) -> TreePackedSeqParams:
     microbatch view and depth (kept on ``psp``), so recomputation reuses it."""
     views = psp.__dict__.setdefault("_mtp_views", {})
     if k not in views:
-        layout = mtp_layout(psp.layout, k)
+        tail = None if _FAULT == "no_tail" else psp.mtp_tail_index
+        layout = mtp_layout(psp.layout, k, tail)
         plan = psp.cp_plan
         if plan is not None:
             cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
             plan = dataclasses.replace(plan, visible_until=cpu.visible_until.numpy().copy(),
                                        position_ids=cpu.position_ids.numpy().copy())
         view = dataclasses.replace(psp, layout=layout, loss_map=None, cp_plan=plan, gdn_plan=None,
-                                   gdn_local_rows=None, gdn_num_local_padding=0, in_island=False, attention_view=None)
+                                   gdn_local_rows=None, gdn_num_local_padding=0, in_island=False, attention_view=None,
+                                   **_depth_weights(psp, k, tail))
         view.max_seqlen_q, view.max_seqlen_kv = psp.max_seqlen_q, psp.max_seqlen_kv
+        view.__dict__["_capture_parent"] = psp  # debug captures file it under its microbatch's forward
         views[k] = view
     return views[k]
+
+
+def _depth_weights(psp: TreePackedSeqParams, k: int, tail: Optional[torch.Tensor]) -> dict:
+    """``row_samples`` / ``row_inv_length`` of MTP depth k (what weighs DSA's indexer loss per row): stock's
+    depth-k positions of a sample are its rows of depth >= k and its first k tail rows (one per sample,
+    ``1 / len(s)``); every other row (isolated) weighs 0."""
+    if psp.row_inv_length is None:
+        return {}
+    depth = psp.layout.position_ids.to(psp.row_inv_length.device)
+    real = depth >= k
+    count, inv = psp.row_samples * real, psp.row_inv_length * real
+    if tail is not None:
+        mine = (tail > 0) & (tail <= k)
+        count = torch.where(tail > 0, mine.to(count.dtype), count)
+        inv = torch.where(tail > 0, psp.mtp_tail_inv_length * mine, inv)
+    return {"row_samples": count, "row_inv_length": inv}
+
+
+def mtp_tail_rows(config) -> int:
+    """Tail rows per sample (``pack(..., mtp_tail=)``) the model's MTP layers need: ``mtp_num_layers`` where
+    they run DeepSeek sparse attention with an indexer loss (stock's loss covers the k trailing positions
+    of depth k, which embed a rolled-in token 0), else 0."""
+    K = int(getattr(config, "mtp_num_layers", None) or 0)
+    dsa = getattr(config, "experimental_attention_variant", None) == "dsa"
+    return K if dsa and (getattr(config, "dsa_indexer_loss_coeff", None) or 0) > 0 else 0
 
 
 def _path_prev(layout: TreeLayout) -> np.ndarray:
@@ -390,6 +423,12 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
                          "that splits them)")
     if attention_mask is not None:
         raise ValueError("tree MTP takes no attention_mask: visibility comes from the tree layout")
+    need = mtp_tail_rows(cfg)
+    have = 0 if psp.mtp_tail_index is None else int(psp.mtp_tail_index.max())
+    if psp.loss_map is not None and have < need:
+        raise ValueError(f"tree MTP: the MTP layers run DeepSeek sparse attention, whose indexer loss covers the "
+                         f"{need} trailing positions stock's depth {need} adds after every sample, but the microbatch "
+                         f"has {have} tail rows per sample: pack it with megatron_tree.tree.pack(..., mtp_tail={need})")
     layers = model.mtp.layers
     repeated = bool(getattr(cfg, "mtp_use_repeated_layer", False))
     h = hidden_states.detach() if getattr(cfg, "mtp_detach_heads", False) else hidden_states

@@ -40,6 +40,10 @@ class TreePackedSeqParams(PackedSeqParams):
     row_inv_length     [N] float64 (or None): sum of ``1 / len(s)`` over those samples. Both come from
                        the microbatch (`TreeMicrobatch.row_sample_stats`) and weight per-row terms that
                        stock Megatron averages (or sums) over each sample's tokens: DSA's indexer loss
+    mtp_tail_index     [N] int64 (global rows, or None): j on the j-th MTP tail row after a sample (0 elsewhere)
+    mtp_tail_inv_length [N] float64 (or None): ``1 / len(s)`` on sample s's tail rows. Both from
+                       `TreeMicrobatch.mtp_tail_stats` (``pack(..., mtp_tail=K)``): the trailing positions
+                       stock MTP depth k runs on, which an MTP layer's DSA indexer loss covers (`megatron.mtp`)
     routes             [N, moe_layers, topk] int64 (global rows, or None): every row's MoE expert choices
                        for routing replay (``TreeMicrobatch.routes``, `megatron_tree.megatron.routing_replay`)
     return_entropy     True: the model's last stage returns ``(logprobs, entropy)``, both ``[M]`` per
@@ -64,6 +68,8 @@ class TreePackedSeqParams(PackedSeqParams):
     gdn_num_local_padding: int = 0
     row_samples: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     row_inv_length: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    mtp_tail_index: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    mtp_tail_inv_length: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     in_island: bool = False
     return_entropy: bool = False
     routes: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
@@ -179,9 +185,11 @@ def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
         layout, loss_map = layout.to(device), loss_map.to(device)
     count, inv = mb.row_sample_stats()
     routes = getattr(mb, "routes", None)
-    psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan, row_samples=count.to(layout.device),
-                              row_inv_length=inv.to(layout.device), return_entropy=return_entropy,
-                              routes=None if routes is None else routes.to(layout.device))
+    tail_index, tail_inv = mb.mtp_tail_stats() if getattr(mb, "mtp_tail", 0) else (None, None)
+    to = lambda t: None if t is None else t.to(layout.device)
+    psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan, row_samples=to(count),
+                              row_inv_length=to(inv), return_entropy=return_entropy, routes=to(routes),
+                              mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv))
     if cp_plan is None or cp_plan.cp_size == 1:
         return psp
     return context_parallel_view(psp, cp_plan, cp_rank, pad_to_multiple_of=pad_to_multiple_of, gdn_plan=gdn_plan)
@@ -228,7 +236,8 @@ def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
     out = TreePackedSeqParams(layout=layout, loss_map=local_lm, cp_plan=cp_plan, cp_rank=cp_rank, local_rows=rows,
                               num_local_padding=pad, gdn_plan=gdn_plan, gdn_local_rows=g_rows,
                               gdn_num_local_padding=g_pad, row_samples=psp.row_samples,
-                              row_inv_length=psp.row_inv_length, return_entropy=psp.return_entropy, routes=psp.routes)
+                              row_inv_length=psp.row_inv_length, return_entropy=psp.return_entropy, routes=psp.routes,
+                              mtp_tail_index=psp.mtp_tail_index, mtp_tail_inv_length=psp.mtp_tail_inv_length)
     # Megatron's GPTModel builds (and TreeGPTModel then replaces) a rotary table of max_seqlen_q rows,
     # zigzag-sliced over CP ranks, which needs a multiple of 2 * cp
     out.max_seqlen_q = out.max_seqlen_kv = -(-layout.num_rows // (2 * cp_plan.cp_size)) * 2 * cp_plan.cp_size

@@ -173,14 +173,19 @@ def validate_tree_args(args) -> argparse.Namespace:
                       "must stay fixed)")
     if _get(args, "train_samples"):
         errors.append("use --train-iters with --tree-packing, not --train-samples (a microbatch holds many samples)")
-    if _get(args, "mtp_num_layers"):  # MTP on the tree (megatron_tree.megatron.mtp): GPT / MLA / Qwen3-Next stacks
+    if _get(args, "mtp_num_layers"):  # MTP on the tree (megatron_tree.megatron.mtp): GPT / MLA / DSA / Qwen3-Next
         variant = _get(args, "experimental_attention_variant")
-        if _get(args, "tree_hybrid_pattern") or variant not in (None, "gated_delta_net"):
+        if _get(args, "tree_hybrid_pattern") or variant not in (None, "gated_delta_net", "dsa"):
             what = ("--tree-hybrid-pattern (the MTP layer would copy the stack's last layer)" if variant is None else
-                    f"--experimental-attention-variant {variant} (DSA's indexer loss inside an MTP layer covers each "
-                    "sample's last positions, which have no tree row)")
-            errors.append("--mtp-num-layers with --tree-packing is verified for GPT, MLA and Qwen3-Next "
+                    f"--experimental-attention-variant {variant}")
+            errors.append("--mtp-num-layers with --tree-packing is verified for GPT, MLA, DSA and Qwen3-Next "
                           f"(--experimental-attention-variant gated_delta_net) stacks, not with {what}")
+        if variant == "dsa":
+            from ..compat.dsa import stock_dsa_mtp_runs
+
+            if not stock_dsa_mtp_runs():
+                errors.append("--mtp-num-layers with --experimental-attention-variant dsa needs megatron-core >= 0.19: "
+                              "0.16's DSA inside an MTP layer indexes its indexer-loss tracker out of range")
         if _get(args, "pipeline_model_parallel_layout"):
             errors.append("--mtp-num-layers with --tree-packing places every MTP layer on the last pipeline stage: "
                           "drop --pipeline-model-parallel-layout")

@@ -333,7 +333,7 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
     if group is None or dist.get_world_size(group) == 1:
         mb = next(data_iterator)
         layout, loss_map = mb.layout.to(device), mb.loss_map.to(device)
-        stats = torch.stack(mb.row_sample_stats())
+        stats = torch.stack([*mb.row_sample_stats(), *(t.double() for t in mb.mtp_tail_stats())])
         routes = getattr(mb, "routes", None)
     else:
         if src is None:
@@ -350,10 +350,11 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
                 except Exception as e:  # told to the peers before re-raising, so they do not hang
                     mb = e
         layout, loss_map = broadcast_tree_batch(mb, src=src, group=group, device=device)
-        # per-row sample counts / inverse lengths (DSA's indexer-loss weights): one more broadcast
+        # per-row sample counts / inverse lengths (DSA's indexer-loss weights) and the MTP tail rows' index and
+        # weights (`TreeMicrobatch.mtp_tail_stats`; zeros without tails): one more broadcast
         cdev = _comm_device(group)
-        stats = (torch.stack(mb.row_sample_stats()).to(cdev) if dist.get_rank() == src
-                 else torch.empty(2, layout.num_rows, dtype=torch.float64, device=cdev))
+        stats = (torch.stack([*mb.row_sample_stats(), *(t.double() for t in mb.mtp_tail_stats())]).to(cdev)
+                 if dist.get_rank() == src else torch.empty(4, layout.num_rows, dtype=torch.float64, device=cdev))
         dist.broadcast(stats, src, group=group)
         # routing replay: every row's routes (shape first: [0, 0, 0] when the microbatch has none)
         mine = getattr(mb, "routes", None) if dist.get_rank() == src else None
@@ -365,8 +366,11 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
                       else torch.empty(tuple(shape.tolist()), dtype=torch.int64, device=cdev))
             dist.broadcast(routes, src, group=group)
     stats = stats.to(device)
+    tails = bool((stats[2] > 0).any())
     return TreePackedSeqParams(layout=layout, loss_map=loss_map, row_samples=stats[0], row_inv_length=stats[1],
-                               routes=None if routes is None else routes.to(device))
+                               routes=None if routes is None else routes.to(device),
+                               mtp_tail_index=stats[2].long() if tails else None,
+                               mtp_tail_inv_length=stats[3] if tails else None)
 
 
 # -------------------------------------------------------------------------------------------- step
@@ -502,6 +506,7 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
     Token ids are checked against `user_vocab_size` while reading (an offending sample is named by
     ``file:line``; ``--tree-bad-sample skip`` drops it and ``pipe.read_report`` records it)."""
     from ..data.pipeline import TreeDataPipeline  # lazily: the data layer is optional for model-only use
+    from ..megatron.mtp import mtp_tail_rows  # the args carry the config's MTP / DSA fields under the same names
 
     mbs = int(getattr(args, "micro_batch_size", 1) or 1)
     per_rank = int(args.global_batch_size) // (mbs * dp_size)
@@ -515,7 +520,7 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
         seed=int(getattr(args, "seed", 0) or 0), num_epochs=None, shuffle=shuffle,
         pad_to_multiple_of=args.tree_pad_to_multiple_of, microbatches_per_rank=per_rank,
         lookahead=args.tree_lookahead, share_prefixes=not getattr(args, "tree_flat_packing", False),
-        **_route_kwargs(args))
+        mtp_tail=mtp_tail_rows(args), **_route_kwargs(args))
     _skip_steps(pipe, start_step)
     return pipe
 

@@ -311,8 +311,11 @@ def _family_errors(args) -> list:
             errors.append("--experimental-attention-variant dsa: selective recomputation drops the indexer's inputs "
                           "in Megatron-Core's MLA checkpoint; use --recompute-granularity full")
         if dsa and getattr(args, "mtp_num_layers", None):
-            errors.append("--experimental-attention-variant dsa with --mtp-num-layers: stock's indexer loss inside an "
-                          "MTP layer covers each sample's last positions, which have no tree row (not exact on trees)")
+            from ..compat.dsa import stock_dsa_mtp_runs
+
+            if not stock_dsa_mtp_runs():
+                errors.append("--experimental-attention-variant dsa with --mtp-num-layers needs megatron-core >= 0.19: "
+                              "0.16's DSA inside an MTP layer indexes its indexer-loss tracker out of range")
     elif (args.dsa_indexer_topk is not None or args.dsa_indexer_loss_coeff is not None
           or args.dsa_indexer_use_sparse_loss):
         errors.append("--dsa-indexer-* options need --experimental-attention-variant dsa")
@@ -776,6 +779,10 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
               dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, num_epochs=None,
               pad_to_multiple_of=args.tree_pad_to_multiple_of, vocab_size=args.vocab_size,
               lookahead=args.tree_lookahead)
+    from ..megatron.mtp import mtp_tail_rows
+
+    if mtp_tail_rows(model.config):  # DSA in the MTP layers: each sample's trailing MTP positions as tail rows
+        kw["mtp_tail"] = mtp_tail_rows(model.config)
     if args.context_parallel_size > 1:  # every CP rank plans its DP rank's microbatches ahead, identically
         from ..cp import make_plan_fn
 

@@ -65,7 +65,7 @@ ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
 # faults of MTP runs (mtp_num_layers >= 1), planted in megatron.mtp for the tree side (`verify_mtp`)
-MTP_FAULTS = ("mtp_physical_roll", "mtp_shallow_visible", "mtp_per_row_loss")
+from .verify_mtp import FAULTS as MTP_FAULTS  # noqa: E402  (light: torch only at import)
 ALL_FAULTS += MTP_FAULTS
 MODEL_FAULTS += MTP_FAULTS
 METRICS = ("logits", "loss", "grads", "params_after_step")
@@ -397,29 +397,42 @@ def _pad_topk(t: torch.Tensor, topk: int) -> torch.Tensor:
     return torch.cat([t, t.new_full((t.shape[0], topk - t.shape[1]), -1)], 1)
 
 
-def _tree_selected_tables(tree_sel: list, mine: list, topk: int, cp_group=None, *, local_ids: bool = False) -> list:
+def _layer_rows(mb, i: int, layer: int, num_layers: int) -> torch.Tensor:
+    """[L] rows of sample ``i`` that ``layer`` computes, in position order: the sample's path; for MTP
+    depth k (captured as layer ``num_layers + k``) its rows of depth >= k, then its first k tail rows
+    (stock's anchors 0..L-1, `megatron.mtp`)."""
+    rows = mb.sample_rows(i).long()
+    k = layer - num_layers
+    return rows if k <= 0 else torch.cat([rows[k:], mb.tail_rows(i)[:k].long()])
+
+
+def _sample_table(mb, i: int, layer: int, num_layers: int, trows, tids, topk: int) -> torch.Tensor:
+    """[L, topk] ordered top-k of sample ``i`` in ``layer`` as positions (canonical rows mapped through
+    `_layer_rows`; -2: a row off the sample's path) from a tree-format capture ``(trows, tids)``."""
+    rows = _layer_rows(mb, i, layer, num_layers)
+    inv = torch.full((mb.layout.num_rows,), -2, dtype=torch.long)  # -2: a row off the sample's path
+    inv[rows] = torch.arange(rows.shape[0])
+    ids = _rows_to_table(mb.layout.num_rows, trows, tids)[rows]  # [L, topk] canonical rows
+    return _pad_topk(torch.where(ids >= 0, inv[ids.clamp_min(0)], ids), topk)
+
+
+def _tree_selected_tables(tree_sel: list, mine: list, topk: int, num_layers: int, cp_group=None, *,
+                          local_ids: bool = False) -> list:
     """[(sample id, {layer: [L, topk] ordered top-k as positions on the sample's path})] of the tree
-    side (canonical rows mapped through the sample's rows; -2: a row off the path), in sample order.
-    ``local_ids``: each microbatch's samples are 0, 1, ... in that order (verify's flat-packed bf16
-    baseline, `_flat_packed`), not ``mb.sample_ids``."""
+    side (`_sample_table`), in sample order. ``local_ids``: each microbatch's samples are 0, 1, ... in
+    that order (verify's flat-packed bf16 baseline, `_flat_packed`), not ``mb.sample_ids``."""
     tree_by_mb = _by_token(_gather_selected(_dedupe_selected(tree_sel), cp_group))
     out = []
     for j, mb in enumerate(mine):
         layers = tree_by_mb[j] if j < len(tree_by_mb) else {}
         for i in (range(len(mb.sample_ids)) if local_ids else mb.sample_ids):
-            rows = mb.sample_rows(i).long()
-            inv = torch.full((mb.layout.num_rows,), -2, dtype=torch.long)  # -2: a row off the sample's path
-            inv[rows] = torch.arange(rows.shape[0])
-            tables = {}
-            for layer, (_, _, trows, tids) in sorted(layers.items()):
-                ids = _rows_to_table(mb.layout.num_rows, trows, tids)[rows]  # [L, topk] canonical rows
-                tables[layer] = _pad_topk(torch.where(ids >= 0, inv[ids.clamp_min(0)], ids), topk)
-            out.append((i, tables))
+            out.append((i, {layer: _sample_table(mb, i, layer, num_layers, trows, tids, topk)
+                            for layer, (_, _, trows, tids) in sorted(layers.items())}))
     return out
 
 
-def _flat_selected_tables(flat_sel: list, mine: list, flat_mbs: list, topk: int, *, is_stock: bool,
-                          cp_group=None) -> list:
+def _flat_selected_tables(flat_sel: list, mine: list, flat_mbs: list, topk: int, num_layers: int, *,
+                          is_stock: bool, cp_group=None) -> list:
     """`_tree_selected_tables` of a per-sample side (stock: positions; tree modules on one sample: the
     chain's canonical rows, i.e. positions)."""
     flat = _dedupe_selected(flat_sel)
@@ -431,12 +444,9 @@ def _flat_selected_tables(flat_sel: list, mine: list, flat_mbs: list, topk: int,
     for mb in mine:
         for i in mb.sample_ids:
             layers, fmb = next(by_sample, {}), next(real_flat)
-            n = int(mb.sample_rows(i).shape[0])
-            tables = {}
-            for layer, e in layers.items():
-                t = e[2] if is_stock else _rows_to_table(fmb.layout.num_rows, e[2], e[3])[:n]
-                tables[layer] = _pad_topk(t.long(), topk)
-            out.append((i, tables))
+            out.append((i, {layer: _pad_topk(e[2].long(), topk) if is_stock else
+                            _sample_table(fmb, 0, layer, num_layers, e[2], e[3], topk)
+                            for layer, e in layers.items()}))
     return out
 
 
@@ -445,9 +455,9 @@ def _diff_selected(got: list, ref: list):
     bad = total = 0
     where = None
     for (i, g), (_, r) in zip(got, ref):
+        if set(g) != set(r):  # a layer one side did not capture (MTP layers are num_layers + k)
+            return math.inf, f"sample {i}: DSA layers {sorted(g)} captured vs {sorted(r)}"
         for layer in sorted(g):
-            if layer not in r:
-                continue
             diff = (g[layer] != r[layer]).any(1)
             bad += int(diff.sum())
             total += int(diff.shape[0])
@@ -582,14 +592,18 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         probe = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, dtype=dtype, cpu=on_cpu)
         route_shape = (_moe_layer_count(margs, probe), margs.moe_router_topk)
         samples = verify_routes(samples, *route_shape, margs.num_experts, cfg.seed)
-    mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay)
+    # DSA in the MTP layers: every sample's K trailing MTP positions as tail rows (`megatron.mtp.mtp_tail_rows`)
+    tail = cfg.mtp_num_layers if dsa else 0
+    mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay, mtp_tail=tail)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = mbs[dpr::dp]
     if not mine:
         raise ValueError(f"only {len(mbs)} microbatches for {dp} DP ranks: raise --families")
     tree_mbs = [inject_fault(mb, cfg.fault) for mb in mine]
     pad = cfg.tp if cfg.sp else 1  # sequence parallelism splits rows evenly over TP ranks
-    flat_mbs = [pack([samples[i]], cfg.budget, pad_to_multiple_of=pad)[0] for mb in mine for i in mb.sample_ids]
+    # the per-sample side is stock MTP at CP 1 (it rolls token 0 in itself), the tree MTP code under CP
+    flat_mbs = [pack([samples[i]], cfg.budget, pad_to_multiple_of=pad, mtp_tail=tail if cfg.cp > 1 else 0)[0]
+                for mb in mine for i in mb.sample_ids]
     # Every DP rank runs the same number of microbatches (MoE all-to-alls run once per microbatch
     # on every expert-parallel rank): top up with zero-loss padding microbatches.
     fields = [f for f in ("advantages", "old_logprobs", "ref_logprobs") if getattr(mine[0].loss_map, f) is not None]
@@ -628,6 +642,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             from .verify_mtp import install_stock_mtp
 
             install_stock_mtp(m)
+        if dsa and cfg.mtp_num_layers:
+            from .verify_mtp import number_mtp_captures
+
+            number_mtp_captures(m)
         if side_dtype == torch.bfloat16:
             # as Megatron-LM's --bf16: Float16Module casts the whole module (norm weights, Mamba's
             # A_log / D included) with ``module.bfloat16()``
@@ -763,12 +781,12 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
     def selected_tables(side):
         if side == "tree":
-            return _tree_selected_tables(runs[side]["selected"], mine, topk, cp_group)
+            return _tree_selected_tables(runs[side]["selected"], mine, topk, margs.layers(), cp_group)
         if side not in per_sample:
             return _tree_selected_tables(runs[side]["selected"], [_mb_of(b) for b in packed_mbs[:len(mine)]], topk,
-                                         cp_group, local_ids=True)
-        return _flat_selected_tables(runs[side]["selected"], mine, flat_mbs, topk, is_stock=stock_flat,
-                                     cp_group=cp_group)
+                                         margs.layers(), cp_group, local_ids=True)
+        return _flat_selected_tables(runs[side]["selected"], mine, flat_mbs, topk, margs.layers(),
+                                     is_stock=stock_flat, cp_group=cp_group)
 
     def errors(a, b) -> dict:
         """{metric: (max rel. error of side ``a`` against side ``b``, where)}."""

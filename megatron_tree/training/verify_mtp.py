@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-__all__ = ["install_stock_mtp", "float64_cross_entropy", "stock_mtp_postprocess"]
+__all__ = ["install_stock_mtp", "float64_cross_entropy", "stock_mtp_postprocess", "number_mtp_captures"]
 
 
 def float64_cross_entropy(model, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -73,6 +73,7 @@ def stock_mtp_postprocess(model, hidden_states, **kwargs):
     mask[0, lm.source_rows] = lm.weights.to(dtype)
     cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
     roll_psp = dataclasses.replace(psp, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    roll_psp.__dict__["_capture_parent"] = psp  # DSA captures: the same microbatch forward
     before = _tracker_values()
     ce = GPTModel._postprocess(model, hidden_states, **dict(kwargs, labels=labels, loss_mask=mask,
                                                              packed_seq_params=roll_psp, mtp_in_postprocess=True))
@@ -85,13 +86,23 @@ def stock_mtp_postprocess(model, hidden_states, **kwargs):
     return -ce[0, lm.source_rows]
 
 
+def number_mtp_captures(model) -> None:
+    """File the DSA selections captured in MTP layer k under layer ``num_layers + k`` (on 0.19 the MTP
+    layer's own number is k, a decoder layer's), on either side of verify."""
+    mtp = getattr(model, "mtp", None)
+    for k, layer in enumerate(getattr(mtp, "layers", ()), 1):
+        for m in layer.modules():
+            if hasattr(m, "layer_number") and hasattr(m, "indexer"):
+                m.capture_layer_number = model.config.num_layers + k
+
+
 def install_stock_mtp(model) -> None:
     """Make a `TreeGPTModel` built with ``stock_mtp=True`` run stock MTP per sample (module docstring)."""
     model._postprocess = partial(stock_mtp_postprocess, model)
     model.compute_language_model_loss = partial(float64_cross_entropy, model)
 
 
-FAULTS = ("mtp_physical_roll", "mtp_shallow_visible", "mtp_per_row_loss")
+FAULTS = ("mtp_physical_roll", "mtp_shallow_visible", "mtp_per_row_loss", "mtp_no_tail")
 
 
 def set_mtp_fault(fault) -> None:
@@ -127,13 +138,19 @@ def check_mtp_config(cfg) -> None:
         return
     if cfg.mtp_num_layers < 0:
         raise ValueError(f"mtp_num_layers must be >= 0, got {cfg.mtp_num_layers}")
-    if cfg.model == "dsa":
-        raise ValueError("verify --mtp-num-layers does not cover --model dsa: stock DSA inside MTP layers is not "
-                         "reproducible per sample on a tree (megatron-core 0.16 indexes its indexer-loss tracker out of "
-                         "range for MTP layers; 0.19's indexer loss of an MTP layer of depth k includes the k trailing "
-                         "positions of each sample, which embed a rolled-in token 0 and have no tree row)")
-    if cfg.model not in ("gpt", "mla", "qwen3next"):
-        raise ValueError(f"verify --mtp-num-layers covers --model gpt, mla and qwen3next (got {cfg.model!r}): "
+    from ..compat.dsa import stock_dsa_mtp_runs
+
+    if cfg.model == "dsa" and not stock_dsa_mtp_runs():
+        raise ValueError("verify --mtp-num-layers --model dsa needs megatron-core >= 0.19: 0.16's stock DSA indexes its "
+                         "indexer-loss tracker out of range in an MTP layer (IndexError in training), so there is no "
+                         "stock per-sample run to compare against")
+    if cfg.model == "dsa" and cfg.dsa_topk_freq > 1:
+        raise ValueError("verify --mtp-num-layers --model dsa runs every layer's own top-k: an MTP layer reusing a "
+                         "decoder layer's selections (--dsa-topk-freq > 1, IndexShare) is not covered")
+    if cfg.fault == "mtp_no_tail" and cfg.model != "dsa":
+        raise ValueError("fault mtp_no_tail drops the MTP tail rows, which only DSA's indexer loss reads: --model dsa")
+    if cfg.model not in ("gpt", "mla", "qwen3next", "dsa"):
+        raise ValueError(f"verify --mtp-num-layers covers --model gpt, mla, dsa and qwen3next (got {cfg.model!r}): "
                          "Megatron-Core's MambaModel has no MTP; the hybrid stack's MTP layer is not verified")
     if cfg.dtype == "bfloat16":
         raise ValueError("verify --mtp-num-layers runs in float64 / float32 (its per-sample side is stock MTP one "

@@ -69,6 +69,10 @@ class TreeMicrobatch:
                 None: set by ``pack(..., route_aware=True)``, where rows are shared only where tokens
                 and routes agree, so ``routes[sample_rows(i)]`` is sample i's ``routed_experts``;
                 padding rows hold a valid route (experts 0..topk-1)
+    mtp_tail    rows appended after each sample's last token by ``pack(..., mtp_tail=K)`` (K per sample,
+                0 without): the trailing positions stock multi-token prediction runs its depth-k layer
+                on (token 0, stock's rolled-in id), never shared, in no sample's ``sample_rows`` and
+                no loss map; ``tail_rows(i)`` [K] gives sample i's, `mtp_tail_stats` their weights
     """
 
     layout: TreeLayout
@@ -78,6 +82,30 @@ class TreeMicrobatch:
     _path_rows: np.ndarray  # concatenated sample paths, in ``sample_ids`` order
     _path_offsets: np.ndarray  # [n+1]
     routes: torch.Tensor | None = None
+    _tail_rows: np.ndarray | None = None  # [n, K] each sample's MTP tail rows, in ``sample_ids`` order
+
+    @property
+    def mtp_tail(self) -> int:
+        return 0 if self._tail_rows is None else int(self._tail_rows.shape[1])
+
+    def tail_rows(self, sample_id: int) -> torch.Tensor:
+        """[mtp_tail] physical rows of sample ``sample_id``'s MTP tail (its j-th row is the j-th after its
+        last token: stock's anchor ``len(s) - 1 + j - k`` at MTP depth k >= j)."""
+        if self._tail_rows is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.from_numpy(self._tail_rows[self._slot(sample_id)])
+
+    def mtp_tail_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tail_index, tail_inv_length)``, [N] int64 and [N] float64: ``j`` on the j-th tail row of a
+        sample (0 on every other row) and ``1 / len(s)`` on sample s's tail rows (0 elsewhere): the rows
+        and weights of the positions stock's MTP depth k >= j adds after a sample (`megatron.mtp.mtp_view`)."""
+        n = self.layout.num_rows
+        index, inv = np.zeros(n, np.int64), np.zeros(n, np.float64)
+        if self._tail_rows is not None and self._tail_rows.size:
+            rows = self._tail_rows
+            index[rows] = np.arange(1, rows.shape[1] + 1)
+            inv[rows] = (1.0 / np.maximum(np.diff(self._path_offsets), 1))[:, None]
+        return torch.from_numpy(index), torch.from_numpy(inv)
 
     def sample_rows(self, sample_id: int) -> torch.Tensor:
         i = self._slot(sample_id)
@@ -108,7 +136,7 @@ class TreeMicrobatch:
     def to(self, device) -> "TreeMicrobatch":
         return TreeMicrobatch(self.layout.to(device), self.loss_map.to(device), self.sample_ids, self.stats,
                               self._path_rows, self._path_offsets,
-                              None if self.routes is None else self.routes.to(device))
+                              None if self.routes is None else self.routes.to(device), self._tail_rows)
 
     def __repr__(self) -> str:
         s = self.stats

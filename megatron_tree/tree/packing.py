@@ -46,7 +46,8 @@ from .sample import Sample, as_sample, validate_sample
 
 def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int = 1, pad_id: int = 0,
          pad_to_budget: bool = False, vocab_size: int | None = None,
-         share_prefixes: bool = True, route_aware: bool = False, route_spec=None) -> list[TreeMicrobatch]:
+         share_prefixes: bool = True, route_aware: bool = False, route_spec=None,
+         mtp_tail: int = 0) -> list[TreeMicrobatch]:
     """Pack ``samples`` into prefix-shared microbatches of at most ``max_tokens_per_mb`` rows.
 
     samples            `Sample`s, dicts with Sample's fields, or bare token sequences
@@ -60,6 +61,11 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
                        microbatch its rows' routes (``TreeMicrobatch.routes``); every sample must carry
                        routes of one ``[moe_layers, topk]`` shape
     route_spec         `routes.RouteSpec` the routes must match (the model's MoE layers, top-k, experts)
+    mtp_tail           K: append K rows (token 0, never shared) after every sample's last token, the
+                       trailing positions stock multi-token prediction runs depth k <= K on (it rolls
+                       token 0 in); needed where an MTP layer has a loss over every position (DeepSeek
+                       sparse attention's indexer loss). They count against the budget; they are in
+                       no loss map and no ``sample_rows`` (`TreeMicrobatch.tail_rows`)
 
     Every sample lands in exactly one microbatch. Raises ValueError naming the sample for an empty
     sample, a sample longer than the budget, malformed fields, or (route_aware) missing routes.
@@ -69,9 +75,14 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
     if pad_to_multiple_of <= 0 or max_tokens_per_mb % pad_to_multiple_of:
         raise ValueError(f"max_tokens_per_mb={max_tokens_per_mb} must be a positive multiple of "
                          f"pad_to_multiple_of={pad_to_multiple_of}")
+    if mtp_tail < 0:
+        raise ValueError(f"mtp_tail must be >= 0, got {mtp_tail}")
     samples = [as_sample(s) for s in samples]
     for i, s in enumerate(samples):
         validate_sample(i, s, max_tokens=max_tokens_per_mb, vocab_size=vocab_size, route_spec=route_spec)
+        if mtp_tail and len(s.tokens) + mtp_tail > max_tokens_per_mb:
+            raise ValueError(f"sample {i}: {len(s.tokens)} tokens and its {mtp_tail} MTP tail rows (mtp_tail) exceed "
+                             f"max_tokens_per_mb={max_tokens_per_mb}")
     if not samples:
         return []
     toks = [s.tokens.astype(np.int64, copy=False) for s in samples]
@@ -91,7 +102,7 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
         order, lcp = sort_and_lcp(toks)
     if not share_prefixes:
         lcp[:] = 0
-    lens = np.array([len(t) for t in toks], dtype=np.int64)[order]
+    lens = np.array([len(t) for t in toks], dtype=np.int64)[order] + mtp_tail  # a tail is never shared
     units, bins, bin_rows = _plan_bins(lens, lcp, max_tokens_per_mb)
     out = []
     for unit_ids, rows in zip(bins, bin_rows):
@@ -99,7 +110,7 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
         mb_lcp = _subset_lcp(lcp, pos)
         assert int((lens[pos] - mb_lcp).sum()) == rows  # the bin's trie is what first-fit priced
         out.append(_build_microbatch(samples, toks, order[pos], mb_lcp, max_tokens_per_mb, pad_to_multiple_of,
-                                     pad_id, pad_to_budget, routes))
+                                     pad_id, pad_to_budget, routes, mtp_tail))
     return out
 
 
@@ -122,10 +133,11 @@ class PrefixPlan:
 
     ``tree_rows()`` rows per prefix tree; ``microbatch_rows(budget)`` rows of each microbatch `pack`
     would build at that budget (padding included). Planning a budget costs O(samples). With
-    ``routes`` (one ``[len, moe_layers, topk]`` array per sequence) it plans route-aware packing.
+    ``routes`` (one ``[len, moe_layers, topk]`` array per sequence) it plans route-aware packing, with
+    ``mtp_tail`` the tail rows of ``pack(..., mtp_tail=)``.
     """
 
-    def __init__(self, toks: Sequence[np.ndarray], routes=None):
+    def __init__(self, toks: Sequence[np.ndarray], routes=None, mtp_tail: int = 0):
         if routes is not None:
             from .routes import route_symbols
 
@@ -133,7 +145,7 @@ class PrefixPlan:
         else:
             keys = toks
         self.order, self.lcp = sort_and_lcp(keys)
-        self.lens = np.array([len(t) for t in toks], dtype=np.int64)[self.order]
+        self.lens = np.array([len(t) for t in toks], dtype=np.int64)[self.order] + mtp_tail
 
     def tree_rows(self) -> np.ndarray:
         return np.add.reduceat(self.lens - self.lcp, np.flatnonzero(self.lcp == 0))
@@ -296,14 +308,17 @@ def _marginal_rows(lcp: np.ndarray, others: list[tuple[int, int]], a: int, b: in
 
 
 def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.ndarray, lcp: np.ndarray, budget: int,
-                      pad_multiple: int, pad_id: int, pad_to_budget: bool, routes=None) -> TreeMicrobatch:
-    """Lay out the samples ``ids`` (in sorted order, ``lcp`` relative to the previous one, 0 = new root)."""
-    lens = np.array([len(toks[i]) for i in ids], dtype=np.int64)
+                      pad_multiple: int, pad_id: int, pad_to_budget: bool, routes=None, tail: int = 0) -> TreeMicrobatch:
+    """Lay out the samples ``ids`` (in sorted order, ``lcp`` relative to the previous one, 0 = new root),
+    each followed by ``tail`` MTP tail rows (token 0: laid out as a suffix no other sample shares)."""
+    real = np.array([len(toks[i]) for i in ids], dtype=np.int64)
+    lens = real + tail
     tails = lens - lcp
     start = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(tails, out=start[1:])
     n_real = int(start[-1])
-    input_ids = np.concatenate([toks[i][l:] for i, l in zip(ids.tolist(), lcp.tolist())])
+    suffix = np.zeros(tail, np.int64)
+    input_ids = np.concatenate([np.concatenate([toks[i][l:], suffix]) for i, l in zip(ids.tolist(), lcp.tolist())])
 
     # Paths: a sample's rows are the previous sample's first lcp rows, then its own tail.
     paths = []
@@ -353,13 +368,14 @@ def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.nda
     cat_f = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float64, copy=False)) if xs else None
     loss_map = LossMap(source_rows=cat_l(src), targets=cat_l(tgt), sample_index=cat_l(sidx), positions=cat_l(posn),
                        weights=cat_f(w), advantages=cat_f(adv), old_logprobs=cat_f(old), ref_logprobs=cat_f(ref))
-    path_rows = np.concatenate([paths[k] for k in by_id.tolist()])
+    path_rows = np.concatenate([paths[k][: real[k]] for k in by_id.tolist()])
+    tail_rows = np.stack([paths[k][real[k]:] for k in by_id.tolist()]) if tail else None
     path_offsets = np.zeros(len(ids) + 1, dtype=np.int64)
-    np.cumsum(lens[by_id], out=path_offsets[1:])
-    stats = MicrobatchStats(
+    np.cumsum(real[by_id], out=path_offsets[1:])
+    stats = MicrobatchStats(  # tree_tokens counts the MTP tail rows too: the model runs them
         num_samples=len(ids), num_trees=int((lcp == 0).sum()), num_segments=len(cuts),
-        num_targets=len(loss_map), flat_tokens=int(lens.sum()), tree_tokens=n_real,
-        padding_tokens=n_rows - n_real, flat_attention_pairs=int((lens * (lens + 1) // 2).sum()),
+        num_targets=len(loss_map), flat_tokens=int(real.sum()), tree_tokens=n_real,
+        padding_tokens=n_rows - n_real, flat_attention_pairs=int((real * (real + 1) // 2).sum()),
         tree_attention_pairs=layout.visible_pairs(), max_tokens_per_mb=budget)
     mb_routes = None
     if routes is not None:
@@ -367,4 +383,4 @@ def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.nda
 
         mb_routes = torch.from_numpy(row_routes(path_rows, [routes[i] for i in sample_ids.tolist()], n_rows))
     return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=tuple(sample_ids.tolist()), stats=stats,
-                          _path_rows=path_rows, _path_offsets=path_offsets, routes=mb_routes)
+                          _path_rows=path_rows, _path_offsets=path_offsets, routes=mb_routes, _tail_rows=tail_rows)

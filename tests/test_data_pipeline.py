@@ -122,6 +122,16 @@ def test_exactly_once_over_epochs_across_dp_ranks(dp_size, gbs, keep_groups):
         assert steps[0].num_targets == sum(st.local_num_targets for st in steps)
         assert steps[0].flat_tokens == sum(len(samples[i]) for i in window)
         assert steps[0].num_samples_with_targets == sum(bool(samples[i].target_mask().any()) for i in window)
+        # the step's target weights by source depth (a target at position t has its source at depth t - 1),
+        # from the dataset; the same array on every rank and every microbatch (MTP's step-wide logging)
+        want = np.zeros(max(len(samples[i]) for i in window))
+        for i in window:
+            t = np.flatnonzero(samples[i].target_mask())
+            np.add.at(want, t - 1, samples[i].per_token("weight", 1.0)[t])
+        for st in steps:
+            np.testing.assert_allclose(np.pad(st.target_weight_by_depth, (0, len(want) - len(st.target_weight_by_depth))),
+                                       want, rtol=1e-12)
+            assert all(mb.step_weight_by_depth is st.target_weight_by_depth for mb in st.microbatches)
         orders[steps[0].epoch] += list(window)
     for e in (0, 1):
         assert sorted(orders[e]) == list(range(n))  # exactly once per epoch

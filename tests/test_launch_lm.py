@@ -493,6 +493,45 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
           f"{model}: resumed DP2 {dp2}, TP2+SP flat {tp2}")
 
 
+def _logged(out: str, key: str) -> dict:
+    """{iteration: value} of ``key`` (e.g. "mtp_1 loss") in Megatron-LM's iteration log lines."""
+    found = {}
+    for line in out.splitlines():
+        if " iteration " in line and f"| {key}:" in line:
+            it = int(line.split(" iteration ")[1].split("/")[0])
+            found[it] = float(line.split(f"| {key}:")[1].split("|")[0])
+    return found
+
+
+@needs_megatron_training
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
+def test_pretrain_tree_mtp_under_cp2_tp2_sp_equals_one_rank(tmp_path):
+    """``--mtp-num-layers 2`` through Megatron-LM's pretrain() with our hooks: one rank vs tree CP2 + TP2 +
+    SP (4 ranks; each depth's input crosses CP ranks and TP shards), same seed. Every iteration's loss
+    agrees to float32 rounding (iterations 2-4 after updates that carry the MTP gradients), and so does
+    each depth's loss Megatron-LM logs; that logged value is the step's per-token mean, about ln(128) for
+    this fresh model at iteration 1 (stock's mean of per-microbatch means read 1.2 here: the tree step's
+    8 samples fill one of the 4 microbatches, the 3 padding ones add 0)."""
+    script, model_args = MODELS["gpt"]
+    data = _write_data(tmp_path / "train.jsonl")
+    args = COMMON + model_args + ["--tree-data-path", str(data), "--mtp-num-layers", "2",
+                                  "--mtp-loss-scaling-factor", "0.3"]
+    rc, out1, one = _launch(tmp_path, "one", script, args, nproc=1)
+    _check(rc, out1, "MTP run on one rank")
+    rc, out4, cp = _launch(tmp_path, "cp", script, args + ["--context-parallel-size", "2"] + TP2_SP, nproc=4)
+    _check(rc, out4, "MTP run under CP2 + TP2 + SP")
+    assert sorted(one) == sorted(cp) == [1, 2, 3, 4]
+    for it in one:
+        assert cp[it] == pytest.approx(one[it], rel=2e-5), (it, cp, one)
+    for k in (1, 2):
+        a, b = _logged(out1, f"mtp_{k} loss"), _logged(out4, f"mtp_{k} loss")
+        assert sorted(a) == sorted(b) == [1, 2, 3, 4], (k, a, b)
+        for it in a:
+            assert b[it] == pytest.approx(a[it], rel=2e-5), (k, it, a, b)
+        assert abs(a[1] - np.log(128)) < 0.1, (k, a)
+    print(f"\nMTP: one rank {one}, CP2+TP2+SP {cp}; mtp_1 {_logged(out1, 'mtp_1 loss')}")
+
+
 @needs_megatron_training
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
 def test_pretrain_bad_data_line_stops_the_run_naming_file_and_line(tmp_path):

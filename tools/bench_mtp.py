@@ -1,10 +1,13 @@
 """Multi-token prediction on trees: step time tree vs flat with MTP on, and the bytes MTP adds under tree CP.
 
     .venv/bin/python tools/bench_mtp.py [--prompt 1024 --completions 16 --completion-len 100 --mtp 0,1,2]
+    .venv-latest/bin/python tools/bench_mtp.py --model dsa    # DSA in decoder and MTP layers (core >= 0.19)
 
 Workload: one GRPO family (a prompt and --completions sampled completions; loss on the completions),
-a GPT model (TreeGPTModel, 4 layers) with K MTP layers (`get_tree_gpt_mtp_block_spec`), one process,
-Megatron's schedule (forward + backward of the whole family):
+a GPT model (TreeGPTModel, 4 layers; ``--model dsa``: MLA layers with DeepSeek sparse attention) with K
+MTP layers (`get_tree_gpt_mtp_block_spec`), one process, Megatron's schedule (forward + backward of the
+whole family). With DSA, both packings carry K MTP tail rows per sample (``pack(..., mtp_tail=K)``: the
+positions stock's MTP indexer loss covers), counted in the rows printed per K:
 
   tree  the family packed as one prefix tree (every MTP depth runs on the same rows);
   flat  per-sample packing (``share_prefixes=False``): every sample its own chain, several per microbatch.
@@ -48,20 +51,26 @@ def _body(a: dict) -> dict:
     from megatron_tree.tree import pack, summarize
 
     compat_cpu.enable()
+    dsa = a["model"] == "dsa"
+    if dsa:
+        from megatron_tree.compat import dsa as compat_dsa
+
+        compat_dsa.enable()  # torch Hadamard stand-in for the indexer on CPU
     ps.initialize_model_parallel()
     samples = _family(a)
-    tree = pack(samples, a["budget"], pad_to_multiple_of=8)
-    flat = pack(samples, a["budget"], pad_to_multiple_of=8, share_prefixes=False)
-    st_t, st_f = summarize(tree), summarize(flat)
-    out = {"flat_tokens": st_f["tree_tokens"], "tree_tokens": st_t["tree_tokens"],
-           "ideal": st_f["tree_tokens"] / st_t["tree_tokens"], "runs": {}}
+    out = {"runs": {}}
     for k in a["mtp"]:
-        margs = ModelArgs(kind="gpt", num_layers=4, hidden_size=a["hidden"], num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=2 * a["hidden"], vocab_size=a["vocab"], max_position=a["budget"],
-                          extra=dict(mtp_num_layers=k) if k else {})
+        tail = k if dsa else 0  # `megatron.mtp.mtp_tail_rows`: DSA's MTP indexer loss covers the trailing positions
+        tree = pack(samples, a["budget"], pad_to_multiple_of=8, mtp_tail=tail)
+        flat = pack(samples, a["budget"], pad_to_multiple_of=8, share_prefixes=False, mtp_tail=tail)
+        rows_t, rows_f = summarize(tree)["tree_tokens"], summarize(flat)["tree_tokens"]
+        margs = ModelArgs(kind=a["model"], num_layers=4, hidden_size=a["hidden"], num_attention_heads=4,
+                          num_query_groups=2, ffn_hidden_size=2 * a["hidden"], vocab_size=a["vocab"],
+                          max_position=a["budget"], extra=dict(mtp_num_layers=k) if k else {})
         best = best_step_seconds(margs, {"tree": tree, "flat": flat}, a["repeats"])
         t, f = best["tree"], best["flat"]
-        out["runs"][k] = {"tree_s": t, "flat_s": f, "speedup": f / t, "fraction_of_ideal": f / t / out["ideal"]}
+        out["runs"][k] = {"tree_rows": rows_t, "flat_rows": rows_f, "ideal": rows_f / rows_t, "tree_s": t,
+                          "flat_s": f, "speedup": f / t, "fraction_of_ideal": f / t / (rows_f / rows_t)}
     return out
 
 
@@ -85,6 +94,7 @@ def cp_bytes(a: dict) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["gpt", "dsa"], default="gpt")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--completions", type=int, default=16)
     ap.add_argument("--completion-len", type=int, default=100)
@@ -100,10 +110,11 @@ def main() -> None:
     from megatron_tree.training.launch import run_distributed
 
     (r,) = run_distributed(_body, 1, a, timeout=3600)
-    print(f"GPT 4 layers, hidden {args.hidden}: prompt {args.prompt} + {args.completions} x {args.completion_len}; "
-          f"flat {r['flat_tokens']} rows -> tree {r['tree_tokens']} rows, ideal {r['ideal']:.2f}x")
+    print(f"{args.model.upper()} 4 layers, hidden {args.hidden}: prompt {args.prompt} + {args.completions} x "
+          f"{args.completion_len}")
     for k, x in r["runs"].items():
-        print(f"  MTP K={k}: flat {x['flat_s']:.3f} s, tree {x['tree_s']:.3f} s, speedup {x['speedup']:.2f}x "
+        print(f"  MTP K={k}: flat {x['flat_rows']} rows -> tree {x['tree_rows']} rows (ideal {x['ideal']:.2f}x); "
+              f"flat {x['flat_s']:.3f} s, tree {x['tree_s']:.3f} s, speedup {x['speedup']:.2f}x "
               f"({x['fraction_of_ideal']:.0%} of ideal)")
     r["cp"] = cp_bytes(a)
     for c in r["cp"]:

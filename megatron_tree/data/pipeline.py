@@ -110,6 +110,9 @@ class TreeStep:
     tree_tokens, flat_tokens  real rows of the tree vs per-sample tokens, all ranks (padding excluded)
     local_*           the same for this rank
     num_microbatches  real microbatches over all ranks
+    target_weight_by_depth  [D] float64: the loss weights of the step's targets (all ranks) summed by
+                      the depth of their source row (MTP depth k averages over depths >= k); every
+                      microbatch of the step carries it too (``TreeMicrobatch.step_weight_by_depth``)
     rank_costs        predicted cost of every rank (padding microbatches included), index = DP rank
     state             `TreeDataPipeline.state_dict()` once this step has been handed out: save it
                       with the checkpoint written after this step's optimizer update
@@ -140,10 +143,12 @@ class TreeStep:
     pack_s: float = 0.0
     plan_s: float = 0.0
     wait_s: float = 0.0
+    target_weight_by_depth: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
     @property
     def microbatches_per_rank(self) -> int:
         return len(self.microbatches)
+
 
     @property
     def balance_ratio(self) -> float:
@@ -154,6 +159,16 @@ class TreeStep:
     @property
     def tree_token_ratio(self) -> float:
         return self.flat_tokens / max(self.tree_tokens, 1)
+
+
+def _weight_by_depth(mbs) -> np.ndarray:
+    """[D] summed target weights of ``mbs`` by their source row's depth (`TreeStep.target_weight_by_depth`)."""
+    parts = [np.bincount(mb.layout.position_ids.numpy()[mb.loss_map.source_rows.numpy()],
+                         weights=mb.loss_map.weights.numpy()) for mb in mbs if len(mb.loss_map)]
+    out = np.zeros(max((len(p) for p in parts), default=0))
+    for p in parts:
+        out[: len(p)] += p
+    return out
 
 
 @dataclass
@@ -480,7 +495,9 @@ class TreeDataPipeline:
         pad_cost = float(self.cost_fn(pad_mb))
         rank_costs = tuple(sum(costs[i] for i in a) + pad_cost * (per_rank - len(a)) for a in assign)
         mine = assign[self.dp_rank]
-        local = [mbs[i] for i in mine] + [pad_mb] * (per_rank - len(mine))
+        by_depth = _weight_by_depth(mbs)
+        local = [dataclasses.replace(mb, step_weight_by_depth=by_depth)
+                 for mb in [mbs[i] for i in mine] + [pad_mb] * (per_rank - len(mine))]
         pack_s = time.perf_counter() - t0
 
         plans, plan_s = None, 0.0
@@ -502,7 +519,7 @@ class TreeDataPipeline:
             tree_tokens=tot(mbs, "tree_tokens"), flat_tokens=tot(mbs, "flat_tokens"),
             local_num_targets=tot(local, "num_targets"), local_tree_tokens=tot(local, "tree_tokens"),
             local_flat_tokens=tot(local, "flat_tokens"), num_microbatches=len(mbs), rank_costs=rank_costs,
-            state=after, pack_s=pack_s, plan_s=plan_s)
+            state=after, pack_s=pack_s, plan_s=plan_s, target_weight_by_depth=by_depth)
 
     @staticmethod
     def _to_dataset_ids(mb: TreeMicrobatch, window: np.ndarray) -> TreeMicrobatch:

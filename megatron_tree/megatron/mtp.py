@@ -25,6 +25,13 @@ path):
   .rescales_per_token_mtp_loss`), by that ratio of each occurrence's own sample (what stock computes
   for one sample per microbatch; under CP the per-sample sums are combined over the CP group).
 
+DSA in the MTP layers: stock's depth k runs on all L anchors of a sample and its indexer loss covers
+the k trailing ones (rolled-in token 0). The microbatch then carries each sample's MTP *tail rows*
+(``pack(..., mtp_tail=K)``: K rows of token 0 after its last row, a chain, never shared); the
+``path_prev`` gather feeds them like any row, `mtp_layout` isolates tail rows j > k, and `mtp_view`
+weighs the indexer loss of depth k over rows of depth >= k and tail rows j <= k (`mtp_tail_rows` says
+when a model needs them).
+
 Parallelism: under sequence parallelism the ``path_prev`` gather all-gathers the hidden states over
 TP, indexes and scatters them back (one all-gather per depth); under tree CP the parent row of an
 owned row may live on another rank: a halo of one row per such edge, fetched with one all-to-all per
@@ -465,17 +472,38 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
         sums.append(s.detach())
         counts.append(n.detach())
         if model.training:
-            from megatron.core import parallel_state
-
-            avg = parallel_state.get_data_parallel_group(with_context_parallel=True) \
-                if parallel_state.model_parallel_is_initialized() else None
-            save_mtp_metrics(s.detach() / n.clamp(min=1), correct, total, k - 1, K, avg_group=avg)
+            save_mtp_metrics(_logged_loss(s.detach(), n, psp.step_weight_by_depth, k), correct, total, k - 1, K,
+                             avg_group=_dp_cp_group())
         if ratios is not None:
             loss = loss * ratios[sel, k - 1].to(loss.dtype)
         hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * loss)
     psp.__dict__["mtp_loss_sums"] = torch.stack(sums) if sums else None
     psp.__dict__["mtp_num_tokens"] = torch.stack(counts) if counts else None
     return hidden_states
+
+
+def _dp_cp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True) \
+        if parallel_state.model_parallel_is_initialized() else None
+
+
+def _logged_loss(loss_sum: torch.Tensor, num: torch.Tensor, by_depth: Optional[torch.Tensor], k: int):
+    """What one microbatch adds to stock's tracker for depth k. Megatron-LM logs ``mean over the R = DP x CP
+    ranks of (sum over the rank's M microbatches) / M``; stock adds each microbatch's mean, which is the
+    step's per-token mean only when every microbatch holds as many targets (a tree step's microbatches do
+    not; padding ones hold none). With the step's target weights by source depth (``by_depth``, all ranks;
+    W = their sum over depths >= k) it adds ``loss_sum * M * R / W``: the logged value is exactly
+    ``sum of loss / W``, the step's per-token mean."""
+    if by_depth is None:
+        return loss_sum / num.clamp(min=1)
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    group = _dp_cp_group()
+    ranks = dist.get_world_size(group) if group is not None else 1
+    w = by_depth[k:].sum().to(loss_sum)
+    return loss_sum * (get_num_microbatches() * ranks) / w.clamp(min=torch.finfo(w.dtype).tiny)
 
 
 def with_mtp_report(loss_func, psp: TreePackedSeqParams, output):

@@ -44,6 +44,11 @@ class TreePackedSeqParams(PackedSeqParams):
     mtp_tail_inv_length [N] float64 (or None): ``1 / len(s)`` on sample s's tail rows. Both from
                        `TreeMicrobatch.mtp_tail_stats` (``pack(..., mtp_tail=K)``): the trailing positions
                        stock MTP depth k runs on, which an MTP layer's DSA indexer loss covers (`megatron.mtp`)
+    step_weight_by_depth  [D] float64 (or None): the loss weights of the targets of the whole optimizer
+                       step (all DP ranks) by source-row depth (`TreeMicrobatch.step_weight_by_depth`, set
+                       by the data pipeline): the MTP block logs each depth's loss to stock's tracker
+                       against it, so that Megatron-LM's ``mtp_k loss`` is the step's per-token mean
+                       (None: stock's per-microbatch mean)
     routes             [N, moe_layers, topk] int64 (global rows, or None): every row's MoE expert choices
                        for routing replay (``TreeMicrobatch.routes``, `megatron_tree.megatron.routing_replay`)
     return_entropy     True: the model's last stage returns ``(logprobs, entropy)``, both ``[M]`` per
@@ -70,6 +75,7 @@ class TreePackedSeqParams(PackedSeqParams):
     row_inv_length: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     mtp_tail_index: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     mtp_tail_inv_length: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    step_weight_by_depth: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     in_island: bool = False
     return_entropy: bool = False
     routes: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
@@ -186,10 +192,12 @@ def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
     count, inv = mb.row_sample_stats()
     routes = getattr(mb, "routes", None)
     tail_index, tail_inv = mb.mtp_tail_stats() if getattr(mb, "mtp_tail", 0) else (None, None)
-    to = lambda t: None if t is None else t.to(layout.device)
+    step_w = getattr(mb, "step_weight_by_depth", None)
+    to = lambda t: None if t is None else torch.as_tensor(t).to(layout.device)
     psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan, row_samples=to(count),
                               row_inv_length=to(inv), return_entropy=return_entropy, routes=to(routes),
-                              mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv))
+                              mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv),
+                              step_weight_by_depth=to(step_w))
     if cp_plan is None or cp_plan.cp_size == 1:
         return psp
     return context_parallel_view(psp, cp_plan, cp_rank, pad_to_multiple_of=pad_to_multiple_of, gdn_plan=gdn_plan)
@@ -237,7 +245,8 @@ def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
                               num_local_padding=pad, gdn_plan=gdn_plan, gdn_local_rows=g_rows,
                               gdn_num_local_padding=g_pad, row_samples=psp.row_samples,
                               row_inv_length=psp.row_inv_length, return_entropy=psp.return_entropy, routes=psp.routes,
-                              mtp_tail_index=psp.mtp_tail_index, mtp_tail_inv_length=psp.mtp_tail_inv_length)
+                              mtp_tail_index=psp.mtp_tail_index, mtp_tail_inv_length=psp.mtp_tail_inv_length,
+                              step_weight_by_depth=psp.step_weight_by_depth)
     # Megatron's GPTModel builds (and TreeGPTModel then replaces) a rotary table of max_seqlen_q rows,
     # zigzag-sliced over CP ranks, which needs a multiple of 2 * cp
     out.max_seqlen_q = out.max_seqlen_kv = -(-layout.num_rows // (2 * cp_plan.cp_size)) * 2 * cp_plan.cp_size

@@ -312,6 +312,17 @@ def broadcast_tree_batch(mb, *, src: int, group, device=None) -> tuple[TreeLayou
     return decode_tree_batch(header, payload, device=device)
 
 
+def _tp_source():
+    """``(group, src)``: Megatron's tensor-parallel group and the rank that reads the data, or
+    ``(None, None)`` without tensor parallelism."""
+    if dist.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+            return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
+    return None, None
+
+
 def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = None):
     """The next microbatch as a `TreePackedSeqParams` (layout and loss map on ``device``).
 
@@ -325,16 +336,14 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
 
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if group is None and dist.is_initialized():
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
-            group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
+    if group is None:
+        group, src = _tp_source()
     if group is None or dist.get_world_size(group) == 1:
         mb = next(data_iterator)
         layout, loss_map = mb.layout.to(device), mb.loss_map.to(device)
         stats = torch.stack([*mb.row_sample_stats(), *(t.double() for t in mb.mtp_tail_stats())])
         routes = getattr(mb, "routes", None)
+        step_w = _as_tensor(getattr(mb, "step_weight_by_depth", None))
     else:
         if src is None:
             raise ValueError("get_batch: give src (the global rank that reads the data) together with group")
@@ -365,12 +374,25 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
             routes = (mine.to(torch.int64).to(cdev) if dist.get_rank() == src
                       else torch.empty(tuple(shape.tolist()), dtype=torch.int64, device=cdev))
             dist.broadcast(routes, src, group=group)
+        # the step's target weights by source depth (MTP logging): length first, -1 when absent
+        step_w = _as_tensor(getattr(mb, "step_weight_by_depth", None)) if dist.get_rank() == src else None
+        size = torch.tensor([-1 if step_w is None else step_w.numel()], dtype=torch.int64, device=cdev)
+        dist.broadcast(size, src, group=group)
+        if int(size) >= 0:
+            step_w = (step_w.to(cdev) if dist.get_rank() == src
+                      else torch.empty(int(size), dtype=torch.float64, device=cdev))
+            dist.broadcast(step_w, src, group=group)
     stats = stats.to(device)
     tails = bool((stats[2] > 0).any())
     return TreePackedSeqParams(layout=layout, loss_map=loss_map, row_samples=stats[0], row_inv_length=stats[1],
                                routes=None if routes is None else routes.to(device),
                                mtp_tail_index=stats[2].long() if tails else None,
-                               mtp_tail_inv_length=stats[3] if tails else None)
+                               mtp_tail_inv_length=stats[3] if tails else None,
+                               step_weight_by_depth=None if step_w is None else step_w.to(device))
+
+
+def _as_tensor(a) -> "Optional[torch.Tensor]":
+    return None if a is None else torch.as_tensor(a, dtype=torch.float64)
 
 
 # -------------------------------------------------------------------------------------------- step

@@ -12,9 +12,11 @@ log-probs. Stock's ``vocab_parallel_cross_entropy`` upcasts to float32; the per-
 (`float64_cross_entropy`), so float64 runs stay exact. Each depth's summed loss is read from stock's
 ``MTPLossLoggingHelper`` tracker (its per-microbatch mean times the rolled mask's sum).
 
-Models: gpt, mla and qwen3next (the MTP layer copies the decoder's last layer, Qwen3-Next's attention layer;
-its float64 tolerance, `VerifyConfig.tol`, allows for GDN decay gradients below `_rel`'s floor). DSA is
-refused (`check_mtp_config` says why).
+Models: gpt, mla, dsa and qwen3next (the MTP layer copies the decoder's last layer, Qwen3-Next's attention
+layer). DSA (megatron-core >= 0.19, `compat.dsa.stock_dsa_mtp_runs`): the per-sample side is stock DSA in the
+stock MTP layer, whose indexer loss covers each sample's k trailing positions; the tree side packs them as
+MTP tail rows (``pack(..., mtp_tail=K)``), and the MTP layers' top-k selections are compared too (filed as
+layers ``num_layers + k``, `number_mtp_captures`). `check_mtp_config` names what is refused and why.
 
 Under tree CP (``cp > 1``) the per-sample side is the tree MTP code on each sample's chain over verify's
 single-owner plan (stock's packed CP roll would split the sample over CP ranks zigzag-wise, which the

@@ -73,6 +73,10 @@ class TreeMicrobatch:
                 0 without): the trailing positions stock multi-token prediction runs its depth-k layer
                 on (token 0, stock's rolled-in id), never shared, in no sample's ``sample_rows`` and
                 no loss map; ``tail_rows(i)`` [K] gives sample i's, `mtp_tail_stats` their weights
+    step_weight_by_depth  [D] float64 or None: the loss weights of every target of the optimizer step this
+                microbatch belongs to (all DP ranks), by source-row depth; set by the data pipeline
+                (`TreeStep.target_weight_by_depth`) so that a step-wide mean (Megatron-LM's logged MTP
+                losses) can be formed from any one microbatch, replays included
     """
 
     layout: TreeLayout
@@ -83,6 +87,7 @@ class TreeMicrobatch:
     _path_offsets: np.ndarray  # [n+1]
     routes: torch.Tensor | None = None
     _tail_rows: np.ndarray | None = None  # [n, K] each sample's MTP tail rows, in ``sample_ids`` order
+    step_weight_by_depth: np.ndarray | None = None
 
     @property
     def mtp_tail(self) -> int:
@@ -136,7 +141,8 @@ class TreeMicrobatch:
     def to(self, device) -> "TreeMicrobatch":
         return TreeMicrobatch(self.layout.to(device), self.loss_map.to(device), self.sample_ids, self.stats,
                               self._path_rows, self._path_offsets,
-                              None if self.routes is None else self.routes.to(device), self._tail_rows)
+                              None if self.routes is None else self.routes.to(device), self._tail_rows,
+                              self.step_weight_by_depth)
 
     def __repr__(self) -> str:
         s = self.stats

@@ -126,6 +126,7 @@ def cmd_verify(args) -> int:
                        fault=args.inject_fault, tolerance=args.tolerance, dsa_sparse_loss=args.dsa_sparse_loss,
                        dsa_topk_freq=args.dsa_topk_freq, dsa_topk=args.dsa_topk)
     cfg.mtp_num_layers = args.mtp_num_layers
+    cfg.mtp_pattern = args.mtp_pattern
     cfg.routing_replay = args.routing_replay
     out = run_verify(cfg)
     print(format_report(cfg, out))
@@ -199,8 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "side packs route-aware and replays per row, the per-sample side replays through stock "
                          "RouterReplay (dense models get 4 experts in every layer)")
     vf.add_argument("--mtp-num-layers", type=int, default=0,
-                    help="multi-token prediction depths (--model gpt, mla or qwen3next): the per-sample side is stock MTP "
-                         "(Megatron's MultiTokenPredictionLayer rolling each sample); each depth's loss is compared")
+                    help="multi-token prediction depths (--model gpt, mla, dsa, qwen3next; mamba and dsa need "
+                         "megatron-core >= 0.19): the per-sample side is stock MTP (Megatron's "
+                         "MultiTokenPredictionLayer rolling each sample); each depth's loss is compared")
+    vf.add_argument("--mtp-pattern", default="*-",
+                    help="--model mamba with --mtp-num-layers: each MTP depth's inner layers (letters as --pattern; "
+                         "Megatron's 'main/mtp/mtp' hybrid pattern)")
     vf.add_argument("--inject-fault", default=None, choices=FAULTS,
                     help="inject a known bug into the tree side (verify must then fail; nan: a NaN in one "
                          "parameter's gradient and one logit; mla_rope_physical, with --model mla: MLA's rotary "

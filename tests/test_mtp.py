@@ -413,13 +413,22 @@ def _verify_cases():
     # DSA in the MTP layers (megatron-core >= 0.19; 0.16's stock DSA cannot run in an MTP layer): stock's
     # indexer loss of depth k covers every sample's k trailing positions, the tree's MTP tail rows; without
     # them (planted) the MTP layer's indexer gradients and indexer loss differ
-    dsa = []
+    newer = []
     if stock_dsa_mtp_runs():
-        dsa = [("ws1", VerifyConfig(model="dsa", mtp_num_layers=2, families=2)),
-               ("ws1", VerifyConfig(model="dsa", mtp_num_layers=1, families=2, fault="mtp_no_tail")),
-               ("ws2", VerifyConfig(model="dsa", mtp_num_layers=2, cp=2, families=2))]
+        newer += [("ws1", VerifyConfig(model="dsa", mtp_num_layers=2, families=2)),
+                  ("ws1", VerifyConfig(model="dsa", mtp_num_layers=1, families=2, fault="mtp_no_tail")),
+                  ("ws2", VerifyConfig(model="dsa", mtp_num_layers=2, cp=2, families=2))]
+    # MambaModel (0.19's HybridModel: MTP depths from a "main/mtp/..." pattern, each an inner hybrid stack
+    # of the tree's own layer specs): Mamba and attention inside the MTP layers, CP2; MoE with TP2 + SP
+    if hybrid_has_mtp():
+        newer += [("ws1", VerifyConfig(model="mamba", pattern="M*-M", mtp_num_layers=2, mtp_pattern="M-", families=2)),
+                  ("ws1", VerifyConfig(model="mamba", pattern="M*-M", mtp_num_layers=2, families=2,
+                                       fault="mtp_physical_roll")),
+                  ("ws2", VerifyConfig(model="mamba", pattern="M*-M", mtp_num_layers=2, mtp_pattern="M*", cp=2,
+                                       families=2)),
+                  ("ws2", VerifyConfig(model="mamba", mtp_num_layers=1, mtp_pattern="*E", tp=2, sp=True, families=2))]
     latest = {("ws1", 0), ("ws1", 2), ("ws1", 4), ("ws2", 0), ("ws2", 1), ("ws4", 1)}  # the rest repeat these
-    for name, cfg in dsa:  # (main tier only)
+    for name, cfg in newer:  # (main tier only); these run on megatron-core >= 0.19 only
         cases = ws1 if name == "ws1" else ws2
         latest.add((name, len(cases)))
         cases.append(cfg)
@@ -431,6 +440,12 @@ def stock_dsa_mtp_runs() -> bool:
     from megatron_tree.compat.dsa import stock_dsa_mtp_runs as runs
 
     return runs()
+
+
+def hybrid_has_mtp() -> bool:
+    from megatron_tree.compat.mtp import hybrid_has_mtp as has
+
+    return has()
 
 
 VERIFY_WS1, VERIFY_WS2, VERIFY_WS4, LATEST = _verify_cases()
@@ -492,50 +507,61 @@ def test_verify_mtp_world_size_2(verify_ws2, i):
 def test_verify_mtp_refuses_what_it_does_not_cover():
     from megatron_tree.training.verify import VerifyConfig, run_verify_many
 
-    for cfg, needle in [(VerifyConfig(model="mamba", mtp_num_layers=1), "MambaModel has no MTP"),
+    for cfg, needle in [(VerifyConfig(model="hybrid", mtp_num_layers=1), "covers --model gpt, mla, dsa"),
                         (VerifyConfig(mtp_num_layers=1, dtype="bfloat16"), "float64 / float32"),
                         (VerifyConfig(fault="mtp_per_row_loss"), "needs mtp_num_layers")]:
         with pytest.raises(ValueError, match=needle):
             run_verify_many([cfg])
+    if not hybrid_has_mtp():
+        with pytest.raises(ValueError, match="MambaModel has no MTP layers"):
+            run_verify_many([VerifyConfig(model="mamba", mtp_num_layers=1)])
     dsa = VerifyConfig(model="dsa", mtp_num_layers=1, dsa_topk_freq=2)
     with pytest.raises(ValueError, match="IndexShare" if stock_dsa_mtp_runs() else "needs megatron-core >= 0.19"):
         run_verify_many([dsa])
 
 
-def test_train_cli_mtp_accepts_dsa_where_stock_runs_it_and_qwen3next():
+def test_train_cli_mtp_accepts_dsa_and_mamba_where_stock_runs_them_and_qwen3next():
     from megatron_tree.training.trainer import build_train_parser, check_train_args
 
     base = ["--synthetic-preset", "many_small_64_4x16", "--train-iters", "1", "--mtp-num-layers", "1",
             "--tree-max-tokens-per-mb", "256"]
     dsa = base + ["--experimental-attention-variant", "dsa"]
-    if stock_dsa_mtp_runs():
-        check_train_args(build_train_parser().parse_args(dsa))
-    else:
-        with pytest.raises(ValueError, match="needs megatron-core >= 0.19"):
-            check_train_args(build_train_parser().parse_args(dsa))
+    mamba = base + ["--model-family", "mamba", "--hybrid-override-pattern", "M*-"]
+    for argv, ok in ((dsa, stock_dsa_mtp_runs()), (mamba, hybrid_has_mtp())):
+        if ok:
+            check_train_args(build_train_parser().parse_args(argv))
+        else:
+            with pytest.raises(ValueError, match="needs megatron-core >= 0.19"):
+                check_train_args(build_train_parser().parse_args(argv))
+    with pytest.raises(ValueError, match="--mtp-pattern needs letters"):
+        check_train_args(build_train_parser().parse_args(mamba + ["--mtp-pattern", "*G"]))
     check_train_args(build_train_parser().parse_args(base + ["--experimental-attention-variant", "gated_delta_net",
                                                         "--linear-attention-freq", "2", "--num-layers", "2"]))
 
 
-@pytest.mark.parametrize("kind", ["gpt"] + (["dsa"] if stock_dsa_mtp_runs() else []))
+@pytest.mark.parametrize("kind", ["gpt"] + (["dsa"] if stock_dsa_mtp_runs() else [])
+                         + (["mamba"] if hybrid_has_mtp() else []))
 def test_train_cli_mtp_tree_flat_and_cp2_agree(kind):
     """`megatron-tree train --mtp-num-layers 2`: each depth's loss is in the step metrics, and tree packing,
     flat packing and tree CP 2 give the same main and MTP losses over two steps (float32 noise). "dsa":
     DeepSeek sparse attention in the decoder and the MTP layers (MTP tail rows packed by the trainer's
-    pipeline, across CP ranks under CP 2); tree vs CP 2 (flat packs the same tails)."""
+    pipeline, across CP ranks under CP 2); "mamba": MambaModel with a Mamba and an attention layer in
+    each MTP depth (megatron-core >= 0.19); those two compare tree vs CP 2."""
     from megatron_tree.training.launch import run_distributed as run
     from megatron_tree.training.trainer import build_train_parser, check_train_args, format_progress, train
 
     common = ["--synthetic-preset", "many_small_64_4x16", "--synthetic-scale", "0.5", "--vocab-size", "128",
-              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "2",
+              *([] if kind == "mamba" else ["--num-layers", "2"]), "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "2",
               "--tree-global-batch-samples", "8", "--tree-max-tokens-per-mb", "256", "--lr", "1e-2", "--quiet",
               "--tree-lookahead", "1", "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
     if kind == "dsa":
         common += ["--experimental-attention-variant", "dsa", "--recompute-granularity", "full"]
+    if kind == "mamba":  # MambaModel's MTP depths: a Mamba and an attention layer each
+        common += ["--model-family", "mamba", "--hybrid-override-pattern", "M*-M", "--mtp-pattern", "M*"]
     runs = {}
     for name, extra in (("tree", []), ("flat", ["--packing", "flat"]),
                         ("cp2", ["--context-parallel-size", "2", "--nproc", "2"])):
-        if kind == "dsa" and name == "flat":
+        if kind != "gpt" and name == "flat":
             continue
         args = check_train_args(build_train_parser().parse_args(common + extra))
         runs[name] = run(train, 2 if name == "cp2" else 1, args, timeout=300)[0]["history"]

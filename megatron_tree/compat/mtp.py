@@ -10,6 +10,9 @@ Feature checks, never version numbers:
   gradient, does not shrink the MTP gradients; 0.16's ``GPTModel._postprocess`` adds the depth's
   loss unscaled. `rescales_per_token_mtp_loss` says which the installed version does (it reads the
   source of ``process_mtp_loss``: there is no flag for it).
+* **Hybrid (Mamba) models.** 0.19's ``MambaModel`` is a ``HybridModel`` whose stack spec takes an
+  ``mtp_block_spec`` (MTP depths from a ``main/mtp/...`` pattern, each MTP layer's inner stack built
+  from the stack's own layer specs); 0.16's has no MTP: `hybrid_has_mtp`.
 * **Loss logging.** 0.16's ``MTPLossLoggingHelper.save_loss_to_tracker(loss, layer, num_layers, ...)``
   vs 0.19's ``save_metrics_to_tracker(loss, correct, total, layer, num_layers, ...)`` (acceptance
   counts beside the loss): `save_mtp_metrics`.
@@ -19,7 +22,18 @@ from __future__ import annotations
 import inspect
 from functools import lru_cache
 
-__all__ = ["mtp_inner_layer", "rescales_per_token_mtp_loss", "save_mtp_metrics", "tracks_acceptance"]
+__all__ = ["mtp_inner_layer", "rescales_per_token_mtp_loss", "save_mtp_metrics", "tracks_acceptance",
+           "hybrid_has_mtp"]
+
+
+def hybrid_has_mtp() -> bool:
+    """True when the installed Megatron-Core's ``MambaModel`` (0.19: a ``HybridModel``) builds MTP layers
+    (its stack spec takes an ``mtp_block_spec``; depths come from a ``main/mtp/...`` pattern)."""
+    import dataclasses
+
+    from megatron.core.ssm.mamba_block import MambaStackSubmodules
+
+    return "mtp_block_spec" in {f.name for f in dataclasses.fields(MambaStackSubmodules)}
 
 
 def mtp_inner_layer(layer):

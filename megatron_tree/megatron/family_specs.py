@@ -104,7 +104,31 @@ def get_local_mamba_stack_spec(moe_grouped_gemm: bool = False) -> ModuleSpec:
             # the expert count comes from config.num_moe_experts; the spec only needs "some"
             mlp=get_moe_module_spec(use_te=False, num_experts=1, moe_grouped_gemm=moe_grouped_gemm),
             mlp_bda=get_bias_dropout_add)),
+        **_local_hybrid_mtp_block(norm, backend),
     ))
+
+
+def _local_hybrid_mtp_block(norm, backend) -> dict:
+    """``{"mtp_block_spec": ...}`` where the stack takes one (megatron-core >= 0.19's HybridModel: MTP
+    depths from the ``main/mtp/...`` pattern, each MTP layer's inner stack built from this stack's
+    own layer specs), with stock's structure and local modules; else nothing."""
+    import dataclasses
+
+    from megatron.core.ssm.mamba_block import MambaStackSubmodules
+
+    if "mtp_block_spec" not in {f.name for f in dataclasses.fields(MambaStackSubmodules)}:
+        return {}
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+
+    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=norm, hnorm=norm, eh_proj=backend.column_parallel_linear(), mtp_model_layer=None, layer_norm=norm))
+    return {"mtp_block_spec": ModuleSpec(module=MultiTokenPredictionBlock,
+                                         submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]))}
 
 
 def get_tree_mamba_stack_spec(use_transformer_engine: Optional[bool] = None, moe_grouped_gemm: bool = False
@@ -114,7 +138,8 @@ def get_tree_mamba_stack_spec(use_transformer_engine: Optional[bool] = None, moe
     ``use_transformer_engine`` (default: whether TE imports): the stock TE ``mamba_stack_spec``
     treeified, else `get_local_mamba_stack_spec` treeified (``moe_grouped_gemm`` applies to the
     local one; the TE spec fixes its own). Mixers become `TreeMambaMixer`, core attention
-    `TreeDotProductAttention`; everything else, and every parameter name, stays.
+    `TreeDotProductAttention`, MTP layers (megatron-core >= 0.19's ``mtp_block_spec``)
+    `TreeMultiTokenPredictionLayer`; everything else, and every parameter name, stays.
     """
     if _use_te(use_transformer_engine):
         from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec  # imports TE modules

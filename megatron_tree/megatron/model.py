@@ -302,7 +302,8 @@ class TreeMambaModel(TreeLanguageModelMixin, MambaModel):
     `TreePackedSeqParams` input the attention layers get the rotary table indexed by depth, and the
     last stage returns ``[M]`` per-occurrence log-probs when the params carry a loss map (and no
     ``labels``), else logits ``[1, N, V/tp]`` (or the loss with ``labels``), as ``MambaModel``.
-    Any other input runs ``MambaModel.forward`` unchanged.
+    MTP depths of a ``main/mtp/...`` pattern (megatron-core >= 0.19) run on the tree as in
+    `TreeGPTModel` (`megatron.mtp`). Any other input runs ``MambaModel.forward`` unchanged.
     """
 
     def __init__(self, *args, **kwargs):
@@ -327,9 +328,26 @@ class TreeMambaModel(TreeLanguageModelMixin, MambaModel):
                                      rotary_pos_emb=self.tree_rotary_pos_emb(psp), packed_seq_params=psp,
                                      padding_mask=padding_mask)
         if not self.post_process:
+            if getattr(self, "mtp_process", False):
+                raise ValueError("tree MTP needs every MTP layer on the last pipeline stage")
             return hidden_states
+        return self._tree_postprocess(hidden_states, psp, input_ids=input_ids, position_ids=position_ids,
+                                      labels=labels, runtime_gather_output=runtime_gather_output)
+
+    def _tree_postprocess(self, hidden_states, psp, *, input_ids, position_ids, labels=None,
+                          runtime_gather_output=None):
+        """Last stage on a tree: MTP layers (megatron-core >= 0.19's hybrid MTP, `megatron.mtp`) when
+        there is a loss map, then the main head: per-occurrence log-probs, or logits / loss as stock."""
         if self.wants_tree_logprobs(psp, labels):
+            if getattr(self, "mtp_process", False):  # their losses ride on hidden_states, as in TreeGPTModel
+                from .mtp import tree_mtp_postprocess
+
+                hidden_states = tree_mtp_postprocess(self, hidden_states, psp, input_ids=input_ids,
+                                                     position_ids=position_ids)
             return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy)
+        if getattr(self, "mtp_process", False) and labels is not None:
+            raise ValueError("TreeMambaModel with MTP layers on a tree: give the targets as the packed-seq params' "
+                             "loss map, not labels (the MTP targets follow the tree, not a rolled label tensor)")
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
         if labels is None:

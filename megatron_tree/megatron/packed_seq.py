@@ -45,10 +45,11 @@ class TreePackedSeqParams(PackedSeqParams):
                        `TreeMicrobatch.mtp_tail_stats` (``pack(..., mtp_tail=K)``): the trailing positions
                        stock MTP depth k runs on, which an MTP layer's DSA indexer loss covers (`megatron.mtp`)
     step_weight_by_depth  [D] float64 (or None): the loss weights of the targets of the whole optimizer
-                       step (all DP ranks) by source-row depth (`TreeMicrobatch.step_weight_by_depth`, set
-                       by the data pipeline): the MTP block logs each depth's loss to stock's tracker
-                       against it, so that Megatron-LM's ``mtp_k loss`` is the step's per-token mean
-                       (None: stock's per-microbatch mean)
+                       step (all DP ranks) by source-row depth (`TreeMicrobatch.step_weight_by_depth`, from
+                       the data pipeline), set by the Megatron-LM hooks' `get_batch` only: the MTP block
+                       logs each depth's loss to stock's tracker against it and Megatron's microbatch
+                       count, so that Megatron-LM's ``mtp_k loss`` is the step's per-token mean (None:
+                       stock's per-microbatch mean; ``megatron-tree train`` logs from its reports)
     routes             [N, moe_layers, topk] int64 (global rows, or None): every row's MoE expert choices
                        for routing replay (``TreeMicrobatch.routes``, `megatron_tree.megatron.routing_replay`)
     return_entropy     True: the model's last stage returns ``(logprobs, entropy)``, both ``[M]`` per
@@ -192,12 +193,10 @@ def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
     count, inv = mb.row_sample_stats()
     routes = getattr(mb, "routes", None)
     tail_index, tail_inv = mb.mtp_tail_stats() if getattr(mb, "mtp_tail", 0) else (None, None)
-    step_w = getattr(mb, "step_weight_by_depth", None)
-    to = lambda t: None if t is None else torch.as_tensor(t).to(layout.device)
+    to = lambda t: None if t is None else t.to(layout.device)
     psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan, row_samples=to(count),
                               row_inv_length=to(inv), return_entropy=return_entropy, routes=to(routes),
-                              mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv),
-                              step_weight_by_depth=to(step_w))
+                              mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv))
     if cp_plan is None or cp_plan.cp_size == 1:
         return psp
     return context_parallel_view(psp, cp_plan, cp_rank, pad_to_multiple_of=pad_to_multiple_of, gdn_plan=gdn_plan)

@@ -46,9 +46,10 @@ class _UnsupportedAbsorbedMLA:
 def treeify_spec(spec):
     """Copy of a layer / block spec with every ``core_attention`` replaced by `TreeDotProductAttention`,
     every stock GDN mixer by `TreeGatedDeltaNet` and every stock ``MambaMixer`` by `TreeMambaMixer`
-    (subclasses: same parameters), and every ``MLASelfAttention`` by `TreeMLASelfAttention` (rotary
+    (subclasses: same parameters), every ``MLASelfAttention`` by `TreeMLASelfAttention` (rotary
     by depth; its core attention is tree attention too; a stock ``DSAttention`` core becomes
-    `TreeDSAttention` with a `TreeDSAIndexer`). Anything else is left as it is."""
+    `TreeDSAttention` with a `TreeDSAIndexer`), and every ``MultiTokenPredictionLayer`` by
+    `TreeMultiTokenPredictionLayer`. Anything else is left as it is."""
     spec = copy.copy(spec)
     if isinstance(spec, TransformerBlockSubmodules):
         spec.layer_specs = [treeify_spec(s) for s in spec.layer_specs]
@@ -71,6 +72,10 @@ def treeify_spec(spec):
             from .mla import TreeMLASelfAttention  # MLA: rotary by depth (Megatron computes it inside)
 
             spec.module = TreeMLASelfAttention
+        elif getattr(spec.module, "__name__", "") == "MultiTokenPredictionLayer":
+            from .mtp import TreeMultiTokenPredictionLayer  # an MTP block inside a hybrid stack spec
+
+            spec.module = TreeMultiTokenPredictionLayer
         if spec.submodules is not None and dataclasses.is_dataclass(spec.submodules):
             spec.submodules = treeify_spec(spec.submodules)
         return spec
@@ -96,6 +101,8 @@ def treeify_spec(spec):
             if isinstance(v, (ModuleSpec, TransformerBlockSubmodules)) or (
                     dataclasses.is_dataclass(v) and not isinstance(v, type)):
                 setattr(spec, f.name, treeify_spec(v))
+            elif isinstance(v, list) and any(isinstance(x, ModuleSpec) for x in v):  # e.g. an MTP block's layers
+                setattr(spec, f.name, [treeify_spec(x) if isinstance(x, ModuleSpec) else x for x in v])
     return spec
 
 

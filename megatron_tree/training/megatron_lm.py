@@ -182,7 +182,8 @@ def mamba_model_provider(pre_process: bool = True, post_process: bool = True, vp
     core attention in Megatron's structure, so the user's spec and checkpoints are kept), or
     `get_tree_mamba_stack_spec` (TE when ``--transformer-impl transformer_engine``). Layers come
     from ``--hybrid-override-pattern`` / ``--hybrid-attention-ratio`` / ``--hybrid-mlp-ratio`` as in
-    ``MambaModel``. Config handling as `model_provider`.
+    ``MambaModel``, or 0.19's ``--hybrid-layer-pattern`` (whose ``main/mtp/...`` form adds MTP depths, run on
+    the tree by `TreeMambaModel`). Config handling as `model_provider`.
     """
     args = _args(args)
     if vp_stage is not None:
@@ -201,6 +202,8 @@ def mamba_model_provider(pre_process: bool = True, post_process: bool = True, vp
         spec = get_tree_mamba_stack_spec(
             use_transformer_engine=getattr(args, "transformer_impl", "local") == "transformer_engine")
     kw = {"pg_collection": pg_collection} if pg_collection is not None else {}
+    if getattr(args, "hybrid_layer_pattern", None) and not getattr(args, "hybrid_override_pattern", None):
+        kw["hybrid_layer_pattern"] = args.hybrid_layer_pattern  # megatron-core 0.19's "main/mtp/..." (MTP depths)
     return TreeMambaModel(
         config=config, mamba_stack_spec=spec,
         vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,

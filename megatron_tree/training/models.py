@@ -65,6 +65,7 @@ class ModelArgs:
     rotary_base: int = 10000
     extra: dict = field(default_factory=dict)  # more TransformerConfig fields
     linear_attention_freq: int = 2  # qwen3next: one standard attention layer every N layers
+    mtp_pattern: str = "*-"  # mamba with extra["mtp_num_layers"] = K: each MTP depth's inner layers (0.19)
 
     def __post_init__(self):
         if self.kind == "mamba" and self.pattern == DEFAULT_HYBRID_PATTERN:
@@ -195,18 +196,33 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
         from ..megatron.family_specs import get_tree_mamba_stack_spec
         from ..megatron.model import TreeMambaModel
 
-        model = TreeMambaModel(config, get_tree_mamba_stack_spec(use_transformer_engine=False),
-                               vocab_size=margs.vocab_size, max_sequence_length=margs.max_position, pre_process=pre,
-                               post_process=post, hybrid_override_pattern=margs.pattern,
+        spec, pattern = get_tree_mamba_stack_spec(use_transformer_engine=False), margs.pattern
+        K = int(getattr(config, "mtp_num_layers", None) or 0)
+        if K:  # megatron-core >= 0.19's HybridModel: MTP depths from the pattern "main/mtp/mtp/..."
+            from ..compat.mtp import hybrid_has_mtp
+
+            if not hybrid_has_mtp():
+                raise ValueError("multi-token prediction: this Megatron-Core's MambaModel has no MTP layers "
+                                 "(megatron-core >= 0.19's HybridModel has them; GPTModel kinds: gpt, mla, dsa, "
+                                 "qwen3next)")
+            pattern = "/".join([pattern] + [margs.mtp_pattern] * K)
+            if stock_mtp:  # verify's per-sample side: stock MTP layers (rolling) around the tree inner stack
+                import dataclasses as dc
+
+                from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+                block = spec.submodules.mtp_block_spec
+                block = dc.replace(block, submodules=dc.replace(block.submodules, layer_specs=[
+                    dc.replace(s_, module=MultiTokenPredictionLayer) for s_ in block.submodules.layer_specs]))
+                spec = dc.replace(spec, submodules=dc.replace(spec.submodules, mtp_block_spec=block))
+        model = TreeMambaModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
+                               pre_process=pre, post_process=post, hybrid_override_pattern=pattern,
                                position_embedding_type=margs.position_embedding_type, rotary_base=margs.rotary_base,
                                share_embeddings_and_output_weights=False)
     else:
         raise ValueError(f"model kind must be gpt, hybrid, mla, dsa, mamba or qwen3next, got {margs.kind!r}")
     mtp_spec = None
-    if getattr(config, "mtp_num_layers", None):
-        if margs.kind == "mamba":
-            raise ValueError("multi-token prediction: Megatron-Core's MambaModel has no MTP layers (--mtp-num-layers "
-                             "needs a GPTModel kind: gpt, mla, dsa, qwen3next or hybrid)")
+    if getattr(config, "mtp_num_layers", None) and margs.kind != "mamba":
         from ..megatron.mtp import get_tree_gpt_mtp_block_spec
 
         mtp_spec = get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)

@@ -168,6 +168,9 @@ def add_model_args(parser: argparse.ArgumentParser):
                         "MultiTokenPredictionBlock on the tree: depth k predicts k+1 tokens ahead along each path)")
     m.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="weight of the MTP losses (their mean over the depths), as Megatron's flag")
+    m.add_argument("--mtp-pattern", type=str, default="*-", metavar="PATTERN",
+                   help="--model-family mamba: each MTP depth's inner layers (letters of --hybrid-override-pattern; "
+                        "Megatron-LM's unified --hybrid-layer-pattern MAIN/PATTERN/PATTERN; megatron-core >= 0.19)")
     return m
 
 
@@ -320,7 +323,14 @@ def _family_errors(args) -> list:
           or args.dsa_indexer_use_sparse_loss):
         errors.append("--dsa-indexer-* options need --experimental-attention-variant dsa")
     if getattr(args, "mtp_num_layers", None) and args.model_family == "mamba":
-        errors.append("--mtp-num-layers: Megatron-Core's MambaModel has no multi-token prediction layers")
+        from ..compat.mtp import hybrid_has_mtp
+        from .models import MAMBA_LETTERS
+
+        if not hybrid_has_mtp():
+            errors.append("--mtp-num-layers with --model-family mamba needs megatron-core >= 0.19 (this Megatron-Core's "
+                          "MambaModel has no multi-token prediction layers)")
+        if not args.mtp_pattern or set(args.mtp_pattern) - set(MAMBA_LETTERS):
+            errors.append(f"--mtp-pattern needs letters {MAMBA_LETTERS}, got {args.mtp_pattern!r}")
     if args.model_family == "mamba":
         from .models import MAMBA_LETTERS
 
@@ -655,7 +665,7 @@ def _model_args(args):
         max_position=args.max_position_embeddings or args.tree_max_tokens_per_mb, num_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
         normalization=args.normalization, rotary_base=getattr(args, "rotary_base", 10000),
-        extra=dict(extra, **_mtp_extra(args)))
+        extra=dict(extra, **_mtp_extra(args)), mtp_pattern=getattr(args, "mtp_pattern", None) or "*-")
 
 
 def _mtp_extra(args) -> dict:

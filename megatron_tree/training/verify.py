@@ -124,6 +124,8 @@ class VerifyConfig:
     # multi-token prediction: MTP layers on the last stage; the per-sample side runs stock MTP at CP 1
     # (`verify_mtp`); each depth's loss is compared ("mtp_loss")
     mtp_num_layers: int = 0
+    # model "mamba" with MTP (megatron-core >= 0.19's HybridModel): the inner layers of every MTP depth
+    mtp_pattern: str = "*-"
 
     @property
     def world_size(self) -> int:
@@ -576,6 +578,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         margs.pattern = cfg.pattern
     if cfg.mtp_num_layers:
         margs.extra.update(mtp_num_layers=cfg.mtp_num_layers)
+        margs.mtp_pattern = cfg.mtp_pattern
     if cfg.model == "qwen3next":
         # Qwen3-Next's attention output gate is Megatron's ``x * sigmoid(gate.float())``: float32 inside
         # a float64 model, so the backward rounds a shared row's summed gradient once in fp32 where the

@@ -65,6 +65,45 @@ def stock_mtp_postprocess(model, hidden_states, **kwargs):
         return GPTModel._postprocess(model, hidden_states, **kwargs)
     if psp.loss_map is None:
         return logits_without_mtp(model, hidden_states, kwargs.get("runtime_gather_output"))
+    return _per_sample(model, hidden_states, psp, lambda labels, mask, roll_psp: GPTModel._postprocess(
+        model, hidden_states, **dict(kwargs, labels=labels, loss_mask=mask, packed_seq_params=roll_psp,
+                                     mtp_in_postprocess=True)))
+
+
+def stock_hybrid_mtp_postprocess(model, hidden_states, psp, *, input_ids, position_ids, labels=None,
+                                 runtime_gather_output=None):
+    """Stock ``HybridModel.forward``'s last stage (0.19: ``self.mtp(...)``, then ``process_mtp_loss``, then
+    the main head's loss) on a one-sample tree microbatch -> [M] log-probs; the decoder before it is the
+    tree stack on the sample's chain. `TreeMambaModel._tree_postprocess` on verify's per-sample side."""
+    from megatron.core.transformer.multi_token_prediction import process_mtp_loss
+
+    from ..megatron.model import TreeMambaModel
+
+    if not model.wants_tree_logprobs(psp, labels):
+        return TreeMambaModel._tree_postprocess(model, hidden_states, psp, input_ids=input_ids,
+                                                position_ids=position_ids, labels=labels,
+                                                runtime_gather_output=runtime_gather_output)
+
+    def run(labels_, mask, roll_psp):
+        h = model.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                      attention_mask=None, rotary_pos_emb=model.tree_rotary_pos_emb(psp),
+                      packed_seq_params=roll_psp, embedding=model.embedding)
+        h = process_mtp_loss(hidden_states=h, labels=labels_, loss_mask=mask, output_layer=model.output_layer,
+                             output_weight=None, runtime_gather_output=runtime_gather_output,
+                             is_training=model.training, compute_language_model_loss=model.compute_language_model_loss,
+                             config=model.config, cp_group=model.pg_collection.cp, tp_group=model.tp_group,
+                             packed_seq_params=roll_psp, input_ids=input_ids)
+        logits, _ = model.output_layer(h, runtime_gather_output=runtime_gather_output)
+        return model.compute_language_model_loss(labels_, logits)
+
+    return _per_sample(model, hidden_states, psp, run)
+
+
+def _per_sample(model, hidden_states, psp, run):
+    """Stock MTP on a one-sample microbatch: ``run(labels, loss_mask, roll_psp)`` is the stock last stage
+    (per-token CE [1, n]) given the sample's labels / loss mask as stock builds them and ``packed_seq_params``
+    whose ``cu_seqlens`` make stock's ``roll_tensor`` roll within the microbatch. Records each depth's summed
+    loss from stock's tracker on ``psp``; returns the main head's [M] log-probs."""
     lm, n, dev = psp.loss_map, psp.num_local_rows, hidden_states.device
     if lm.sample_index.unique().numel() > 1:
         raise ValueError("stock MTP per sample: a microbatch holds more than one sample")
@@ -77,8 +116,7 @@ def stock_mtp_postprocess(model, hidden_states, **kwargs):
     roll_psp = dataclasses.replace(psp, cu_seqlens_q=cu, cu_seqlens_kv=cu)
     roll_psp.__dict__["_capture_parent"] = psp  # DSA captures: the same microbatch forward
     before = _tracker_values()
-    ce = GPTModel._postprocess(model, hidden_states, **dict(kwargs, labels=labels, loss_mask=mask,
-                                                             packed_seq_params=roll_psp, mtp_in_postprocess=True))
+    ce = run(labels, mask, roll_psp)
     after = _tracker_values()
     K = int(model.config.mtp_num_layers)
     means = (after if before is None else after - before)[:K]
@@ -99,8 +137,14 @@ def number_mtp_captures(model) -> None:
 
 
 def install_stock_mtp(model) -> None:
-    """Make a `TreeGPTModel` built with ``stock_mtp=True`` run stock MTP per sample (module docstring)."""
-    model._postprocess = partial(stock_mtp_postprocess, model)
+    """Make a `TreeGPTModel` / `TreeMambaModel` built with ``stock_mtp=True`` run stock MTP per sample
+    (module docstring)."""
+    from ..megatron.model import TreeMambaModel
+
+    if isinstance(model, TreeMambaModel):
+        model._tree_postprocess = partial(stock_hybrid_mtp_postprocess, model)
+    else:
+        model._postprocess = partial(stock_mtp_postprocess, model)
     model.compute_language_model_loss = partial(float64_cross_entropy, model)
 
 
@@ -151,9 +195,15 @@ def check_mtp_config(cfg) -> None:
                          "decoder layer's selections (--dsa-topk-freq > 1, IndexShare) is not covered")
     if cfg.fault == "mtp_no_tail" and cfg.model != "dsa":
         raise ValueError("fault mtp_no_tail drops the MTP tail rows, which only DSA's indexer loss reads: --model dsa")
-    if cfg.model not in ("gpt", "mla", "qwen3next", "dsa"):
-        raise ValueError(f"verify --mtp-num-layers covers --model gpt, mla, dsa and qwen3next (got {cfg.model!r}): "
-                         "Megatron-Core's MambaModel has no MTP; the hybrid stack's MTP layer is not verified")
+    if cfg.model == "mamba":
+        from ..compat.mtp import hybrid_has_mtp
+
+        if not hybrid_has_mtp():
+            raise ValueError("verify --mtp-num-layers --model mamba needs megatron-core >= 0.19: this Megatron-Core's "
+                             "MambaModel has no MTP layers")
+    if cfg.model not in ("gpt", "mla", "qwen3next", "dsa", "mamba"):
+        raise ValueError(f"verify --mtp-num-layers covers --model gpt, mla, dsa, qwen3next and mamba (got "
+                         f"{cfg.model!r}): the hybrid GPT stack's MTP layer would copy its last layer, not verified")
     if cfg.dtype == "bfloat16":
         raise ValueError("verify --mtp-num-layers runs in float64 / float32 (its per-sample side is stock MTP one "
                          "sample per microbatch; the bf16 judge's packed baseline is not)")

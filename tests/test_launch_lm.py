@@ -503,33 +503,44 @@ def _logged(out: str, key: str) -> dict:
     return found
 
 
+#: MTP through pretrain(): (script, model flags, MTP depths, the layout compared with one rank, its ranks)
+MTP_MODELS = {
+    "gpt": (GPT, ["--num-layers", "2", "--mtp-num-layers", "2"], 2, ["--context-parallel-size", "2"] + TP2_SP, 4),
+    # megatron-core 0.19's unified hybrid pattern: main stack "M*-M", one MTP depth of a Mamba and an attention layer
+    "mamba": (ROOT / "examples" / "pretrain_tree_mamba.py",
+              ["--hybrid-layer-pattern", "M*-M/M*", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
+               "--mamba-num-groups", "2"], 1, ["--context-parallel-size", "2"], 2),
+}
+
+
 @needs_megatron_training
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
-def test_pretrain_tree_mtp_under_cp2_tp2_sp_equals_one_rank(tmp_path):
-    """``--mtp-num-layers 2`` through Megatron-LM's pretrain() with our hooks: one rank vs tree CP2 + TP2 +
-    SP (4 ranks; each depth's input crosses CP ranks and TP shards), same seed. Every iteration's loss
-    agrees to float32 rounding (iterations 2-4 after updates that carry the MTP gradients), and so does
-    each depth's loss Megatron-LM logs; that logged value is the step's per-token mean, about ln(128) for
-    this fresh model at iteration 1 (stock's mean of per-microbatch means read 1.2 here: the tree step's
-    8 samples fill one of the 4 microbatches, the 3 padding ones add 0)."""
-    script, model_args = MODELS["gpt"]
+@pytest.mark.parametrize("model", sorted(MTP_MODELS))
+def test_pretrain_tree_mtp_under_cp_equals_one_rank(model, tmp_path):
+    """Multi-token prediction through Megatron-LM's pretrain() with our hooks: one rank vs tree CP2 (GPT:
+    + TP2 + SP, 4 ranks; MambaModel: MTP depths from the "main/mtp" pattern), same seed; each depth's
+    input crosses CP ranks (and TP shards). Every iteration's loss agrees to float32 rounding (iterations
+    2-4 after updates that carry the MTP gradients), and so does each depth's loss Megatron-LM logs; that
+    logged value is the step's per-token mean, about ln(128) for this fresh model at iteration 1 (stock's
+    mean of per-microbatch means read 1.2 for GPT here: the tree step's 8 samples fill one of the 4
+    microbatches, the 3 padding ones add 0)."""
+    script, model_args, depths, layout, ranks = MTP_MODELS[model]
     data = _write_data(tmp_path / "train.jsonl")
-    args = COMMON + model_args + ["--tree-data-path", str(data), "--mtp-num-layers", "2",
-                                  "--mtp-loss-scaling-factor", "0.3"]
+    args = COMMON + model_args + ["--tree-data-path", str(data), "--mtp-loss-scaling-factor", "0.3"]
     rc, out1, one = _launch(tmp_path, "one", script, args, nproc=1)
     _check(rc, out1, "MTP run on one rank")
-    rc, out4, cp = _launch(tmp_path, "cp", script, args + ["--context-parallel-size", "2"] + TP2_SP, nproc=4)
-    _check(rc, out4, "MTP run under CP2 + TP2 + SP")
+    rc, out4, cp = _launch(tmp_path, "cp", script, args + layout, nproc=ranks)
+    _check(rc, out4, f"MTP run under {' '.join(layout)}")
     assert sorted(one) == sorted(cp) == [1, 2, 3, 4]
     for it in one:
         assert cp[it] == pytest.approx(one[it], rel=2e-5), (it, cp, one)
-    for k in (1, 2):
+    for k in range(1, depths + 1):
         a, b = _logged(out1, f"mtp_{k} loss"), _logged(out4, f"mtp_{k} loss")
         assert sorted(a) == sorted(b) == [1, 2, 3, 4], (k, a, b)
         for it in a:
             assert b[it] == pytest.approx(a[it], rel=2e-5), (k, it, a, b)
         assert abs(a[1] - np.log(128)) < 0.1, (k, a)
-    print(f"\nMTP: one rank {one}, CP2+TP2+SP {cp}; mtp_1 {_logged(out1, 'mtp_1 loss')}")
+    print(f"\n{model} MTP: one rank {one}, {' '.join(layout)} {cp}; mtp_1 {_logged(out1, 'mtp_1 loss')}")
 
 
 @needs_megatron_training

@@ -4,8 +4,8 @@
     .venv-latest/bin/python tools/bench_mtp.py --model dsa    # DSA in decoder and MTP layers (core >= 0.19)
 
 Workload: one GRPO family (a prompt and --completions sampled completions; loss on the completions),
-a GPT model (TreeGPTModel, 4 layers; ``--model dsa``: MLA layers with DeepSeek sparse attention) with K
-MTP layers (`get_tree_gpt_mtp_block_spec`), one process, Megatron's schedule (forward + backward of the
+a GPT model (TreeGPTModel, 4 layers; ``--model dsa``: MLA layers with DeepSeek sparse attention;
+``--model mamba``: TreeMambaModel, MTP depths of an attention and an MLP layer) with K MTP layers (`get_tree_gpt_mtp_block_spec`), one process, Megatron's schedule (forward + backward of the
 whole family). With DSA, both packings carry K MTP tail rows per sample (``pack(..., mtp_tail=K)``: the
 positions stock's MTP indexer loss covers), counted in the rows printed per K:
 
@@ -80,7 +80,8 @@ def cp_bytes(a: dict) -> list:
     from megatron_tree.megatron.mtp import mtp_cp_figures
     from megatron_tree.tree import pack
 
-    mb = max(pack(_family(a), a["budget"], pad_to_multiple_of=8), key=lambda m: m.layout.num_rows)
+    tail = max(a["mtp"]) if a["model"] == "dsa" else 0  # DSA: the MTP tail rows are rows of the plan too
+    mb = max(pack(_family(a), a["budget"], pad_to_multiple_of=8, mtp_tail=tail), key=lambda m: m.layout.num_rows)
     row_bytes = a["hidden"] * 2  # bf16 hidden state
     out = []
     for cp in a["cp"]:
@@ -94,7 +95,8 @@ def cp_bytes(a: dict) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["gpt", "dsa"], default="gpt")
+    ap.add_argument("--model", choices=["gpt", "dsa", "mamba"], default="gpt",
+                    help="dsa / mamba need megatron-core >= 0.19 (mamba: the default Mamba pattern, MTP depths '*-')")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--completions", type=int, default=16)
     ap.add_argument("--completion-len", type=int, default=100)

@@ -50,7 +50,7 @@ def _body(a: dict) -> dict:
     from megatron_tree.training.models import ModelArgs
     from megatron_tree.tree import pack, summarize
 
-    compat_cpu.enable()
+    compat_cpu.enable(kernels=a["model"] == "mamba")  # Mamba's gated norm / scans: torch stand-ins on CPU
     dsa = a["model"] == "dsa"
     if dsa:
         from megatron_tree.compat import dsa as compat_dsa

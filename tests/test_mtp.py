@@ -53,6 +53,19 @@ def coef(i: int, t: int) -> float:
     return 0.0 if t <= NO_LOSS.get(i, 0) else 0.5 + ((3 * i + 7 * t) % 11) / 8.0
 
 
+# version gates: what the installed Megatron-Core's stock MTP can run (tested against it where it can)
+def stock_dsa_mtp_runs() -> bool:
+    from megatron_tree.compat.dsa import stock_dsa_mtp_runs as runs
+
+    return runs()
+
+
+def hybrid_has_mtp() -> bool:
+    from megatron_tree.compat.mtp import hybrid_has_mtp as has
+
+    return has()
+
+
 def _models(K: int):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
@@ -150,21 +163,41 @@ def _case(K, fault=None):
         mtp._FAULT = None
 
 
-def _checkpoints(root: str) -> dict:
-    """Stock GPTModel + MTP saved with dist_checkpointing loads into the tree model (no missing or
-    unexpected key, every parameter equal), and the tree model's checkpoint back into a stock one."""
+def _mamba_models(K: int):
+    """Stock ``MambaModel`` (megatron-core 0.19's HybridModel; Megatron's local modules, stock mixers) with
+    the pattern "M*-M" and K MTP depths "M*", and the tree model `build_model` makes of the same config."""
+    from megatron.core.models.mamba import MambaModel
+
+    from megatron_tree.compat import cpu
+    from megatron_tree.megatron.family_specs import get_local_mamba_stack_spec
+    from megatron_tree.training.models import ModelArgs, build_model, make_config
+
+    cpu.enable(kernels=True)  # stock MambaMixer's gated norm: the torch stand-in on CPU
+    margs = ModelArgs(kind="mamba", pattern="M*-M", num_layers=4, vocab_size=V, mtp_pattern="M*",
+                      extra=dict(mtp_num_layers=K, mtp_loss_scaling_factor=SCALE))
+    cfg = make_config(margs, dtype=torch.float64)
+    stock = MambaModel(cfg, get_local_mamba_stack_spec(), vocab_size=V, max_sequence_length=64,
+                       hybrid_layer_pattern="/".join(["M*-M"] + ["M*"] * K), position_embedding_type="rope",
+                       share_embeddings_and_output_weights=False).to(torch.float64)
+    return stock, build_model(cfg, margs)
+
+
+def _checkpoints(root: str, models=_models) -> dict:
+    """Stock GPTModel + MTP (``models``: or another (stock, tree) pair maker) saved with dist_checkpointing
+    loads into the tree model (no missing or unexpected key, every parameter equal), and the tree model's
+    checkpoint back into a stock one."""
     import os
 
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     out = {}
-    stock, tree = _models(2)
+    stock, tree = models(2)
     randomize(tree, seed=99)  # different weights, so a load that changes nothing shows
     for name, src, dst in (("stock_to_tree", stock, tree), ("tree_to_stock", None, None)):
         if src is None:
             randomize(tree, seed=123)
-            src, dst = tree, _models(2)[0]
+            src, dst = tree, models(2)[0]
         d = os.path.join(root, name)
         os.makedirs(d)
         dist_checkpointing.save(src.sharded_state_dict(), d)
@@ -246,8 +279,11 @@ def _body(ckpt_root: str):
     from megatron_tree.megatron.mtp import FAULTS
 
     out = {}
-    for name, fn in (("checkpoints", lambda: _checkpoints(ckpt_root)), ("hooks", _hooks),
-                     ("hooks_qwen3next", lambda: _hooks(1, "qwen3next"))):
+    cases = [("checkpoints", lambda: _checkpoints(ckpt_root)), ("hooks", _hooks),
+             ("hooks_qwen3next", lambda: _hooks(1, "qwen3next"))]
+    if hybrid_has_mtp():
+        cases.append(("checkpoints_mamba", lambda: _checkpoints(ckpt_root + "/mamba", _mamba_models)))
+    for name, fn in cases:
         try:
             out[name] = fn()
         except Exception:  # noqa: BLE001 - reported by its test
@@ -272,9 +308,11 @@ def _result(oracle, key):
     return r
 
 
+@pytest.mark.parametrize("model", ["gpt"] + (["mamba"] if hybrid_has_mtp() else []))
 @pytest.mark.parametrize("direction", ["stock_to_tree", "tree_to_stock"])
-def test_stock_mtp_checkpoint_loads_into_the_tree_model_and_back(oracle, direction):
-    r = _result(oracle, "checkpoints")[direction]
+def test_stock_mtp_checkpoint_loads_into_the_tree_model_and_back(oracle, direction, model):
+    """GPTModel; MambaModel with MTP depths of a Mamba and an attention layer (megatron-core >= 0.19)."""
+    r = _result(oracle, "checkpoints" if model == "gpt" else "checkpoints_mamba")[direction]
     assert r["missing"] == [] and r["unexpected"] == [] and r["load"] == ([], [])
     assert r["names_equal"] and r["equal"] and r["mtp_keys"] > 0
 
@@ -434,18 +472,6 @@ def _verify_cases():
         cases.append(cfg)
     assert {c.fault for c in ws1 + ws2} - {None} <= set(MTP_FAULTS)
     return ws1, ws2, ws4, latest
-
-
-def stock_dsa_mtp_runs() -> bool:
-    from megatron_tree.compat.dsa import stock_dsa_mtp_runs as runs
-
-    return runs()
-
-
-def hybrid_has_mtp() -> bool:
-    from megatron_tree.compat.mtp import hybrid_has_mtp as has
-
-    return has()
 
 
 VERIFY_WS1, VERIFY_WS2, VERIFY_WS4, LATEST = _verify_cases()

@@ -209,6 +209,30 @@ def test_cpu_view_of_torch_and_rope_cp_split():
     assert cpu._pos_emb_on_this_cp_rank(emb, 1, _FakeGroup(3, 1)).flatten().tolist() == [2, 3, 8, 9]
 
 
+def test_share_storage_stand_in_refills_a_discarded_output_and_its_views():
+    """Megatron 0.19's output-discarding recomputation empties an output's storage and later points it at
+    the recomputed one (a JIT-compiled C++ extension); the CPU stand-in copies the bytes back instead: every
+    view of the discarded output sees the recomputed values, and no extension is compiled."""
+    from megatron_tree.compat import cpu
+
+    out = torch.arange(12.0).reshape(3, 4)
+    view = out[1:]  # shares the storage, as an autograd-saved view would
+    out.untyped_storage().resize_(0)  # what CheckpointWithoutOutput's discard does
+    recomputed = torch.arange(12.0).reshape(3, 4) * 2
+    cpu._share_storage_by_copy()(out, recomputed)
+    assert torch.equal(out, recomputed) and torch.equal(view, recomputed[1:])
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if hasattr(tp_random, "_get_share_storage"):  # megatron-core >= 0.19
+        was = cpu._ENABLED
+        cpu.enable()
+        try:
+            assert tp_random._get_share_storage() is cpu._copy_storage
+        finally:
+            if not was:
+                cpu.disable()
+
+
 def _raises_body():
     import torch.distributed as dist
 

@@ -550,6 +550,20 @@ def enable(*, kernels: bool = False) -> bool:
     return True
 
 
+def _copy_storage(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Megatron's ``share_storage(dst, src)`` by copy: ``dst``'s storage (emptied when its output was
+    discarded) takes ``src``'s bytes, so every view of ``dst`` sees the recomputed values."""
+    ds, ss = dst.untyped_storage(), src.untyped_storage()
+    if ds.nbytes() != ss.nbytes():
+        ds.resize_(ss.nbytes())
+    ds.copy_(ss)
+
+
+def _share_storage_by_copy():
+    """CPU stand-in of ``tensor_parallel.random._get_share_storage`` (returns the share function)."""
+    return _copy_storage
+
+
 def _apply_core() -> None:
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
     from megatron.core.models.common.language_module import language_module
@@ -566,6 +580,11 @@ def _apply_core() -> None:
     # model_parallel_cuda_manual_seed calls torch.cuda.manual_seed, which the CPU view of torch
     # in tensor_parallel.random maps to torch.manual_seed (patched by _patch_module below).
     _patch_module(tp_random)
+    if hasattr(tp_random, "_get_share_storage"):  # megatron-core 0.19's output-discarding recomputation
+        _set(tp_random, "_get_share_storage", _share_storage_by_copy,
+             "its zero-copy share is a C++ extension JIT-compiled on first use (20-50 s on a 2-core host, and a "
+             "process killed while compiling leaves a lock that every later compile waits on forever); on the "
+             "CPU the recomputed output is copied into the discarded output's storage")
 
     why_rope = "pin_memory + .cuda() replaced by an index on pos_emb's own device"
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):

@@ -5,9 +5,10 @@
 
 Workload: one GRPO family (a prompt and --completions sampled completions; loss on the completions),
 a GPT model (TreeGPTModel, 4 layers; ``--model dsa``: MLA layers with DeepSeek sparse attention;
-``--model mamba``: TreeMambaModel, MTP depths of an attention and an MLP layer) with K MTP layers (`get_tree_gpt_mtp_block_spec`), one process, Megatron's schedule (forward + backward of the
-whole family). With DSA, both packings carry K MTP tail rows per sample (``pack(..., mtp_tail=K)``: the
-positions stock's MTP indexer loss covers), counted in the rows printed per K:
+``--model mamba``: TreeMambaModel, MTP depths of an attention and an MLP layer) with K MTP layers, one
+process, Megatron's schedule (forward + backward of the whole family). Where the model needs them (DSA:
+`megatron.mtp.mtp_tail_rows`), both packings carry K MTP tail rows per sample (``pack(..., mtp_tail=K)``:
+the positions stock's MTP indexer loss covers), counted in the rows printed per K:
 
   tree  the family packed as one prefix tree (every MTP depth runs on the same rows);
   flat  per-sample packing (``share_prefixes=False``): every sample its own chain, several per microbatch.
@@ -47,12 +48,12 @@ def _body(a: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_tree.compat import cpu as compat_cpu
-    from megatron_tree.training.models import ModelArgs
+    from megatron_tree.megatron.mtp import mtp_tail_rows
+    from megatron_tree.training.models import ModelArgs, make_config
     from megatron_tree.tree import pack, summarize
 
     compat_cpu.enable(kernels=a["model"] == "mamba")  # Mamba's gated norm / scans: torch stand-ins on CPU
-    dsa = a["model"] == "dsa"
-    if dsa:
+    if a["model"] == "dsa":
         from megatron_tree.compat import dsa as compat_dsa
 
         compat_dsa.enable()  # torch Hadamard stand-in for the indexer on CPU
@@ -60,27 +61,26 @@ def _body(a: dict) -> dict:
     samples = _family(a)
     out = {"runs": {}}
     for k in a["mtp"]:
-        tail = k if dsa else 0  # `megatron.mtp.mtp_tail_rows`: DSA's MTP indexer loss covers the trailing positions
-        tree = pack(samples, a["budget"], pad_to_multiple_of=8, mtp_tail=tail)
-        flat = pack(samples, a["budget"], pad_to_multiple_of=8, share_prefixes=False, mtp_tail=tail)
-        rows_t, rows_f = summarize(tree)["tree_tokens"], summarize(flat)["tree_tokens"]
         margs = ModelArgs(kind=a["model"], num_layers=4, hidden_size=a["hidden"], num_attention_heads=4,
                           num_query_groups=2, ffn_hidden_size=2 * a["hidden"], vocab_size=a["vocab"],
                           max_position=a["budget"], extra=dict(mtp_num_layers=k) if k else {})
+        tail = mtp_tail_rows(make_config(margs))
+        tree = pack(samples, a["budget"], pad_to_multiple_of=8, mtp_tail=tail)
+        flat = pack(samples, a["budget"], pad_to_multiple_of=8, share_prefixes=False, mtp_tail=tail)
+        rows_t, rows_f = summarize(tree)["tree_tokens"], summarize(flat)["tree_tokens"]
         best = best_step_seconds(margs, {"tree": tree, "flat": flat}, a["repeats"])
         t, f = best["tree"], best["flat"]
-        out["runs"][k] = {"tree_rows": rows_t, "flat_rows": rows_f, "ideal": rows_f / rows_t, "tree_s": t,
-                          "flat_s": f, "speedup": f / t, "fraction_of_ideal": f / t / (rows_f / rows_t)}
+        out["runs"][k] = {"mtp_tail": tail, "tree_rows": rows_t, "flat_rows": rows_f, "ideal": rows_f / rows_t,
+                          "tree_s": t, "flat_s": f, "speedup": f / t, "fraction_of_ideal": f / t / (rows_f / rows_t)}
     return out
 
 
-def cp_bytes(a: dict) -> list:
+def cp_bytes(a: dict, tail: int) -> list:
     """Per CP size: MTP halo rows / bytes per microbatch vs the attention KV rows of the same plan."""
     from megatron_tree.cp import plan_context_parallel, schedule_figures
     from megatron_tree.megatron.mtp import mtp_cp_figures
     from megatron_tree.tree import pack
 
-    tail = max(a["mtp"]) if a["model"] == "dsa" else 0  # DSA: the MTP tail rows are rows of the plan too
     mb = max(pack(_family(a), a["budget"], pad_to_multiple_of=8, mtp_tail=tail), key=lambda m: m.layout.num_rows)
     row_bytes = a["hidden"] * 2  # bf16 hidden state
     out = []
@@ -118,7 +118,7 @@ def main() -> None:
         print(f"  MTP K={k}: flat {x['flat_rows']} rows -> tree {x['tree_rows']} rows (ideal {x['ideal']:.2f}x); "
               f"flat {x['flat_s']:.3f} s, tree {x['tree_s']:.3f} s, speedup {x['speedup']:.2f}x "
               f"({x['fraction_of_ideal']:.0%} of ideal)")
-    r["cp"] = cp_bytes(a)
+    r["cp"] = cp_bytes(a, max(x["mtp_tail"] for x in r["runs"].values()))  # tail rows are rows of the plan too
     for c in r["cp"]:
         print(f"  CP {c['cp']}: MTP halo rows per depth {c['mtp_halo_rows_per_depth']} -> {c['mtp_bytes']} bytes "
               f"(fwd+bwd, bf16, hidden {args.hidden}) per microbatch of {c['rows']} rows; attention fetches "

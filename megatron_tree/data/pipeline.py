@@ -149,7 +149,6 @@ class TreeStep:
     def microbatches_per_rank(self) -> int:
         return len(self.microbatches)
 
-
     @property
     def balance_ratio(self) -> float:
         """max / mean predicted rank cost (1 = perfectly balanced)."""
@@ -332,10 +331,7 @@ class TreeDataPipeline:
         """Validate every sample once; returns the optional loss-map fields the run carries."""
         for i, s in enumerate(self.samples):
             validate_sample(i, s, max_tokens=self.max_tokens_per_mb, vocab_size=vocab_size, where=self._where(i),
-                            route_spec=self.route_spec)
-            if self.mtp_tail and len(s.tokens) + self.mtp_tail > self.max_tokens_per_mb:
-                raise ValueError(f"{self._where(i)}: {len(s.tokens)} tokens and its {self.mtp_tail} MTP tail rows "
-                                 f"exceed max_tokens_per_mb={self.max_tokens_per_mb}")
+                            route_spec=self.route_spec, mtp_tail=self.mtp_tail)
         self._route_shape = None
         if self.route_aware:
             from ..tree.routes import routes_shape

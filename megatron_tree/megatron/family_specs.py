@@ -112,11 +112,9 @@ def _local_hybrid_mtp_block(norm, backend) -> dict:
     """``{"mtp_block_spec": ...}`` where the stack takes one (megatron-core >= 0.19's HybridModel: MTP
     depths from the ``main/mtp/...`` pattern, each MTP layer's inner stack built from this stack's
     own layer specs), with stock's structure and local modules; else nothing."""
-    import dataclasses
+    from ..compat.mtp import hybrid_has_mtp
 
-    from megatron.core.ssm.mamba_block import MambaStackSubmodules
-
-    if "mtp_block_spec" not in {f.name for f in dataclasses.fields(MambaStackSubmodules)}:
+    if not hybrid_has_mtp():
         return {}
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,

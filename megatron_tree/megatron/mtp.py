@@ -430,10 +430,10 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
                          "that splits them)")
     if attention_mask is not None:
         raise ValueError("tree MTP takes no attention_mask: visibility comes from the tree layout")
-    if mtp_tail_rows(cfg) and int(getattr(cfg, "dsa_indexer_topk_freq", None) or 1) > 1:
+    need = mtp_tail_rows(cfg)
+    if need and int(getattr(cfg, "dsa_indexer_topk_freq", None) or 1) > 1:
         raise ValueError("tree MTP with DSA IndexShare (dsa_indexer_topk_freq > 1) is not supported: an MTP layer "
                          "would reuse a decoder layer's top-k, made over other rows (set dsa_indexer_topk_freq 1)")
-    need = mtp_tail_rows(cfg)
     have = 0 if psp.mtp_tail_index is None else int(psp.mtp_tail_index.max())
     if psp.loss_map is not None and have < need:
         raise ValueError(f"tree MTP: the MTP layers run DeepSeek sparse attention, whose indexer loss covers the "

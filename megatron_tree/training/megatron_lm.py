@@ -344,9 +344,7 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
     if group is None or dist.get_world_size(group) == 1:
         mb = next(data_iterator)
         layout, loss_map = mb.layout.to(device), mb.loss_map.to(device)
-        stats = torch.stack([*mb.row_sample_stats(), *(t.double() for t in mb.mtp_tail_stats())])
-        routes = getattr(mb, "routes", None)
-        step_w = _as_tensor(getattr(mb, "step_weight_by_depth", None))
+        stats, routes, step_w = _row_stats(mb), getattr(mb, "routes", None), _step_weights(mb)
     else:
         if src is None:
             raise ValueError("get_batch: give src (the global rank that reads the data) together with group")
@@ -362,29 +360,13 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
                 except Exception as e:  # told to the peers before re-raising, so they do not hang
                     mb = e
         layout, loss_map = broadcast_tree_batch(mb, src=src, group=group, device=device)
-        # per-row sample counts / inverse lengths (DSA's indexer-loss weights) and the MTP tail rows' index and
-        # weights (`TreeMicrobatch.mtp_tail_stats`; zeros without tails): one more broadcast
+        mine = dist.get_rank() == src
         cdev = _comm_device(group)
-        stats = (torch.stack([*mb.row_sample_stats(), *(t.double() for t in mb.mtp_tail_stats())]).to(cdev)
-                 if dist.get_rank() == src else torch.empty(4, layout.num_rows, dtype=torch.float64, device=cdev))
+        stats = _row_stats(mb).to(cdev) if mine else torch.empty(4, layout.num_rows, dtype=torch.float64, device=cdev)
         dist.broadcast(stats, src, group=group)
-        # routing replay: every row's routes (shape first: [0, 0, 0] when the microbatch has none)
-        mine = getattr(mb, "routes", None) if dist.get_rank() == src else None
-        shape = torch.tensor(tuple(mine.shape) if mine is not None else (0, 0, 0), dtype=torch.int64, device=cdev)
-        dist.broadcast(shape, src, group=group)
-        routes = None
-        if int(shape[0]):
-            routes = (mine.to(torch.int64).to(cdev) if dist.get_rank() == src
-                      else torch.empty(tuple(shape.tolist()), dtype=torch.int64, device=cdev))
-            dist.broadcast(routes, src, group=group)
-        # the step's target weights by source depth (MTP logging): length first, -1 when absent
-        step_w = _as_tensor(getattr(mb, "step_weight_by_depth", None)) if dist.get_rank() == src else None
-        size = torch.tensor([-1 if step_w is None else step_w.numel()], dtype=torch.int64, device=cdev)
-        dist.broadcast(size, src, group=group)
-        if int(size) >= 0:
-            step_w = (step_w.to(cdev) if dist.get_rank() == src
-                      else torch.empty(int(size), dtype=torch.float64, device=cdev))
-            dist.broadcast(step_w, src, group=group)
+        # routing replay: every row's routes; MTP logging: the step's target weights by source depth
+        routes = _broadcast_optional(getattr(mb, "routes", None) if mine else None, 3, torch.int64, src, group, cdev)
+        step_w = _broadcast_optional(_step_weights(mb) if mine else None, 1, torch.float64, src, group, cdev)
     stats = stats.to(device)
     tails = bool((stats[2] > 0).any())
     return TreePackedSeqParams(layout=layout, loss_map=loss_map, row_samples=stats[0], row_inv_length=stats[1],
@@ -394,8 +376,29 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
                                step_weight_by_depth=None if step_w is None else step_w.to(device))
 
 
-def _as_tensor(a) -> "Optional[torch.Tensor]":
+def _row_stats(mb) -> torch.Tensor:
+    """[4, N] float64 per-row weights of a microbatch: sample counts and inverse lengths (DSA's indexer-loss
+    weights, `TreeMicrobatch.row_sample_stats`), the MTP tail rows' index and weights (`mtp_tail_stats`;
+    zeros without tails)."""
+    return torch.stack([*mb.row_sample_stats(), *(t.double() for t in mb.mtp_tail_stats())])
+
+
+def _step_weights(mb) -> "Optional[torch.Tensor]":
+    a = getattr(mb, "step_weight_by_depth", None)
     return None if a is None else torch.as_tensor(a, dtype=torch.float64)
+
+
+def _broadcast_optional(t: "Optional[torch.Tensor]", ndim: int, dtype, src: int, group, cdev):
+    """``t`` of the source rank (None there when absent) on every rank of ``group``, or None everywhere:
+    its shape first (all -1 when absent), then the data."""
+    mine = dist.get_rank() == src
+    shape = torch.tensor(tuple(t.shape) if mine and t is not None else (-1,) * ndim, dtype=torch.int64, device=cdev)
+    dist.broadcast(shape, src, group=group)
+    if int(shape[0]) < 0:
+        return None
+    out = t.to(dtype).to(cdev) if mine else torch.empty(tuple(shape.tolist()), dtype=dtype, device=cdev)
+    dist.broadcast(out, src, group=group)
+    return out
 
 
 # -------------------------------------------------------------------------------------------- step

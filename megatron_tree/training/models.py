@@ -209,11 +209,8 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
             if stock_mtp:  # verify's per-sample side: stock MTP layers (rolling) around the tree inner stack
                 import dataclasses as dc
 
-                from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
-
                 block = spec.submodules.mtp_block_spec
-                block = dc.replace(block, submodules=dc.replace(block.submodules, layer_specs=[
-                    dc.replace(s_, module=MultiTokenPredictionLayer) for s_ in block.submodules.layer_specs]))
+                block = dc.replace(block, submodules=_stock_mtp_layers(block.submodules))
                 spec = dc.replace(spec, submodules=dc.replace(spec.submodules, mtp_block_spec=block))
         model = TreeMambaModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
                                pre_process=pre, post_process=post, hybrid_override_pattern=pattern,
@@ -227,12 +224,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
 
         mtp_spec = get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
         if stock_mtp and mtp_spec is not None:
-            import dataclasses as dc
-
-            from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
-
-            mtp_spec = dc.replace(mtp_spec, layer_specs=[dc.replace(s, module=MultiTokenPredictionLayer)
-                                                         for s in mtp_spec.layer_specs])
+            mtp_spec = _stock_mtp_layers(mtp_spec)
     if margs.kind != "mamba":
         model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
                              pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
@@ -241,6 +233,17 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
     if config.params_dtype == torch.float64:
         model.to(torch.float64)  # Megatron keeps Mamba's A_log / D in fp32 whatever params_dtype says
     return model
+
+
+def _stock_mtp_layers(block_submodules):
+    """An MTP block's submodules with every layer stock ``MultiTokenPredictionLayer`` (rolling; verify's
+    per-sample side) in place of `TreeMultiTokenPredictionLayer`; same submodules and parameters."""
+    import dataclasses as dc
+
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    return dc.replace(block_submodules, layer_specs=[dc.replace(s, module=MultiTokenPredictionLayer)
+                                                     for s in block_submodules.layer_specs])
 
 
 def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False, grad_reduce_in_fp32: bool = False):

@@ -322,17 +322,17 @@ def _family_errors(args) -> list:
     elif (args.dsa_indexer_topk is not None or args.dsa_indexer_loss_coeff is not None
           or args.dsa_indexer_use_sparse_loss):
         errors.append("--dsa-indexer-* options need --experimental-attention-variant dsa")
-    if getattr(args, "mtp_num_layers", None) and args.model_family == "mamba":
-        from ..compat.mtp import hybrid_has_mtp
-        from .models import MAMBA_LETTERS
-
-        if not hybrid_has_mtp():
-            errors.append("--mtp-num-layers with --model-family mamba needs megatron-core >= 0.19 (this Megatron-Core's "
-                          "MambaModel has no multi-token prediction layers)")
-        if not args.mtp_pattern or set(args.mtp_pattern) - set(MAMBA_LETTERS):
-            errors.append(f"--mtp-pattern needs letters {MAMBA_LETTERS}, got {args.mtp_pattern!r}")
     if args.model_family == "mamba":
         from .models import MAMBA_LETTERS
+
+        if getattr(args, "mtp_num_layers", None):
+            from ..compat.mtp import hybrid_has_mtp
+
+            if not hybrid_has_mtp():
+                errors.append("--mtp-num-layers with --model-family mamba needs megatron-core >= 0.19 (this "
+                              "Megatron-Core's MambaModel has no multi-token prediction layers)")
+            if not args.mtp_pattern or set(args.mtp_pattern) - set(MAMBA_LETTERS):
+                errors.append(f"--mtp-pattern needs letters {MAMBA_LETTERS}, got {args.mtp_pattern!r}")
 
         pattern = args.hybrid_override_pattern
         if args.tree_hybrid_pattern:
@@ -791,8 +791,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
               lookahead=args.tree_lookahead)
     from ..megatron.mtp import mtp_tail_rows
 
-    if mtp_tail_rows(model.config):  # DSA in the MTP layers: each sample's trailing MTP positions as tail rows
-        kw["mtp_tail"] = mtp_tail_rows(model.config)
+    kw["mtp_tail"] = mtp_tail_rows(model.config)  # DSA in the MTP layers: each sample's trailing MTP positions
     if args.context_parallel_size > 1:  # every CP rank plans its DP rank's microbatches ahead, identically
         from ..cp import make_plan_fn
 

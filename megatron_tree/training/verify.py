@@ -53,6 +53,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .verify_mtp import FAULTS as MTP_FAULTS  # (light: torch only at import)
+
 FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state", "nan",
           "mla_rope_physical")
 # faults of model "dsa" only (kept apart from FAULTS, whose faults apply to the other models)
@@ -65,7 +67,6 @@ ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
 # faults of MTP runs (mtp_num_layers >= 1), planted in megatron.mtp for the tree side (`verify_mtp`)
-from .verify_mtp import FAULTS as MTP_FAULTS  # noqa: E402  (light: torch only at import)
 ALL_FAULTS += MTP_FAULTS
 MODEL_FAULTS += MTP_FAULTS
 METRICS = ("logits", "loss", "grads", "params_after_step")
@@ -550,6 +551,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from ..compat import cpu as compat_cpu
+    from ..megatron.mtp import mtp_tail_rows
     from ..tree import pack, padding_microbatch
     from .models import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
 
@@ -592,11 +594,12 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         margs.extra["moe_enable_routing_replay"] = True
         if cfg.recompute == "selective" and cfg.model not in ("mla", "dsa"):
             margs.extra["recompute_modules"] = ["core_attn", "moe"]  # the MoE layer's routing reruns in backward
-        probe = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, dtype=dtype, cpu=on_cpu)
+    probe = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, dtype=dtype, cpu=on_cpu)
+    if cfg.routing_replay:
         route_shape = (_moe_layer_count(margs, probe), margs.moe_router_topk)
         samples = verify_routes(samples, *route_shape, margs.num_experts, cfg.seed)
-    # DSA in the MTP layers: every sample's K trailing MTP positions as tail rows (`megatron.mtp.mtp_tail_rows`)
-    tail = cfg.mtp_num_layers if dsa else 0
+    # DSA in the MTP layers: every sample's K trailing MTP positions as tail rows
+    tail = mtp_tail_rows(probe)
     mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay, mtp_tail=tail)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = mbs[dpr::dp]

@@ -79,10 +79,8 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
         raise ValueError(f"mtp_tail must be >= 0, got {mtp_tail}")
     samples = [as_sample(s) for s in samples]
     for i, s in enumerate(samples):
-        validate_sample(i, s, max_tokens=max_tokens_per_mb, vocab_size=vocab_size, route_spec=route_spec)
-        if mtp_tail and len(s.tokens) + mtp_tail > max_tokens_per_mb:
-            raise ValueError(f"sample {i}: {len(s.tokens)} tokens and its {mtp_tail} MTP tail rows (mtp_tail) exceed "
-                             f"max_tokens_per_mb={max_tokens_per_mb}")
+        validate_sample(i, s, max_tokens=max_tokens_per_mb, vocab_size=vocab_size, route_spec=route_spec,
+                        mtp_tail=mtp_tail)
     if not samples:
         return []
     toks = [s.tokens.astype(np.int64, copy=False) for s in samples]

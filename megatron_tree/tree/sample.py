@@ -89,10 +89,12 @@ def as_sample(x) -> Sample:
 
 
 def validate_sample(index: int, s: Sample, *, max_tokens: int | None = None, vocab_size: int | None = None,
-                    where: str | None = None, route_spec=None) -> None:
+                    where: str | None = None, route_spec=None, mtp_tail: int = 0) -> None:
     """Raise ValueError naming the sample (``where`` overrides, e.g. "file.jsonl:12") and the broken rule.
     ``route_spec`` (`megatron_tree.tree.routes.RouteSpec`): the model's MoE layers, top-k and expert
-    count that ``routed_experts`` must match (their per-token shape is checked whatever it is)."""
+    count that ``routed_experts`` must match (their per-token shape is checked whatever it is).
+    ``mtp_tail``: the MTP tail rows packing adds after the sample (``pack(..., mtp_tail=)``), which must
+    fit ``max_tokens`` with it."""
     name = where or f"sample {index}"
     t = s.tokens
     if t.ndim != 1:
@@ -109,6 +111,9 @@ def validate_sample(index: int, s: Sample, *, max_tokens: int | None = None, voc
         raise ValueError(f"{name}: token id {int(t.max())} >= vocab size {vocab_size}")
     if max_tokens is not None and L > max_tokens:
         raise ValueError(f"{name}: {L} tokens exceed max_tokens_per_mb={max_tokens}")
+    if max_tokens is not None and mtp_tail and L + mtp_tail > max_tokens:
+        raise ValueError(f"{name}: {L} tokens and its {mtp_tail} MTP tail rows (mtp_tail) exceed "
+                         f"max_tokens_per_mb={max_tokens}")
     if s.loss_mask is not None:
         if s.loss_mask.shape != (L,):
             raise ValueError(f"{name}: loss_mask has shape {s.loss_mask.shape}, tokens have length {L}")

@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -258,6 +259,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _still_alive(pids: list, grace_s: float = 0.0) -> list:
+    """The processes of ``pids`` alive (not zombies) after up to ``grace_s`` seconds of waiting for them."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=signal.SIGTERM):
     """`megatron-tree launch --nproc 2` of the GPT example through tests/lm_entry.py (its records:
     every microbatch's loss sums and sample ids, by iteration). With
@@ -284,7 +295,10 @@ def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=s
                     except ProcessLookupError:
                         pass
         rc = proc.wait(timeout=600)
-        left = [p for p in job if p != proc.pid and _alive(p)]
+        # SIGKILL cannot be survived, but the kernel tears a killed rank (~1 GB) down in its own time and the
+        # launcher may be reaped first: give the killed processes a moment to finish dying. After SIGTERM the
+        # check is immediate (a launcher that exits before its job has is the bug it looks for).
+        left = _still_alive([p for p in job if p != proc.pid], grace_s=5.0 if sig == signal.SIGKILL else 0.0)
     finally:
         for pid in [proc.pid] + job + _process_tree(proc.pid):  # a failed test leaves nothing running
             if _alive(pid):

@@ -41,8 +41,15 @@ def _layer(path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def _imported_layers(path: Path) -> set[tuple[str, int]]:
-    """(layer, line) for every import of a ``megatron_tree`` module in ``path``."""
+def _module_name(path: Path) -> str:
+    """``megatron_tree.a.b`` for ``a/b.py`` and for ``a/b/__init__.py``."""
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path) -> set[tuple[str, int]]:
+    """(dotted name, line) for every import of a ``megatron_tree`` name in ``path`` (top level and
+    inside functions); ``from pkg import x`` yields ``pkg.x`` (a module or a name of ``pkg``)."""
     rel = path.relative_to(ROOT.parent).with_suffix("")
     package = list(rel.parts[:-1])  # a module and a package's __init__ resolve "." alike
     out = set()
@@ -54,14 +61,66 @@ def _imported_layers(path: Path) -> set[tuple[str, int]]:
             if node.level:
                 base = package[: len(package) - node.level + 1]
                 mod = ".".join(base + ([node.module] if node.module else []))
-                # ``from . import x`` / ``from .. import x``: x is the module
-                names = [mod + "." + a.name for a in node.names] if not node.module else [mod]
             else:
-                names = [node.module or ""]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "megatron_tree" and len(parts) > 1:
-                out.add((parts[1], node.lineno))
+                mod = node.module or ""
+            names = [mod + "." + a.name for a in node.names]
+        out.update((n, node.lineno) for n in names if n.startswith("megatron_tree."))
+    return out
+
+
+def _imported_layers(path: Path) -> set[tuple[str, int]]:
+    """(layer, line) for every import of a ``megatron_tree`` module in ``path``."""
+    return {(name.split(".")[1], line) for name, line in _imported_modules(path)}
+
+
+def _import_graph(paths) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports. A dotted name resolves to the longest module it
+    starts with (``from megatron_tree.cp import CPPlan`` is an arrow to the package ``megatron_tree.cp``)."""
+    names = {_module_name(p): p for p in paths}
+
+    def resolve(name):
+        parts = name.split(".")
+        while parts and ".".join(parts) not in names:
+            parts.pop()
+        return ".".join(parts)
+
+    return {me: {t for t in (resolve(n) for n, _ in _imported_modules(p)) if t and t != me}
+            for me, p in names.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root), on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w), on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
     return out
 
 
@@ -81,6 +140,20 @@ def test_imports_point_down(path):
     bad = sorted((layer, line) for layer, line in _imported_layers(path) if layer != me and layer not in ALLOWED[me])
     assert not bad, f"{path.relative_to(ROOT.parent)} ({me}) imports upward: " + ", ".join(
         f"megatron_tree.{layer} at line {line}" for layer, line in bad)
+
+
+def test_no_import_circle():
+    """No two modules of ours import each other, directly or around a loop, counting imports inside
+    functions too (a deferred import hides a circle from Python, not from a reader)."""
+    circles = _circles(_import_graph(_modules()))
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c + c[:1]) for c in circles)
+
+
+def test_circle_checker_finds_a_planted_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}, "f": {"f"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    graph["d"] = {"e"}
+    assert sorted(_circles(graph)) == [["a", "b", "c"], ["d", "e"]]
 
 
 def test_checker_sees_relative_and_inner_imports(tmp_path, monkeypatch):

@@ -71,8 +71,7 @@ def _models(K: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
     from megatron_tree.megatron.model import TreeGPTModel
-    from megatron_tree.megatron.mtp import get_tree_gpt_mtp_block_spec
-    from megatron_tree.megatron.specs import get_tree_gpt_layer_spec
+    from megatron_tree.megatron.specs import get_tree_gpt_layer_spec, get_tree_gpt_mtp_block_spec
     from megatron_tree.training.models import ModelArgs, make_config
 
     cfg = make_config(ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,

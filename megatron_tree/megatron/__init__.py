@@ -24,7 +24,7 @@ _EXPORTS = {
     "get_tree_hybrid_stack_spec": "specs", "treeify_spec": "specs",
     "vocab_parallel_logprobs": "loss", "tree_loss_func": "loss", "vocab_parallel_logprobs_entropy": "loss",
     "tree_forward_step": "forward_step",
-    "get_tree_gpt_mtp_block_spec": "mtp", "TreeMultiTokenPredictionLayer": "mtp",
+    "get_tree_gpt_mtp_block_spec": "specs", "TreeMultiTokenPredictionLayer": "mtp",
 }
 __all__ = sorted(_EXPORTS)
 

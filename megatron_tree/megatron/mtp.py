@@ -42,9 +42,9 @@ depth-k visibility (`dataclasses.replace` of the plan: same owners, new ``visibl
 
 Module classes keep stock's names: `TreeMultiTokenPredictionLayer` is a
 ``MultiTokenPredictionLayer`` (same parameters, so stock MTP checkpoints load) whose embeddings are
-not rolled on a tree; `get_tree_gpt_mtp_block_spec` is the tree counterpart of stock's
-``get_gpt_mtp_block_spec`` (tree core attention inside the MTP layers). `tree_mtp_postprocess` is
-what `TreeGPTModel` runs on the last stage.
+not rolled on a tree; `specs.get_tree_gpt_mtp_block_spec` (with the other spec builders) is the
+tree counterpart of stock's ``get_gpt_mtp_block_spec`` (tree core attention inside the MTP layers).
+`tree_mtp_postprocess` is what `TreeGPTModel` runs on the last stage.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ from ..tree.layout import TreeLayout
 from .loss import vocab_parallel_logprobs
 from .packed_seq import TreePackedSeqParams
 
-__all__ = ["TreeMultiTokenPredictionLayer", "get_tree_gpt_mtp_block_spec", "mtp_layout", "mtp_view", "mtp_halo",
+__all__ = ["TreeMultiTokenPredictionLayer", "mtp_layout", "mtp_view", "mtp_halo",
            "MTPHalo", "mtp_cp_figures", "tree_mtp_postprocess", "with_mtp_report",
            "logits_without_mtp", "mtp_tail_rows", "FAULTS"]
 
@@ -327,26 +327,6 @@ class TreeMultiTokenPredictionLayer(MultiTokenPredictionLayer):
 
         return tensor_parallel.checkpoint(custom_forward, self.config.distribute_saved_activations,
                                           *[kwargs[k] for k in names])
-
-
-def get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine: Optional[bool] = None,
-                                vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
-    """Tree counterpart of Megatron's ``get_gpt_mtp_block_spec``: stock's MTP block spec built from the
-    (treeified) decoder ``spec`` (a block spec: its last layer; or a layer spec), with every MTP layer
-    a `TreeMultiTokenPredictionLayer` and its core attention tree attention. None where stock returns
-    None (no MTP layers on this pipeline stage)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-    from .specs import te_available, treeify_spec
-
-    use_te = te_available() if use_transformer_engine is None else use_transformer_engine
-    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage,
-                                   pp_rank=pp_rank)
-    if block is None:
-        return None
-    block = dataclasses.replace(block, layer_specs=[
-        dataclasses.replace(treeify_spec(s), module=TreeMultiTokenPredictionLayer) for s in block.layer_specs])
-    return block
 
 
 # ------------------------------------------------------------------------------------ loss

@@ -149,6 +149,26 @@ def get_tree_gpt_decoder_block_spec(config, use_transformer_engine: Optional[boo
     return treeify_spec(block)
 
 
+def get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine: Optional[bool] = None,
+                                vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """Tree counterpart of Megatron's ``get_gpt_mtp_block_spec``: stock's MTP block spec built from the
+    (treeified) decoder ``spec`` (a block spec: its last layer; or a layer spec), with every MTP layer
+    a `TreeMultiTokenPredictionLayer` and its core attention tree attention. None where stock returns
+    None (no MTP layers on this pipeline stage)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from .mtp import TreeMultiTokenPredictionLayer
+
+    use_te = te_available() if use_transformer_engine is None else use_transformer_engine
+    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage,
+                                   pp_rank=pp_rank)
+    if block is None:
+        return None
+    block = dataclasses.replace(block, layer_specs=[
+        dataclasses.replace(treeify_spec(s), module=TreeMultiTokenPredictionLayer) for s in block.layer_specs])
+    return block
+
+
 def _backend(use_te: bool):
     return gls.TESpecProvider() if use_te else gls.LocalSpecProvider()
 

@@ -159,7 +159,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     if pg_collection is not None:
         kw["pg_collection"] = pg_collection
     if getattr(config, "mtp_num_layers", None):  # MTP layers on the last stage, tree attention inside
-        from ..megatron.mtp import get_tree_gpt_mtp_block_spec
+        from ..megatron.specs import get_tree_gpt_mtp_block_spec
 
         kw["mtp_block_spec"] = get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te,
                                                            vp_stage=vp_stage)

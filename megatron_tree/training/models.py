@@ -220,7 +220,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
         raise ValueError(f"model kind must be gpt, hybrid, mla, dsa, mamba or qwen3next, got {margs.kind!r}")
     mtp_spec = None
     if getattr(config, "mtp_num_layers", None) and margs.kind != "mamba":
-        from ..megatron.mtp import get_tree_gpt_mtp_block_spec
+        from ..megatron.specs import get_tree_gpt_mtp_block_spec
 
         mtp_spec = get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
         if stock_mtp and mtp_spec is not None:

@@ -8,6 +8,7 @@ import torch
 
 from .layout import TreeLayout
 from .loss_map import LossMap
+from .routes import padding_routes
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,6 @@ def padding_microbatch(max_tokens_per_mb: int, *, num_rows: int = 1, pad_id: int
                             max_tokens_per_mb=max_tokens_per_mb)
     routes = None
     if route_shape is not None:
-        from .routes import padding_routes
-
         routes = torch.from_numpy(padding_routes(num_rows, *route_shape))
     return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=(), stats=stats,
                           _path_rows=np.zeros(0, np.int64), _path_offsets=np.zeros(1, np.int64), routes=routes)

@@ -41,6 +41,8 @@ import torch
 from .layout import TreeLayout
 from .loss_map import LossMap
 from .microbatch import MicrobatchStats, TreeMicrobatch
+from .prefix import sort_and_lcp
+from .routes import route_symbols, routes_shape, row_routes
 from .sample import Sample, as_sample, validate_sample
 
 
@@ -86,8 +88,6 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
     toks = [s.tokens.astype(np.int64, copy=False) for s in samples]
     routes = None
     if route_aware:
-        from .routes import route_symbols, routes_shape
-
         missing = [i for i, s in enumerate(samples) if s.routed_experts is None]
         if missing:
             raise ValueError(f"sample {missing[0]}: route_aware packing (routing replay) needs routed_experts on every "
@@ -112,19 +112,6 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
     return out
 
 
-def sort_and_lcp(toks: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Lexicographic order of token sequences and the LCP of each with its predecessor (0 first)."""
-    keys = [t.astype(">u4").tobytes() for t in toks]
-    order = np.array(sorted(range(len(toks)), key=lambda i: (keys[i], i)), dtype=np.int64)
-    lcp = np.zeros(len(order), dtype=np.int64)
-    for j in range(1, len(order)):
-        a, b = toks[order[j - 1]], toks[order[j]]
-        m = min(len(a), len(b))
-        diff = np.flatnonzero(a[:m] != b[:m])
-        lcp[j] = diff[0] if diff.size else m
-    return order, lcp
-
-
 class PrefixPlan:
     """What packing decides from, without building any layout: the lexicographic order of a set of
     token sequences, each one's LCP with its predecessor, and the rows each tree needs.
@@ -137,8 +124,6 @@ class PrefixPlan:
 
     def __init__(self, toks: Sequence[np.ndarray], routes=None, mtp_tail: int = 0):
         if routes is not None:
-            from .routes import route_symbols
-
             toks, keys = toks, route_symbols(toks, routes)
         else:
             keys = toks
@@ -377,8 +362,6 @@ def _build_microbatch(samples: list[Sample], toks: list[np.ndarray], ids: np.nda
         tree_attention_pairs=layout.visible_pairs(), max_tokens_per_mb=budget)
     mb_routes = None
     if routes is not None:
-        from .routes import row_routes
-
         mb_routes = torch.from_numpy(row_routes(path_rows, [routes[i] for i in sample_ids.tolist()], n_rows))
     return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=tuple(sample_ids.tolist()), stats=stats,
                           _path_rows=path_rows, _path_offsets=path_offsets, routes=mb_routes, _tail_rows=tail_rows)

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .prefix import sort_and_lcp
+
 __all__ = ["RouteSpec", "validate_routes", "route_symbols", "padding_routes", "row_routes", "route_sharing_cost",
            "routes_shape"]
 
@@ -167,8 +169,6 @@ def route_sharing_cost(samples: Sequence) -> dict:
                      the same as its own but whose routes differ there
     route_extra_rows route_rows - token_rows (rows the route forks cost)
     """
-    from .packing import sort_and_lcp
-
     toks = [np.asarray(s.tokens, np.int64) for s in samples]
     missing = [i for i, s in enumerate(samples) if getattr(s, "routed_experts", None) is None]
     if missing:

@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .routes import validate_routes
+
 _TOKEN_FIELDS = ("old_logprobs", "ref_logprobs")
 _SCALAR_OR_TOKEN_FIELDS = ("advantage", "weight")
 
@@ -133,8 +135,6 @@ def validate_sample(index: int, s: Sample, *, max_tokens: int | None = None, voc
         if not np.all(np.isfinite(checked)):
             raise ValueError(f"{name}: {f} has a non-finite value at a target position")
     if s.routed_experts is not None:
-        from .routes import validate_routes
-
         s.routed_experts = validate_routes(name, s.routed_experts, L, route_spec)
 
 

@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Prefix-tree training for Megatron-Core: shared prefixes stored once, exact per-sample loss and gradients.",
     packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
-    package_data={"megatron_tree.cp": ["*.json"]},  # the CPU cost-model fits (cost_cpu.json, gdn_cost_cpu.json)
+    package_data={"megatron_tree.cp.planning": ["*.json"]},  # the CPU cost-model fits (cost_cpu.json, gdn_cost_cpu.json)
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",  # CPU machines: pip install torch==2.13.0 (local CPU build)

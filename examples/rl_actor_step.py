@@ -104,7 +104,7 @@ def _demo_rank() -> list:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tree.compat import cpu
+    from megatron_tree import cpu
     from megatron_tree.training.models import ModelArgs, build_model, make_config, wrap_ddp
 
     cpu.enable(kernels=True)

@@ -36,7 +36,7 @@ def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, seed: i
                   **parallel_kwargs: Any):
     """Inside a rank: apply the CPU shims, initialise Megatron's model-parallel state and seed.
 
-    Calls ``megatron_tree.compat.cpu.enable(kernels=kernels)``, then
+    Calls ``megatron_tree.cpu.enable(kernels=kernels)``, then
     ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
     pipeline_model_parallel_size=pp, context_parallel_size=cp, expert_model_parallel_size=ep,
     **parallel_kwargs)`` (DP is what remains of the world size), then
@@ -44,7 +44,7 @@ def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, seed: i
     the same CPU weights, so ``use_cpu_initialization=True`` models match across layouts.
     Returns ``megatron.core.parallel_state``.
     """
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     cpu.enable(kernels=kernels)
     from megatron.core import parallel_state

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_tree.compat import standins
+from megatron_tree.cpu import standins
 from megatron_tree.compat.mixers import mamba_conv_params
 from tests.dist import DistributedError, init_megatron, run_distributed
 
@@ -168,7 +168,7 @@ def test_gated_rms_norm_and_einops_standins():
 
 
 def test_enable_is_noop_when_cuda_available(monkeypatch):
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     before = cpu.applied()
     was_enabled = cpu.is_enabled()
@@ -190,7 +190,7 @@ class _FakeGroup:
 
 
 def test_cpu_view_of_torch_and_rope_cp_split():
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     view = cpu._CPU_TORCH
     assert view.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
@@ -213,7 +213,7 @@ def test_share_storage_stand_in_refills_a_discarded_output_and_its_views():
     """Megatron 0.19's output-discarding recomputation empties an output's storage and later points it at
     the recomputed one (a JIT-compiled C++ extension); the CPU stand-in copies the bytes back instead: every
     view of the discarded output sees the recomputed values, and no extension is compiled."""
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     out = torch.arange(12.0).reshape(3, 4)
     view = out[1:]  # shares the storage, as an autograd-saved view would
@@ -445,7 +445,7 @@ def _reinit(**sizes):
 
 
 def _ws1_body():
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     _no_compile()
     import megatron.core.tensor_parallel.layers as layers  # its torch is checked before/after enable()

@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from megatron_tree.compat import cpu as compat_cpu
+from megatron_tree.cpu import megatron_core as cpu_layer
 from megatron_tree.compat.mixers import checkpoint_param_name, gdn_modules, stock_kwargs
 
 from dist import init_megatron  # noqa: F401  (tests/dist.py)
@@ -89,4 +89,4 @@ def test_gdn_modules_cover_where_the_fla_names_are_read():
     if hasattr(mods[0], "__path__"):  # 0.19.x: the package and the submodules that read the names
         names = {m.__name__ for m in mods}
         assert "megatron.core.ssm.gated_delta_net.common" in names
-    assert compat_cpu is not None
+    assert cpu_layer is not None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_tree.cp import CPPlan, build_schedule, schedule_figures, tree_attention_cp
-from megatron_tree.cp.schedule import remote_needs
+from megatron_tree.cp.planning.schedule import remote_needs
 
 try:
     from tests.dist import run_distributed
@@ -139,8 +139,8 @@ def _run_cases(cases):
     reference on this rank's rows. Returns per case the max errors and this rank's sinks grad."""
     import torch.distributed as dist
 
-    import megatron_tree.cp.attention as cpa
-    from megatron_tree.cp.comm import fetch_rows
+    import megatron_tree.cp.execution.attention as cpa
+    from megatron_tree.cp.execution.comm import fetch_rows
     from megatron_tree.ops import tree_attention
 
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -213,7 +213,7 @@ def _run_cases(cases):
 
     # overlap order: each fetch is issued before the compute it overlaps (forward: local stage, then
     # wave w while wave w + 1 moves; backward: wave w's dK/dV return while the next stage computes)
-    import megatron_tree.cp.schedule as cps  # forward fetches go through CPSchedule.start_fetch
+    import megatron_tree.cp.execution.comm as cps  # forward fetches go through comm.start_fetch
 
     events = []
     real_x, real_s = cpa.start_exchange, cpa.tree_attention_partial

@@ -67,7 +67,7 @@ def _inputs(c, n):
 def _run_cases(cases):
     import torch.distributed as dist
 
-    import megatron_tree.cp.dsa as cpd
+    import megatron_tree.cp.execution.dsa as cpd
     from megatron_tree.ops import tree_dsa
     from megatron_tree.ops.dsa import tree_dsa_topk
 
@@ -249,7 +249,7 @@ def test_cp1_without_process_group():
 def test_dsa_cost_model_against_hand_formula():
     import dataclasses
 
-    from megatron_tree.cp.cost_model import CostModel, DSAWork, RankLoads, simulate, simulate_reference
+    from megatron_tree.cp.planning.cost_model import CostModel, DSAWork, RankLoads, simulate, simulate_reference
 
     dsa = DSAWork(topk=16, index_layers_fraction=0.75, index_fwd_ms_per_pair=2e-6, index_bwd_ms_per_pair=3e-6,
                   sel_fwd_ms_per_key=5e-5, sel_bwd_ms_per_key=7e-5, cand_bytes_per_row=100.0,
@@ -307,8 +307,8 @@ def test_dsa_cost_model_against_hand_formula():
 
 def test_dsa_planner_terms_and_balance():
     from megatron_tree.cp import CostModel, PlanCache, plan_context_parallel
-    from megatron_tree.cp.cost_model import DSAWork
-    from megatron_tree.cp.planner import evaluate_plan
+    from megatron_tree.cp.planning.cost_model import DSAWork
+    from megatron_tree.cp.planning.planner import evaluate_plan
     from megatron_tree.tree.layout import TreeLayout
 
     gpu = CostModel.gpu()

@@ -174,7 +174,7 @@ def test_summary_is_the_affine_map_of_the_recurrence():
 def test_summary_composition_is_associative():
     """Summaries of three consecutive parts of a chain compose to the summary of the whole chain,
     grouped either way; the composition is not commutative."""
-    from megatron_tree.cp.gdn import compose_summaries
+    from megatron_tree.cp.execution.gdn import compose_summaries
     from megatron_tree.ops.gated_delta_rule import gated_delta_rule_summary
 
     T = 17
@@ -220,7 +220,7 @@ PLAN_CASES = [(lay, own, cp) for cp in (2, 3, 5, 8) for lay, own in
 def test_plan_scan_delivers_every_entry_state(lay, own, cp):
     """The host plan, run with scalar affine maps per piece (``s -> a s + e``) through simulated
     exchanges, gives every entry the state of its true predecessor path; rounds are log-depth."""
-    from megatron_tree.cp.gdn_plan import gdn_pieces, gdn_rank_plan
+    from megatron_tree.cp.planning.gdn_plan import gdn_pieces, gdn_rank_plan
 
     layout = _layout(*lay)
     plan = _plan(layout, own[0], cp, own[1])
@@ -300,7 +300,7 @@ def test_plan_scan_delivers_every_entry_state(lay, own, cp):
 @pytest.mark.parametrize("lay, own, cp", PLAN_CASES[::3])
 @pytest.mark.parametrize("W", [1, 2, 4])
 def test_halo_taps_follow_the_tree_path(lay, own, cp, W):
-    from megatron_tree.cp.gdn_plan import gdn_rank_plan
+    from megatron_tree.cp.planning.gdn_plan import gdn_rank_plan
 
     layout = _layout(*lay)
     plan = _plan(layout, own[0], cp, own[1])
@@ -317,7 +317,7 @@ def test_halo_taps_follow_the_tree_path(lay, own, cp, W):
 
 
 def test_cost_figures_and_mode_choice():
-    from megatron_tree.cp.gdn_plan import GDNCostModel, GDNHeads, choose_mode, gdn_cp_figures, gdn_rank_plan
+    from megatron_tree.cp.planning.gdn_plan import GDNCostModel, GDNHeads, choose_mode, gdn_cp_figures, gdn_rank_plan
 
     layout = _layout("forest", 2)
     heads = GDNHeads(2, 4, 8, 8, 4)
@@ -349,9 +349,9 @@ def test_cost_figures_and_mode_choice():
 
 
 def test_cp1_errors_and_env_override(monkeypatch):
-    import megatron_tree.cp.gdn as cpg
-    from megatron_tree.cp.gdn import default_gdn_cp_mode, tree_gdn_cp
-    from megatron_tree.cp.gdn_plan import GDNHeads, check_heads_mode
+    import megatron_tree.cp.execution.gdn as cpg
+    from megatron_tree.cp.execution.gdn import default_gdn_cp_mode, tree_gdn_cp
+    from megatron_tree.cp.planning.gdn_plan import GDNHeads, check_heads_mode
     from megatron_tree.ops import tree_causal_conv1d, tree_gated_delta_rule
     from megatron_tree.ops.gated_delta_rule import l2norm
 
@@ -393,8 +393,8 @@ def _case(layout, owner, seed=0, *, mode="summary", H=2, HV=4, K=4, V=3, W=4, bi
 def _run_cases(cases):
     import torch.distributed as dist
 
-    import megatron_tree.cp.gdn as cpg
-    from megatron_tree.cp.gdn import tree_gdn_cp
+    import megatron_tree.cp.execution.gdn as cpg
+    from megatron_tree.cp.execution.gdn import tree_gdn_cp
 
     torch.set_num_threads(1)
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -510,7 +510,7 @@ def test_cp_gdn_4_ranks():
 
 def test_distributed_cases_hold_the_hard_structures():
     """The cases above really contain what they are meant to test (host-side check, no ranks)."""
-    from megatron_tree.cp.gdn_plan import gdn_pieces, gdn_rank_plan
+    from megatron_tree.cp.planning.gdn_plan import gdn_pieces, gdn_rank_plan
 
     def pieces(case, cp):
         layout = _layout(*case["layout"])
@@ -538,7 +538,7 @@ def test_distributed_cases_hold_the_hard_structures():
 def test_verify_hybrid_cp_heads_mode_forced(monkeypatch):
     """Model level against per-sample training with the head transpose forced at CP2 (for verify's
     model, "auto" picks summary mode at CP2 and heads mode at CP4: tests/test_megatron_verify.py)."""
-    from megatron_tree.cp.gdn import MODE_ENV
+    from megatron_tree.cp.execution.gdn import MODE_ENV
     from megatron_tree.training.verify import VerifyConfig, format_report, run_verify_many
 
     monkeypatch.setenv(MODE_ENV, "heads")  # inherited by the spawned ranks

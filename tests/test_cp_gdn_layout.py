@@ -1,4 +1,4 @@
-"""The GDN layout planner (`megatron_tree.cp.gdn_layout.plan_gdn_layout`): GDN-friendly ownership for
+"""The GDN layout planner (`megatron_tree.cp.planning.gdn_layout.plan_gdn_layout`): GDN-friendly ownership for
 layout islands, its cost model, and the recurrent rows of ``megatron-tree plan``.
 
 Oracles: the piece forest of `gdn_plan` (itself checked against brute force in test_cp_gdn.py) for
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megatron_tree.cp import CPPlan, plan_context_parallel
-from megatron_tree.cp.gdn_layout import (DEFAULT_HEADS, cut_crossings, gdn_layout_figures, plan_gdn_layout,
+from megatron_tree.cp.planning.gdn_layout import (DEFAULT_HEADS, cut_crossings, gdn_layout_figures, plan_gdn_layout,
                                          predict_gdn_seconds, redistribution_bytes)
-from megatron_tree.cp.gdn_plan import GDNCostModel, GDNHeads, _build_pieces, gdn_cp_figures, gdn_pieces
+from megatron_tree.cp.planning.gdn_plan import GDNCostModel, GDNHeads, _build_pieces, gdn_cp_figures, gdn_pieces
 from megatron_tree.tree.layout import TreeLayout
 
 try:
@@ -230,8 +230,8 @@ _COST = GDNCostModel(sec_per_flop=1e-9, sec_per_byte=0.0, sec_per_collective=0.0
 def _exact_body(faults):
     import torch.distributed as dist
 
-    import megatron_tree.cp.gdn as cpg
-    from megatron_tree.cp.gdn import tree_gdn_cp
+    import megatron_tree.cp.execution.gdn as cpg
+    from megatron_tree.cp.execution.gdn import tree_gdn_cp
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -285,8 +285,8 @@ def test_tree_gdn_cp_under_gdn_layout_equals_single_device_and_sensitivity():
 
 # ------------------------------------------------------------------------------ megatron-tree plan
 def test_recurrent_report_figures():
-    from megatron_tree.cp.capacity import format_recurrent, recurrent_report
-    from megatron_tree.cp.mamba import mamba_exchange_figures
+    from megatron_tree.cp.planning.capacity import format_recurrent, recurrent_report
+    from megatron_tree.cp.planning.mamba_heads import mamba_exchange_figures
 
     layout = random_forest(2, num_trees=3, max_len=60, max_depth=3, num_padding=0)[0]
     heads = GDNHeads(2, 4, 16, 16, 4)
@@ -334,7 +334,7 @@ def test_plan_cli_reports_recurrent_rows(capsys):
 def test_gdn_cost_model_json_and_call_term(tmp_path):
     import json
 
-    from megatron_tree.cp.gdn_plan import GDN_CPU_COST_JSON
+    from megatron_tree.cp.planning.gdn_plan import GDN_CPU_COST_JSON
 
     cpu = GDNCostModel.cpu()
     with open(GDN_CPU_COST_JSON) as f:

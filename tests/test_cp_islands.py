@@ -1,7 +1,7 @@
 """GDN layout islands under tree context parallelism: exactness, boundaries, sensitivity.
 
 Islands (`megatron_tree.megatron.model`): each maximal run of non-attention layers holding a GDN
-layer runs on a second, GDN-friendly ownership; hidden states move (`cp.redistribute`) only at the
+layer runs on a second, GDN-friendly ownership; hidden states move (`cp.execution.redistribute`) only at the
 island's entry and exit. Oracles: the single-rank permutation (redistribution), and CP1 of the same
 tree model (itself equal to per-sample training, `megatron-tree verify`), float64: loss and every
 parameter gradient after Megatron's DP x CP reduction (the CP1 reference turns the CP ranks into DP
@@ -43,7 +43,7 @@ def _plans(n: int, cp: int, seed: int):
 def _redistribute_body(cases):
     import torch.distributed as dist
 
-    from megatron_tree.cp import redistribute as rd
+    from megatron_tree.cp.execution import redistribute as rd
 
     rank = dist.get_rank()
     out = []
@@ -92,7 +92,7 @@ def _train_body(cfgs):
     from megatron.core import parallel_state as ps
 
     from megatron_tree.cp import plan_context_parallel
-    from megatron_tree.cp import redistribute as rd
+    from megatron_tree.cp.execution import redistribute as rd
     from megatron_tree.megatron import model as tree_model
     from megatron_tree.megatron.forward_step import gdn_island_plan
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals

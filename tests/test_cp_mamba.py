@@ -83,7 +83,7 @@ def _run_cases(cases):
     elements each exchange sends to other ranks (vs `mamba_exchange_figures`)."""
     import torch.distributed as dist
 
-    import megatron_tree.cp.mamba as cpm
+    import megatron_tree.cp.execution.mamba as cpm
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     out = []

@@ -43,7 +43,7 @@ def test_local_views_cover_every_row_and_occurrence_once():
 def _train_body(cfgs):
     from megatron.core import parallel_state as ps
 
-    from megatron_tree.cp import attention as cp_attention
+    from megatron_tree.cp.execution import attention as cp_attention
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals
     from megatron_tree.training.models import wrap_ddp
 

@@ -16,12 +16,12 @@ import pytest
 
 from forests import random_forest
 from megatron_tree.cp import CPPlan, CostModel, PlanCache, make_plan_fn, plan_context_parallel
-from megatron_tree.cp.cost_model import RankLoads, simulate, simulate_reference
-from megatron_tree.cp.evaluate import rank_key_work, rank_loads, rank_loads_reference
-from megatron_tree.cp.pairs import (chunk_grid, default_num_chunks, layout_arrays, snapped_grid,
+from megatron_tree.cp.planning.cost_model import RankLoads, simulate, simulate_reference
+from megatron_tree.cp.planning.evaluate import rank_key_work, rank_loads, rank_loads_reference
+from megatron_tree.cp.planning.pairs import (chunk_grid, default_num_chunks, layout_arrays, snapped_grid,
                                     visible_pairs)
 from megatron_tree.ops.blocks import block_pairs
-from megatron_tree.cp.planner import STRATEGIES, _evaluate, evaluate_plan, layout_key
+from megatron_tree.cp.planning.planner import STRATEGIES, _evaluate, evaluate_plan, layout_key
 from megatron_tree.tree.layout import TreeLayout
 
 CPU = CostModel.cpu()
@@ -383,7 +383,7 @@ def test_plan_cache_and_plan_fn_in_the_pipeline():
 def test_model_matches_the_executor_schedule():
     """Without a window, the rows the planner prices per rank and wave (received and sent) are the
     rows the executor's schedule moves: the plan's wave rule and needs are one contract."""
-    schedule = pytest.importorskip("megatron_tree.cp.schedule")
+    schedule = pytest.importorskip("megatron_tree.cp.planning.schedule")
     for name, layout in _layouts():
         for cp, strategy in ((2, "balanced"), (3, "zigzag"), (4, "balanced"), (5, "contiguous")):
             plan = plan_context_parallel(layout, cp, strategy=strategy, cost_model=CPU)

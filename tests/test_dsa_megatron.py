@@ -1,10 +1,10 @@
 """Tree DeepSeek Sparse Attention modules (`megatron_tree.megatron.dsa`) against stock Megatron-Core DSA.
 
 Oracle: Megatron-Core's own ``GPTModel`` with stock ``MLASelfAttention`` and stock ``DSAttention`` /
-``DSAIndexer`` (``compat.dsa.stock_oracle_class()``: the stock class, its forward unchanged) run on each
-sample alone, under ``compat.dsa.float64_oracle`` (stock's float32 upcasts kept at float64; ``topk``
+``DSAIndexer`` (``training.dsa_oracle.stock_oracle_class()``: the stock class, its forward unchanged) run on each
+sample alone, under ``training.dsa_oracle.float64_oracle`` (stock's float32 upcasts kept at float64; ``topk``
 ties in ascending position order, our tie rule on one sample) with the torch Hadamard stand-in
-(``compat.dsa.enable``). Checked in float64 on a forest where many branches share a long prompt (so
+(``training.dsa_oracle.enable``). Checked in float64 on a forest where many branches share a long prompt (so
 their queries select the same prefix keys), whose first rows see fewer than ``topk`` keys, with a
 layer whose index scores are all exactly 0 (every candidate ties: the rule alone picks), dense and
 sparse indexer loss, and IndexShare: per-occurrence log-probs, the canonical selections of every
@@ -44,7 +44,7 @@ CASES = {
 
 # ------------------------------------------------------------------------------------ CPU units
 def test_hadamard_stand_in():
-    from megatron_tree.compat.dsa import hadamard_rotate
+    from megatron_tree.ops.hadamard import hadamard_rotate
 
     d = 8
     h = torch.ones(1, 1, dtype=torch.float64)
@@ -59,7 +59,7 @@ def test_hadamard_stand_in():
 
 
 def test_stable_topk_is_our_tie_rule_and_scoped():
-    from megatron_tree.compat.dsa import stable_topk
+    from megatron_tree.training.dsa_oracle import stable_topk
 
     x = torch.tensor([[0.0, 2.0, 0.0, 2.0, 1.0, 0.0]])
     before = torch.Tensor.topk
@@ -88,7 +88,7 @@ def _stock_spec(core_cls):
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_tree.compat.dsa import DuplicatedLinear
+    from megatron_tree.megatron.dsa import DuplicatedLinear
 
     from megatron.core.models.backends import LocalSpecProvider
 
@@ -104,7 +104,7 @@ def _case(name, mb):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.experimental_attention_variant import dsa as stock_dsa
 
-    from megatron_tree.compat import dsa as cdsa
+    from megatron_tree.training import dsa_oracle as cdsa
     from megatron_tree.megatron.dsa import TreeDSAttention, TreeDSAIndexer, capture_selected
     from megatron_tree.megatron.model import TreeGPTModel
     from megatron_tree.megatron.packed_seq import tree_packed_seq_params
@@ -208,7 +208,7 @@ def _case(name, mb):
 def _interop_body():
     init_megatron(tp=1, kernels=True)
     torch.set_default_dtype(torch.float64)
-    from megatron_tree.compat import dsa as cdsa
+    from megatron_tree.training import dsa_oracle as cdsa
     from megatron_tree.tree import pack
 
     cdsa.enable()

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_tree.compat import lm_api, lm_cpu
+from megatron_tree.compat import lm_api
+from megatron_tree.cpu import megatron_training as lm_cpu
 from megatron_tree.training import launch_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,7 +248,7 @@ def test_cuda_draws_of_megatron_training_leave_the_weights_generator_alone():
     generator; the CPU generator --use-cpu-initialization draws the weights from must not move."""
     from types import SimpleNamespace
 
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     was_enabled = cpu.is_enabled()
     try:

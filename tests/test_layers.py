@@ -17,20 +17,22 @@ import megatron_tree
 
 ROOT = Path(megatron_tree.__file__).parent
 
-# Layer -> the layers of ours it may import (itself always allowed). ``compat`` holds explicit
-# shims: it sits beside ops (its torch stand-ins call the ops) and is used by modules that run
-# Megatron-Core on CPU hosts.
+# Layer -> the layers of ours it may import (itself always allowed). ``compat`` holds the version
+# shims (beside ops: the DSA Hadamard fallback calls an op); ``cpu`` is the CPU layer (Megatron on a
+# CPU host: tests, the CPU recipes, the launcher's CPU path), whose torch stand-ins call the ops and
+# which the extension asks for only on a host without CUDA.
 ALLOWED = {
     "tree": set(),
     "ops": {"tree"},
     "compat": {"tree", "ops"},
+    "cpu": {"tree", "ops", "compat"},
     "cp": {"tree", "ops"},
-    "megatron": {"tree", "ops", "cp", "compat"},
+    "megatron": {"tree", "ops", "cp", "compat", "cpu"},
     "data": {"tree"},
     "viz": {"tree"},
-    "training": {"tree", "ops", "cp", "compat", "megatron", "data"},
-    "rl": {"tree", "ops", "cp", "compat", "megatron", "data"},  # the RL frameworks' API (beside training)
-    "cli": {"tree", "ops", "cp", "compat", "megatron", "data", "training", "viz"},
+    "training": {"tree", "ops", "cp", "compat", "cpu", "megatron", "data"},
+    "rl": {"tree", "ops", "cp", "compat", "cpu", "megatron", "data"},  # the RL frameworks' API (beside training)
+    "cli": {"tree", "ops", "cp", "compat", "cpu", "megatron", "data", "training", "viz"},
     "__main__": {"cli"},
     "__init__": set(),
 }
@@ -156,6 +158,57 @@ def test_circle_checker_finds_a_planted_loop():
     assert sorted(_circles(graph)) == [["a", "b", "c"], ["d", "e"]]
 
 
+def _imports_torch_distributed(path: Path) -> list[int]:
+    """Lines of ``path`` that import ``torch.distributed`` (any form, inside functions too)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            hit = any(a.name == "torch.distributed" or a.name.startswith("torch.distributed.") for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            mod = node.module or ""
+            hit = mod == "torch.distributed" or mod.startswith("torch.distributed.") or (
+                mod == "torch" and any(a.name == "distributed" for a in node.names))
+        else:
+            hit = False
+        if hit:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_cp_has_two_rooms_and_the_plan_never_reaches_the_process_group():
+    """``cp/`` holds the plan (``cp/planning``: host-side, identical on every rank) and the execution
+    (``cp/execution``: collectives); nothing else. The planning half, and every module of ours it
+    imports (transitively), imports no ``torch.distributed`` and nothing of the execution half."""
+    cp = ROOT / "cp"
+    loose = sorted(p.name for p in cp.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"cp/ modules outside planning/ and execution/: {loose}"
+    assert {p.name for p in cp.iterdir() if p.is_dir() and p.name != "__pycache__"} == {"planning", "execution"}
+    paths = {_module_name(p): p for p in _modules()}
+    graph = _import_graph(_modules())
+    planning = sorted(n for n in paths if n.startswith("megatron_tree.cp.planning"))
+    assert len(planning) > 5
+    seen, todo = set(), list(planning)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(graph[n] - {"megatron_tree.cp"})  # the package's lazy re-exports import nothing
+    bad = sorted(n for n in seen if n.startswith(("megatron_tree.cp.execution", "megatron_tree.megatron",
+                                                  "megatron_tree.training", "megatron_tree.compat", "megatron_tree.cpu")))
+    assert not bad, f"cp.planning reaches {bad}"
+    dist = {n: _imports_torch_distributed(paths[n]) for n in sorted(seen)}
+    dist = {n: lines for n, lines in dist.items() if lines}
+    assert not dist, f"cp.planning reaches torch.distributed: {dist}"
+    # the execution half is where the collectives are (the check above is not vacuous)
+    assert _imports_torch_distributed(ROOT / "cp" / "execution" / "comm.py")
+    code = ("import sys\nimport megatron_tree.cp.planning as p\n"
+            "for n in p.__all__: getattr(p, n)\n"
+            "bad = [k for k in sys.modules if k.startswith('megatron_tree.cp.execution')]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_checker_sees_relative_and_inner_imports(tmp_path, monkeypatch):
     """The checker itself: a planted function-level relative import of the application is found."""
     fake = ROOT / "megatron" / "model.py"
@@ -168,7 +221,7 @@ def test_checker_sees_relative_and_inner_imports(tmp_path, monkeypatch):
 def test_extension_import_loads_no_application():
     """Importing every extension module loads neither ``megatron_tree.data`` nor ``.training``."""
     code = ("import sys\n"
-            "from megatron_tree.compat import cpu\n"
+            "from megatron_tree.cpu import megatron_core as cpu\n"
             "cpu.enable(kernels=True)  # Megatron's Mamba mixer imports Triton kernels; stand-ins on CPU\n"
             "import megatron_tree.megatron as m\n"
             "for n in m.__all__: getattr(m, n)\n"

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_tree.compat import cpu as compat_cpu
+from megatron_tree.cpu import megatron_core as cpu_layer
 from megatron_tree.compat.mixers import checkpoint_param_name, gdn_modules
 from megatron_tree.megatron.gdn import TreeGatedDeltaNet, tree_gdn_module_spec
 from megatron_tree.megatron.packed_seq import TreePackedSeqParams
@@ -54,8 +54,8 @@ SAMPLES = [
 # ----------------------------------------------------------------------------- environment
 def _ensure_megatron_tp1():
     """World-size-1 gloo group + Megatron TP1 state + CPU shims (idempotent inside a process)."""
-    created = {"compat": not compat_cpu.is_enabled(), "pg": False, "mp": False}
-    compat_cpu.enable(kernels=True)
+    created = {"compat": not cpu_layer.is_enabled(), "pg": False, "mp": False}
+    cpu_layer.enable(kernels=True)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -80,7 +80,7 @@ def megatron_tp1():
     if created["pg"]:
         dist.destroy_process_group()
     if created["compat"]:
-        compat_cpu.disable()
+        cpu_layer.disable()
 
 
 def _config(dtype=torch.float64, tp=1, sp=False, **kw):

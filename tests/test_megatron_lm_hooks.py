@@ -230,7 +230,7 @@ class _Failing:
 def _tp_broadcast_body(seeds):
     import torch.distributed as dist
 
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     cpu.enable()
     from megatron.core import parallel_state as ps
@@ -295,7 +295,7 @@ def _flat_logprobs(stock, sample, V):
 
 
 def _forward_body():
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     cpu.enable(kernels=True)
     from megatron.core import parallel_state as ps
@@ -723,7 +723,7 @@ def test_patches_are_well_formed_and_listed_in_the_readme():
 # ---------------------------------------------------------------------------------------------- context parallel
 def _cp_forward_body(strategy):
     """The hooks' forward_step at CP2 (each rank its owned rows of the --tree-cp-planner plan) vs CP1."""
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     cpu.enable(kernels=True)
     from megatron.core import parallel_state as ps

@@ -54,7 +54,7 @@ WS2 = [
     # Mamba-2 under tree CP: the token -> head transpose (2 groups == cp: one group per rank)
     both(VerifyConfig(model="hybrid", pattern="M*-", cp=2, dtype="float64")),
     VerifyConfig(model="hybrid", pattern="M-", cp=2, fault="zero_state"),
-    # Gated DeltaNet under tree CP (cp/gdn.py; "auto" picks summary mode here, heads mode at CP4)
+    # Gated DeltaNet under tree CP (cp/execution/gdn.py; "auto" picks summary mode here, heads mode at CP4)
     both(VerifyConfig(model="hybrid", pattern="G*-", cp=2, dtype="float64")),
     VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", dtype="float64", loss="grpo"),
     VerifyConfig(model="hybrid", pattern="G-", cp=2, fault="zero_state"),

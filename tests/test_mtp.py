@@ -167,7 +167,7 @@ def _mamba_models(K: int):
     the pattern "M*-M" and K MTP depths "M*", and the tree model `build_model` makes of the same config."""
     from megatron.core.models.mamba import MambaModel
 
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
     from megatron_tree.megatron.family_specs import get_local_mamba_stack_spec
     from megatron_tree.training.models import ModelArgs, build_model, make_config
 

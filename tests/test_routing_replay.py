@@ -115,7 +115,7 @@ def _missing_routes_body():
     ``moe_enable_routing_replay`` refuses the install); the CP view's routes are its owned rows."""
     import torch
 
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
     from megatron_tree.megatron.packed_seq import tree_packed_seq_params
     from megatron_tree.megatron.routing_replay import install_routing_replay, local_routes
     from megatron_tree.training.models import ModelArgs, build_model, make_config
@@ -254,7 +254,7 @@ def _hooks_body():
 
     import torch
 
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     cpu.enable(kernels=True)
     from megatron.core import parallel_state as ps
@@ -336,7 +336,7 @@ def _own_routes_body(data, routed):
     without and with ``--routing-replay`` of those routes."""
     import torch
 
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
     from megatron_tree.data.io import read_jsonl, write_jsonl
     from megatron_tree.training.trainer import _model_args, build_train_parser, check_train_args, train
 

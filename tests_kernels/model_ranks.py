@@ -184,9 +184,9 @@ def _case(case: dict) -> dict:
         os.environ["MEGATRON_TREE_GDN_CP_MODE"] = case["gdn_cp_mode"]
     ps.initialize_model_parallel(context_parallel_size=cp)
     if case["model"] == "dsa":
-        from megatron_tree.compat import dsa as compat_dsa
+        from megatron_tree.cpu import dsa as cpu_dsa
 
-        compat_dsa.enable()  # torch Hadamard stand-in where fast_hadamard_transform is missing
+        cpu_dsa.enable()  # torch Hadamard stand-in where fast_hadamard_transform is missing
         margs = ModelArgs(kind="dsa", num_layers=1)
     else:
         margs = ModelArgs(kind="hybrid", pattern=case["pattern"])
@@ -235,9 +235,9 @@ def rank_body(cases: list) -> list:
     """Every case in this set of ranks (one Megatron import for all of them)."""
     harness.apply()
     _allow_flex_cpu_backward()
-    from megatron_tree.compat import cpu as compat_cpu
+    from megatron_tree.cpu import megatron_core as cpu_layer
 
-    compat_cpu.enable(kernels=True)
+    cpu_layer.enable(kernels=True)
     _install_spies()
     out = []
     for case in cases:

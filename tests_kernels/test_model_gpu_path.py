@@ -24,7 +24,7 @@ kernels' forward and backward entry points assert which implementation each laye
 
 Under CP2 the paths the GPU takes differ most, and the run goes through the kernels there: Mamba's
 token -> head transpose (``cp.tree_mamba_cp``: each rank runs the mamba-ssm kernel over the whole
-tree for its heads), GDN in **heads** mode (``cp.gdn``: FLA over the whole tree for the rank's
+tree for its heads), GDN in **heads** mode (``cp.execution.gdn``: FLA over the whole tree for the rank's
 value heads, forced with ``MEGATRON_TREE_GDN_CP_MODE=heads``; GDN layout islands on, the default),
 and attention's per-wave partials (a zigzag plan with 2 K/V waves, so every rank runs FlexAttention
 on its local stage and on each remote wave, merged by LSE).
@@ -35,7 +35,7 @@ Paths that still run torch on a GPU, and why (the dispatch log shows them here):
   kernel takes contiguous sequences (``seq_idx``) and cannot start a child segment from its
   parent's tail along ``path_prev``; its package does not import without CUDA either. The torch op
   is one bandwidth-bound gather on either device.
-* GDN under CP in **summary** mode (`cp.gdn`'s default choice when the cost model prefers it):
+* GDN under CP in **summary** mode (`cp.execution.gdn`'s default choice when the cost model prefers it):
   ``gated_delta_rule_forest`` / ``gated_delta_rule_summary`` are torch only (FLA has no kernel for
   the affine state summaries ``S_out = M S_in + E``, nor for a forest whose roots start from states
   received from other ranks). Heads mode uses FLA.
@@ -44,13 +44,13 @@ Paths that still run torch on a GPU, and why (the dispatch log shows them here):
   wired) and the indexer loss are torch on every device; the DSA model's GPU path is therefore its
   torch path, which the DSA test pins bit for bit. Its Hadamard rotation runs
   fast_hadamard_transform's CUDA kernel only where that package is installed (a torch stand-in
-  otherwise, `compat.dsa`).
+  otherwise, `compat.dsa.use_torch_hadamard`).
 * Padding rows of the recurrent ops (closed form), float64 inputs (``"auto"`` keeps the exact
   reference), GDN with ``config.deterministic_mode`` (as stock), and FlexAttention stages with no
   query or no key row (nothing to compute) take torch by design.
 * In this tier only: FlexAttention runs eagerly (compiled CPU flex has neither LSE nor backward),
   so its fused Triton kernel is not what runs here; Megatron's gated RMSNorm of the Mamba mixer is
-  the CPU shims' torch stand-in (`compat.standins`), mamba-ssm's Triton norm on a GPU.
+  the CPU shims' torch stand-in (`cpu.standins`), mamba-ssm's Triton norm on a GPU.
 """
 from __future__ import annotations
 

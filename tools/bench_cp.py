@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_tree.cp import CostModel, plan_context_parallel  # noqa: E402
-from megatron_tree.cp.planner import _peak_rows, evaluate_ownership  # noqa: E402
+from megatron_tree.cp.planning.planner import _peak_rows, evaluate_ownership  # noqa: E402
 from megatron_tree.data.synthetic import PRESETS, make_preset  # noqa: E402
 from megatron_tree.tree import pack  # noqa: E402
 from megatron_tree.tree.layout import TreeLayout  # noqa: E402

@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_tree.cp import CostModel, plan_context_parallel  # noqa: E402
-from megatron_tree.cp.cost_model import DSAWork  # noqa: E402
-from megatron_tree.cp.planner import evaluate_plan  # noqa: E402
+from megatron_tree.cp.planning.cost_model import DSAWork  # noqa: E402
+from megatron_tree.cp.planning.planner import evaluate_plan  # noqa: E402
 from megatron_tree.data.synthetic import PRESETS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

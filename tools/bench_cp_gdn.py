@@ -12,7 +12,7 @@
    summary matrices; the head all-to-alls) next to what one attention layer moves (remote K/V rows
    of the same plan). Shapes: ``--gdn-heads H,HV,K,V,W`` and ``--attn-kv Hkv,D`` for one TP rank;
    activations in bf16, states in fp32. Plus the predicted time of each mode
-   (`megatron_tree.cp.gdn_plan.GDNCostModel`, default coefficients) and the mode "auto" picks.
+   (`megatron_tree.cp.planning.gdn_plan.GDNCostModel`, default coefficients) and the mode "auto" picks.
 
    With ``--md`` also as markdown with the GDN layout island's figures (`gdn_layout.plan_gdn_layout`,
    priced for summary mode with the default coefficients): its summary bytes, entries and rounds, the
@@ -20,7 +20,7 @@
    the Mamba-2 all-to-all of a Nemotron-Nano-like layer (``capacity.MAMBA_DEFAULT``).
 3. **Calibration** (``--calibrate``): fits `GDNCostModel` on this CPU (CP1 layer calls of a few sizes
    for ``sec_per_flop`` / ``sec_per_call``, 2-rank gloo all-to-alls for ``sec_per_byte`` /
-   ``sec_per_collective``) and writes ``megatron_tree/cp/gdn_cost_cpu.json``.
+   ``sec_per_collective``) and writes ``megatron_tree/cp/planning/gdn_cost_cpu.json``.
 4. **Chained vs local** (``--measure-layout``): summary mode under the balanced attention plan vs
    under `plan_gdn_layout`, predicted (CPU fit) and measured (slowest rank's CPU time) at
    ``--measure-cp`` on scaled-down presets (``--layout-presets preset:scale,...``).
@@ -51,10 +51,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_tree.cp import plan_context_parallel  # noqa: E402
 from megatron_tree.cp import mamba_exchange_figures  # noqa: E402
-from megatron_tree.cp.capacity import MAMBA_DEFAULT  # noqa: E402
-from megatron_tree.cp.gdn_layout import gdn_layout_figures, plan_gdn_layout, predict_gdn_seconds  # noqa: E402
-from megatron_tree.cp.gdn_plan import GDNCostModel, GDNHeads, choose_mode, gdn_cp_figures, gdn_pieces  # noqa: E402
-from megatron_tree.cp.schedule import schedule_figures  # noqa: E402
+from megatron_tree.cp.planning.capacity import MAMBA_DEFAULT  # noqa: E402
+from megatron_tree.cp.planning.gdn_layout import gdn_layout_figures, plan_gdn_layout, predict_gdn_seconds  # noqa: E402
+from megatron_tree.cp.planning.gdn_plan import GDNCostModel, GDNHeads, choose_mode, gdn_cp_figures, gdn_pieces  # noqa: E402
+from megatron_tree.cp.planning.schedule import schedule_figures  # noqa: E402
 from megatron_tree.data.synthetic import PRESETS, make_preset  # noqa: E402
 from megatron_tree.tree import pack  # noqa: E402
 
@@ -145,7 +145,7 @@ def _layout_body(preset, scale, heads, repeats, cost):
     import torch
     import torch.distributed as dist
 
-    from megatron_tree.cp.gdn import tree_gdn_cp
+    from megatron_tree.cp.execution.gdn import tree_gdn_cp
 
     torch.set_num_threads(1)
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -294,7 +294,7 @@ def _timing_body(preset, scale, heads, modes, repeats, strategy="balanced"):
     import torch
     import torch.distributed as dist
 
-    from megatron_tree.cp.gdn import tree_gdn_cp
+    from megatron_tree.cp.execution.gdn import tree_gdn_cp
 
     torch.set_num_threads(1)
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -378,7 +378,7 @@ def _compute_body(heads, sizes, repeats):
     import torch
 
     from megatron_tree.cp import CPPlan
-    from megatron_tree.cp.gdn import tree_gdn_cp
+    from megatron_tree.cp.execution.gdn import tree_gdn_cp
     from megatron_tree.tree.layout import TreeLayout
 
     torch.set_num_threads(1)
@@ -504,7 +504,7 @@ def main(argv=None):
     ap.add_argument("--calib-heads", default="2,4,32,32,4")
     ap.add_argument("--calib-sizes", default="512,1024,2048,4096")
     ap.add_argument("--calib-out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                                        "megatron_tree", "cp", "gdn_cost_cpu.json"))
+                                                        "megatron_tree", "cp", "planning", "gdn_cost_cpu.json"))
     args = ap.parse_args(argv)
     report = {}
     if args.calibrate:

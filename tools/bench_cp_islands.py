@@ -43,15 +43,16 @@ def _body(a: dict) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tree.compat import cpu as compat_cpu
+    from megatron_tree.cpu import megatron_core as cpu_layer
     from megatron_tree.cp import plan_context_parallel
-    from megatron_tree.cp.redistribute import redistribution_count, redistribution_figures
+    from megatron_tree.cp.execution.redistribute import redistribution_count
+    from megatron_tree.cp.planning.row_moves import redistribution_figures
     from megatron_tree.data.synthetic import make_preset
     from megatron_tree.megatron.forward_step import gdn_island_plan
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
     from megatron_tree.tree import pack
 
-    compat_cpu.enable(kernels=True)
+    cpu_layer.enable(kernels=True)
     cp = dist.get_world_size()
     ps.initialize_model_parallel(context_parallel_size=cp)
     samples = make_preset(a["preset"], vocab=a["vocab"], scale=a["scale"])
@@ -98,9 +99,9 @@ def _body(a: dict) -> dict:
 
 def bytes_table(a) -> list:
     from megatron_tree.cp import GDNHeads, plan_context_parallel
-    from megatron_tree.cp.gdn_plan import gdn_cp_figures
-    from megatron_tree.cp.redistribute import redistribution_figures
-    from megatron_tree.cp.schedule import schedule_figures
+    from megatron_tree.cp.planning.gdn_plan import gdn_cp_figures
+    from megatron_tree.cp.planning.row_moves import redistribution_figures
+    from megatron_tree.cp.planning.schedule import schedule_figures
     from megatron_tree.data.synthetic import PRESETS, make_preset
     from megatron_tree.megatron.forward_step import gdn_island_plan
     from megatron_tree.tree import pack

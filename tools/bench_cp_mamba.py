@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_tree.cp import CPPlan, mamba_exchange_figures, plan_context_parallel  # noqa: E402
-from megatron_tree.cp.schedule import schedule_figures  # noqa: E402
+from megatron_tree.cp.planning.schedule import schedule_figures  # noqa: E402
 from megatron_tree.data.synthetic import make_preset  # noqa: E402
 from megatron_tree.tree import pack  # noqa: E402
 
@@ -54,7 +54,7 @@ def _time_body(layout, plan, dims, repeats):
     """One rank: forward + backward of tree_mamba_cp, ``repeats`` times after a warm-up."""
     import torch.distributed as dist
 
-    import megatron_tree.cp.mamba as cpm
+    import megatron_tree.cp.execution.mamba as cpm
 
     torch.set_num_threads(1)
     H, P, G, S, W = dims

@@ -200,12 +200,12 @@ def _model_step_body(a: dict) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tree.compat import cpu as compat_cpu
+    from megatron_tree.cpu import megatron_core as cpu_layer
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
     from megatron_tree.tree import Sample, pack, summarize
 
     cuda = torch.cuda.is_available()
-    compat_cpu.enable(kernels=True)  # a no-op with CUDA
+    cpu_layer.enable(kernels=True)  # a no-op with CUDA
     ps.initialize_model_parallel()
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, a["vocab"], a["prompt"])

@@ -54,11 +54,11 @@ def _body(a: dict) -> dict:
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
     from megatron.core import parallel_state as ps
 
-    from megatron_tree.compat import cpu as compat_cpu
+    from megatron_tree.cpu import megatron_core as cpu_layer
     from megatron_tree.training.models import ModelArgs
     from megatron_tree.tree import Sample, pack, summarize
 
-    compat_cpu.enable(kernels=True)
+    cpu_layer.enable(kernels=True)
     ps.initialize_model_parallel()
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, a["vocab"], a["prompt"])

@@ -71,7 +71,7 @@ def rows_figure(a) -> None:
 def _step_body(a):
     import torch
 
-    from megatron_tree.compat import cpu
+    from megatron_tree.cpu import megatron_core as cpu
 
     cpu.enable()
     from megatron.core import parallel_state as ps

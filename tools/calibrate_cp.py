@@ -21,7 +21,7 @@ relative error
 written as JSON that `CostModel.from_json` loads, and every measurement is printed next to its
 prediction. Default arguments run in about a minute on two CPU cores.
 
-    python tools/calibrate_cp.py                     # -> megatron_tree/cp/cost_cpu.json
+    python tools/calibrate_cp.py                     # -> megatron_tree/cp/planning/cost_cpu.json
     python tools/calibrate_cp.py --out my_gpu.json --device cuda
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_tree.cp.cost_model import CPU_COST_JSON, CostModel  # noqa: E402
+from megatron_tree.cp.planning.cost_model import CPU_COST_JSON, CostModel  # noqa: E402
 from megatron_tree.ops import merge_attention, tree_attention_partial  # noqa: E402
 from megatron_tree.tree.layout import TreeLayout  # noqa: E402
 

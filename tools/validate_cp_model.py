@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_tree.cp import CostModel, plan_context_parallel  # noqa: E402
-from megatron_tree.cp.planner import STRATEGIES, evaluate_plan  # noqa: E402
+from megatron_tree.cp.planning.planner import STRATEGIES, evaluate_plan  # noqa: E402
 from megatron_tree.tree.layout import TreeLayout  # noqa: E402
 
 

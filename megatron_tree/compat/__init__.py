@@ -1,9 +1,8 @@
-"""Explicit compatibility shims (never applied on import).
+"""Version shims: what the extension needs on any machine to follow the supported Megatron-Core
+versions (0.16.1 and 0.19.x), one module per concern, chosen by feature checks, never applied on
+import: `mixers` (the stock GDN / Mamba modules' names and parameters), `mtp` (multi-token
+prediction), `dsa` (DeepSeek sparse attention, and the torch fallback of its Hadamard kernel),
+`lm_api` (Megatron-LM's ``pretrain()`` calling forms).
 
-``megatron_tree.compat.cpu.enable()`` lets Megatron-Core 0.16.1 run on a CPU-only host with gloo
-(tests, the demo); ``enable(kernels=True)`` also installs torch stand-ins for the GPU kernels of
-Megatron's stock GatedDeltaNet and MambaMixer (``megatron_tree.compat.standins``).
+Running Megatron on a CPU host is not a version matter: that is `megatron_tree.cpu`.
 """
-from megatron_tree.compat.cpu import applied, disable, enable, is_enabled, patch_module
-
-__all__ = ["enable", "disable", "is_enabled", "applied", "patch_module"]

@@ -14,10 +14,10 @@ distribution, attached to the output with ``DSAIndexerLossAutoScaler``.
   ``weights [s,Hi]`` and ``index_k [s,Di]`` (after ``rotate_activation``), by the stock code:
   megatron-core >= 0.19's ``forward_before_topk`` or, on 0.16, the same steps from 0.16's pieces.
 * `TreeDSAttention`: the stock ``DSAttention``'s constructor and parameter layout (``indexer.*``);
-  forward runs ``ops.dsa.tree_dsa`` (one device) or ``cp.dsa.tree_dsa_cp`` (CP > 1): top-k over
+  forward runs ``ops.dsa.tree_dsa`` (one device) or ``cp.execution.dsa.tree_dsa_cp`` (CP > 1): top-k over
   the row's tree-visible keys (its root path), ties by smaller canonical row id, which on one sample
   is stock's top-k with ties by position (the oracle makes stock's tie order stable:
-  ``compat.dsa.stable_topk``).
+  ``training.dsa_oracle.stable_topk``).
 
 **Indexer loss weights.** Stock, run on one sample of ``L`` rows, adds
 ``loss_coeff * mean over the L query rows of KL_i``. A tree row i is shared by every sample
@@ -61,10 +61,34 @@ from ..ops.dsa import sparse_attention, tree_dsa_indexer_loss, tree_dsa_topk
 from .mla import _TREE_ROTARY
 from .packed_seq import get_tree_layout
 
-__all__ = ["TreeDSAIndexer", "TreeDSAttention", "capture_selected", "get_tree_dsa_module_spec"]
+__all__ = ["TreeDSAIndexer", "TreeDSAttention", "capture_selected", "capture_token", "capture_layer",
+           "DuplicatedLinear", "get_tree_dsa_module_spec"]
 
 _SELECTED_KEY = "_tree_dsa_selected"  # per-forward dict on the packed-seq params: layer -> ids
 _HOOKS: list = []
+
+
+_TOKENS = iter(range(1 << 62))
+
+
+def capture_token(psp) -> int:
+    """A number naming one microbatch's forward (stored on its packed-seq params; recomputation sees
+    the same one)."""
+    if psp is None:
+        return -1
+    while "_capture_parent" in psp.__dict__:  # a view made for one layer (an MTP depth): its microbatch's forward
+        psp = psp.__dict__["_capture_parent"]
+    tok = psp.__dict__.get("_dsa_capture_token")
+    if tok is None:
+        tok = psp.__dict__["_dsa_capture_token"] = next(_TOKENS)
+    return tok
+
+
+def capture_layer(module) -> int:
+    """The layer number a DSA core attention's captured selections are filed under: its
+    ``layer_number``, or ``capture_layer_number`` where one was set (an MTP layer's, whose own number
+    repeats a decoder layer's on 0.19: `verify_mtp.number_mtp_captures`)."""
+    return getattr(module, "capture_layer_number", module.layer_number)
 
 
 @contextlib.contextmanager
@@ -230,7 +254,7 @@ class TreeDSAttention(MegatronModule):
                 selected = holder[self.layer_number]
 
         if cp:
-            from ..cp.dsa import tree_dsa_cp  # the CP executor sits below this package
+            from ..cp.execution.dsa import tree_dsa_cp  # the CP executor sits below this package
 
             rw = self._loss_weight(psp, rows) if use_loss else None
             o, ids, loss = tree_dsa_cp(q, k, v, None if self.skip_topk else iq, None if self.skip_topk else w,
@@ -255,9 +279,9 @@ class TreeDSAttention(MegatronModule):
         if not self.skip_topk:
             holder[self.layer_number] = ids
         if _HOOKS:
-            token = cdsa._capture_token(psp)
+            token = capture_token(psp)
             for store in _HOOKS:
-                store.append((token, cdsa.capture_layer(self), rows.detach().cpu(), ids.detach().cpu()))
+                store.append((token, capture_layer(self), rows.detach().cpu(), ids.detach().cpu()))
         out = o.reshape(n, 1, o.shape[1] * o.shape[2]).to(query.dtype)  # n may be 0: a CP rank owning nothing
         if s > n:  # CP padding rows: attend to nothing
             out = torch.cat([out, out.new_zeros(s - n, 1, out.shape[-1])])
@@ -288,16 +312,55 @@ def _larger_id_ties(iq, w, ik, layout, topk):
 
 
 # ----------------------------------------------------------------------------------- spec
+class DuplicatedLinear(torch.nn.Module):
+    """The local spec's ``TELinear(parallel_mode="duplicated")`` (the indexer's projections without
+    transformer-engine): y = x W^T (+ b), the same on every TP rank. Same checkpoint key as TE.
+
+    Constructor keywords as Megatron's spec builders pass them; forward returns ``(y, bias)``
+    (``bias`` is returned apart when ``skip_bias_add``)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method=None, bias: bool = False,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
+                 parallel_mode: Optional[str] = "duplicated", tp_comm_buffer_name=None, is_expert: bool = False,
+                 **_unused):
+        super().__init__()
+        if parallel_mode not in (None, "duplicated"):
+            raise ValueError(f"DuplicatedLinear is the duplicated (not TP-split) linear, got parallel_mode={parallel_mode!r}")
+        if skip_weight_param_allocation:
+            raise ValueError("DuplicatedLinear always owns its weight")
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, device=device, dtype=config.params_dtype))
+        if config.perform_initialization and init_method is not None:
+            init_method(self.weight)
+        self.bias = (torch.nn.Parameter(torch.zeros(output_size, device=device, dtype=config.params_dtype))
+                     if bias else None)
+        self.skip_bias_add = skip_bias_add
+        # the same parameters on every TP rank: Megatron all-reduces such grads over TP when asked
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", False)
+
+    def forward(self, x):
+        if self.bias is not None and not self.skip_bias_add:
+            return torch.nn.functional.linear(x, self.weight, self.bias), None
+        return torch.nn.functional.linear(x, self.weight), self.bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets)
+
+
 def get_tree_dsa_module_spec(config=None, *, use_transformer_engine: bool = False, qk_layernorm: bool = False,
-                             normalization: Optional[str] = None, stock_core: bool = False):
+                             normalization: Optional[str] = None, stock_core: Optional[type] = None):
     """MLA self-attention spec with DSA core attention, tree version: `TreeMLASelfAttention` with
     `TreeDSAttention` / `TreeDSAIndexer` (the stock ``get_dsa_module_spec_for_backend`` structure and
     parameter names). Local modules: Megatron's local MLA layer spec, the indexer's duplicated linears
-    as `compat.dsa.DuplicatedLinear` (TE: ``TELinear``), its ``k_norm`` the backend's LayerNorm.
+    as `DuplicatedLinear` (TE: ``TELinear``), its ``k_norm`` the backend's LayerNorm.
 
-    ``stock_core=True``: the per-sample oracle instead (stock ``MLASelfAttention`` is kept as
-    `TreeMLASelfAttention`, which is stock on a chain; core attention stock ``DSAttention`` via
-    `compat.dsa.stock_oracle_class`, stock ``DSAIndexer``)."""
+    ``stock_core``: a stock ``DSAttention`` class to use as core attention instead, with stock
+    ``DSAIndexer`` (verify's per-sample side passes `training.dsa_oracle.stock_oracle_class()`; stock
+    ``MLASelfAttention`` is kept as `TreeMLASelfAttention`, which is stock on a chain)."""
     from megatron.core.models.gpt import gpt_layer_specs as gls
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         DSAIndexerSubmodules,
@@ -320,15 +383,15 @@ def get_tree_dsa_module_spec(config=None, *, use_transformer_engine: bool = Fals
         base = gls.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, multi_latent_attention=True,
                                             normalization=normalization)
         backend = gls.LocalSpecProvider()
-        linear = cdsa.DuplicatedLinear
+        linear = DuplicatedLinear
     attn = base.submodules.self_attention
     indexer_sub = DSAIndexerSubmodules(linear_wq_b=linear, linear_wk=linear,
                                        k_norm=backend.layer_norm(rms_norm=False, for_qk=True),
                                        linear_weights_proj=linear)
-    if stock_core:
+    if stock_core is not None:
         from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer as StockIndexer
 
-        core = ModuleSpec(module=cdsa.stock_oracle_class(),
+        core = ModuleSpec(module=stock_core,
                           submodules=DSAttentionSubmodules(indexer=ModuleSpec(module=StockIndexer,
                                                                               submodules=indexer_sub)))
     else:

@@ -28,7 +28,7 @@ give the same structure with Megatron's local modules (norms as separate modules
 into the following linear) and map those norms to TE's checkpoint keys
 (``sharded_state_dict_keys_map``, as Megatron's ``get_gpt_layer_local_spec`` does), so the sharded
 state dict keys are the TE ones. ``MambaStack`` hard-codes ``TENorm`` as its final norm: on a CPU
-host ``megatron_tree.compat.cpu.enable(kernels=True)`` swaps it for Megatron's torch norm.
+host ``megatron_tree.cpu.enable(kernels=True)`` swaps it for Megatron's torch norm.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def get_local_mamba_stack_spec(moe_grouped_gemm: bool = False) -> ModuleSpec:
     attention ``TransformerLayer`` (input norm, ``SelfAttention`` with ``DotProductAttention``),
     ``MLPLayer`` (pre-MLP norm, ``MLP``) and ``MoETransformerLayer`` (pre-MLP norm, ``MoELayer``).
     Norms follow ``config.normalization``; checkpoint keys are those of the TE spec. Needs the
-    stock ``mamba_mixer`` module to import (on CPU: ``compat.cpu.enable(kernels=True)`` first).
+    stock ``mamba_mixer`` module to import (on CPU: ``cpu.enable(kernels=True)`` first).
     """
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..cp import PlanCache
-from ..cp.gdn_layout import plan_gdn_layout
-from ..cp.lru import lru_get
-from ..cp.planner import layout_key
+from ..cp.planning.gdn_layout import plan_gdn_layout
+from ..cp.planning.lru import lru_get
+from ..cp.planning.planner import layout_key
 from .loss import tree_loss_func
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 

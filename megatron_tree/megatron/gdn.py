@@ -20,7 +20,7 @@ signature, extra attention kwargs such as ``rotary_pos_emb`` are accepted and ig
 ``(output, bias)``.
 
 On a CPU-only host the stock constructor places parameters with ``torch.cuda.current_device()``:
-call ``megatron_tree.compat.cpu.enable()`` first. FLA is never required.
+call ``megatron_tree.cpu.enable()`` first. FLA is never required.
 """
 from __future__ import annotations
 
@@ -60,12 +60,12 @@ def _require_cpu_shims(module, what: str, *, kernels: bool = False) -> None:
     the CPU shims are active and cover ``module`` (it may have been imported after ``enable()``)."""
     if torch.cuda.is_available():
         return
-    from megatron_tree.compat import cpu  # noqa: PLC0415  (CPU hosts only)
+    from megatron_tree.cpu import megatron_core as cpu  # noqa: PLC0415  (CPU hosts only)
 
     if not cpu.is_enabled():
         hint = "enable(kernels=True)" if kernels else "enable()"
         raise RuntimeError(f"{what} on a CPU-only host needs Megatron's CPU shims: call "
-                           f"megatron_tree.compat.cpu.{hint} before building it")
+                           f"megatron_tree.cpu.megatron_core.{hint} before building it")
     cpu.patch_module(module)
 
 
@@ -93,7 +93,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
     ``name`` (the instance name megatron-core 0.19+ spec builders pass) is forwarded to the stock
     constructor where it accepts it and ignored otherwise (`megatron_tree.compat.mixers`).
     ``gdn_cp_mode`` ("auto" | "summary" | "heads", default: ``$MEGATRON_TREE_GDN_CP_MODE`` or
-    "auto") chooses the tree-CP execution when ``context_parallel_size > 1`` (`megatron_tree.cp.gdn`).
+    "auto") chooses the tree-CP execution when ``context_parallel_size > 1`` (`megatron_tree.cp.execution.gdn`).
 
     Forward: ``hidden_states [s, 1, hidden]`` (``s = N / tp`` under sequence parallelism, else
     ``N``, where ``N = layout.num_rows``), ``packed_seq_params`` a `TreePackedSeqParams`; returns
@@ -117,7 +117,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
                              pg_collection=pg_collection, **stock_kwargs(GatedDeltaNet.__init__, name=name))
         self.cp_comm_type = cp_comm_type
         self.backend = "torch" if (config.deterministic_mode and backend == "auto") else backend
-        self.gdn_cp_mode = gdn_cp_mode  # None: megatron_tree.cp.gdn.default_gdn_cp_mode() at call time
+        self.gdn_cp_mode = gdn_cp_mode  # None: megatron_tree.cp.execution.gdn.default_gdn_cp_mode() at call time
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 key_value_states: Optional[torch.Tensor] = None, inference_context=None,
@@ -180,7 +180,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         plan = psp.cp_plan
         s = qkv.shape[0]
         n = psp.cp_owned_rows(s, who)
-        from ..cp.gdn import default_gdn_cp_mode, tree_gdn_cp  # the executor sits below this package
+        from ..cp.execution.gdn import default_gdn_cp_mode, tree_gdn_cp  # the executor sits below this package
 
         g = -self.A_log.exp() * F.softplus(_wide(alpha[:n]) + self.dt_bias)  # fp32 (stock: alpha.float())
         fused_silu = self.act_fn is F.silu

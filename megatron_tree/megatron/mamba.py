@@ -30,7 +30,7 @@ defaults to ``config.hidden_size``).
 
 Importing Megatron's ``mamba_mixer`` needs Triton (inference kernels imported at module import)
 and building it needs mamba-ssm's gated RMSNorm: on a CPU-only host call
-``megatron_tree.compat.cpu.enable(kernels=True)`` first. This module therefore builds
+``megatron_tree.cpu.enable(kernels=True)`` first. This module therefore builds
 ``TreeMambaMixer`` on first access (``from megatron_tree.megatron.mamba import TreeMambaMixer``),
 so importing the module itself never fails.
 """
@@ -63,7 +63,7 @@ def mamba_mixer_module():
     except ImportError as exc:
         raise ImportError(
             f"{_STOCK} does not import here ({exc}): it imports Triton inference kernels at import time. "
-            "On a CPU-only host call megatron_tree.compat.cpu.enable(kernels=True) before using TreeMambaMixer; "
+            "On a CPU-only host call megatron_tree.cpu.enable(kernels=True) before using TreeMambaMixer; "
             "on a GPU host install triton and mamba-ssm.") from exc
 
 
@@ -94,7 +94,7 @@ class _TreeMambaMixerImpl:
         _require_cpu_shims(stock, who, kernels=True)
         if not stock.HAVE_MAMBA_SSM:
             raise ImportError(f"{who} is built on Megatron's MambaMixer, whose gated RMSNorm comes from mamba-ssm: "
-                              "install mamba-ssm (GPU) or call megatron_tree.compat.cpu.enable(kernels=True) (CPU)")
+                              "install mamba-ssm (GPU) or call megatron_tree.cpu.enable(kernels=True) (CPU)")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         if pg_collection.cp.size() > 1:

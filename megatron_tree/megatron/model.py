@@ -23,7 +23,7 @@ A third thing only matters under context parallelism: **GDN layout islands**. Ea
 consecutive non-attention layers of a pipeline stage (GDN 'G', Mamba-2 'M', MLP '-', MoE 'E') that
 holds at least one GDN layer is an island (`gdn_island_spans`). The hidden states move from the
 attention ownership (``packed_seq_params.cp_plan``) to a GDN-friendly one (``gdn_plan``) at the
-island's entry and back at its exit (`megatron_tree.cp.redistribute.redistribute_rows`, a
+island's entry and back at its exit (`megatron_tree.cp.execution.redistribute.redistribute_rows`, a
 differentiable all-to-all over the CP group), so the residual stream, norms, MLP / MoE and the GDN
 recurrences inside the island run on the GDN ownership, where a chain is cut into few cross-rank
 pieces. The moves are forward pre-/post-hooks on the island's first / last layer module (the residual
@@ -52,7 +52,7 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 
-from ..cp.redistribute import redistribute_rows
+from ..cp.execution.redistribute import redistribute_rows
 from .loss import vocab_parallel_logprobs, vocab_parallel_logprobs_entropy
 from .packed_seq import TreePackedSeqParams
 

@@ -35,7 +35,7 @@ when a model needs them).
 Parallelism: under sequence parallelism the ``path_prev`` gather all-gathers the hidden states over
 TP, indexes and scatters them back (one all-gather per depth); under tree CP the parent row of an
 owned row may live on another rank: a halo of one row per such edge, fetched with one all-to-all per
-depth (`mtp_halo`, `megatron_tree.cp.comm.fetch_rows`, whose backward adds the gradients back at the
+depth (`mtp_halo`, `megatron_tree.cp.execution.comm.fetch_rows`, whose backward adds the gradients back at the
 owner), over the planner's ownership unchanged; each depth's attention runs on the plan with the
 depth-k visibility (`dataclasses.replace` of the plan: same owners, new ``visible_until`` /
 ``position_ids``). MTP layers sit on the last pipeline stage, as stock places them.
@@ -65,8 +65,8 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 from megatron.core.utils import make_viewless_tensor
 
 from ..compat.mtp import rescales_per_token_mtp_loss, save_mtp_metrics, tracks_acceptance
-from ..cp.comm import fetch_rows
-from ..cp.lru import lru_get
+from ..cp.execution.comm import fetch_rows
+from ..cp.planning.lru import lru_get
 from ..tree.layout import TreeLayout
 from .loss import vocab_parallel_logprobs
 from .packed_seq import TreePackedSeqParams

@@ -5,11 +5,11 @@
 
 * **With CUDA** it is plain torchrun: ``torchrun FLAGS SCRIPT ARGS``.
 * **Without CUDA** torchrun starts this module as each rank's program (``--module``): it applies
-  the CPU compatibility layer for ``megatron.training`` (`megatron_tree.compat.lm_cpu`: gloo, the
+  the CPU compatibility layer for ``megatron.training`` (`megatron_tree.cpu.megatron_training`: gloo, the
   CUDA assertion and device placement bypassed, the model-parallel RNG on the CPU generator, the
   JIT warm-up kept off the weights' generator, the GPU kernels of the stock Mamba/GDN modules
   replaced by torch stand-ins) and then runs ``SCRIPT`` as ``__main__``; the non-TE CPU flags
-  (`megatron_tree.compat.lm_cpu.CPU_FLAGS`) are appended unless the command line sets them (or
+  (`megatron_tree.cpu.megatron_training.CPU_FLAGS`) are appended unless the command line sets them (or
   their opposites) itself.
 
 Flags (torchrun's names and meanings): ``--nproc N`` / ``--nproc-per-node N`` ranks on this machine
@@ -93,7 +93,7 @@ def build_command(script: str, script_args: Sequence[str], *, nproc: int = 1, nn
     run += ["--nproc-per-node", str(nproc)]
     if cuda:
         return run + [script, *script_args]
-    from ..compat.lm_cpu import add_cpu_flags
+    from ..cpu.megatron_training import add_cpu_flags
 
     return run + ["--module", WORKER_MODULE, script, *add_cpu_flags(script_args)]
 
@@ -133,7 +133,7 @@ def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: s
     run_env = dict(os.environ if env is None else env)
     run_env.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
-        from ..compat.lm_cpu import CPU_ENV
+        from ..cpu.megatron_training import CPU_ENV
 
         for key, value in CPU_ENV.items():
             run_env.setdefault(key, value)
@@ -159,7 +159,7 @@ def worker_main(argv: Sequence[str]) -> None:
     script, args = argv[0], list(argv[1:])
     _check_script(script)
     if not torch.cuda.is_available():
-        from ..compat import lm_cpu
+        from ..cpu import megatron_training as lm_cpu
         from ..compat.lm_api import MISSING_MEGATRON_TRAINING, megatron_training_import_error
 
         error = megatron_training_import_error()  # the launcher only located it

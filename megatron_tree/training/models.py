@@ -170,7 +170,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
                 post_process: Optional[bool] = None, stock_dsa: bool = False, stock_mtp: bool = False) -> TreeGPTModel:
     """This pipeline stage's `TreeGPTModel` (GPT, hybrid, MLA, DSA or qwen3next stack) or `TreeMambaModel`
     (kind "mamba"), tree specs, local modules. ``stock_dsa`` (kind "dsa"): every DSA core attention
-    is stock ``DSAttention`` run per sample (`compat.dsa.stock_oracle_class`: verify's per-sample side).
+    is stock ``DSAttention`` run per sample (`dsa_oracle.stock_oracle_class`: verify's per-sample side).
     ``config.mtp_num_layers``: MTP layers on the last stage (`get_tree_gpt_mtp_block_spec`); ``stock_mtp``:
     stock ``MultiTokenPredictionLayer``s (rolling, verify's per-sample side, `verify_mtp`)."""
     from megatron.core import parallel_state as ps
@@ -189,9 +189,10 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
         spec = get_tree_transformer_block_with_experimental_attention_variant_spec(config, use_transformer_engine=False)
         if stock_dsa:
             from ..megatron.dsa import get_tree_dsa_module_spec
+            from .dsa_oracle import stock_oracle_class
 
             for layer in spec.layer_specs:
-                layer.submodules.self_attention = get_tree_dsa_module_spec(config, stock_core=True)
+                layer.submodules.self_attention = get_tree_dsa_module_spec(config, stock_core=stock_oracle_class())
     elif margs.kind == "mamba":
         from ..megatron.family_specs import get_tree_mamba_stack_spec
         from ..megatron.model import TreeMambaModel

@@ -6,10 +6,10 @@
 Reads the samples (a synthetic preset or JSONL / Parquet files), packs them into microbatches of
 ``--max-tokens-per-mb`` rows (default: the largest prefix tree, so no tree is cut), takes the
 largest microbatch (the one that decides whether a CP size fits) and prints, per CP size, what
-`megatron_tree.cp.capacity.capacity_report` finds: rows per rank, predicted ms per rank (max /
+`megatron_tree.cp.planning.capacity.capacity_report` finds: rows per rank, predicted ms per rank (max /
 mean), the imbalance of every strategy, the model-neutral balance, remote K/V rows and bytes, the
 peak remote K/V held at once, waves and planning time; then the recurrent layers' exchange
-(`megatron_tree.cp.capacity.recurrent_report`: a Gated DeltaNet layer in summary mode under the
+(`megatron_tree.cp.planning.capacity.recurrent_report`: a Gated DeltaNet layer in summary mode under the
 balanced attention plan, under its GDN layout island with the boundary redistribution, in heads
 mode, and a Mamba-2 layer's all-to-all; shapes from ``--gdn-heads`` / ``--mamba-dims``, off with
 ``--no-recurrent``). ``--plot`` draws the ownership over the tree and the chunk pair matrix for the
@@ -38,7 +38,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _strategies(text: str) -> list[str]:
-    from ..cp.planner import STRATEGIES
+    from ..cp.planning.planner import STRATEGIES
 
     out = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in out if x not in STRATEGIES]
@@ -95,7 +95,7 @@ def _shape(text: str, n: int, flag: str) -> tuple:
 
 
 def _gdn_cost(spec):
-    from ..cp.gdn_plan import GDNCostModel
+    from ..cp.planning.gdn_plan import GDNCostModel
 
     if spec is None:
         return GDNCostModel.default()
@@ -113,7 +113,7 @@ def build_plan_parser(prog: str = "megatron-tree plan") -> argparse.ArgumentPars
 
 
 def _cost_model(spec):
-    from ..cp.cost_model import CostModel, default_cost_model
+    from ..cp.planning.cost_model import CostModel, default_cost_model
 
     if spec is None:
         return default_cost_model()
@@ -128,7 +128,7 @@ def _cost_model(spec):
 
 def run_plan(argv_or_args=None) -> int:
     """Run ``megatron-tree plan`` on an argv list (or a parsed namespace); returns the exit status."""
-    from ..cp.capacity import capacity_report, format_capacity, format_recurrent, plot_plan, recurrent_report
+    from ..cp.planning.capacity import capacity_report, format_capacity, format_recurrent, plot_plan, recurrent_report
     from ..data.pipeline import read_samples
     from ..data.synthetic import make_preset
     from ..tree import pack
@@ -157,7 +157,7 @@ def run_plan(argv_or_args=None) -> int:
         rows = capacity_report(mb.layout, args.cp, strategies=args.strategy, cost_model=cm, window=args.window)
         recurrent = None
         if not getattr(args, "no_recurrent", False):
-            from ..cp.gdn_plan import GDNHeads
+            from ..cp.planning.gdn_plan import GDNHeads
 
             heads = GDNHeads(*args.gdn_heads)
             by_cp = {}

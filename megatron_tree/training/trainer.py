@@ -42,7 +42,7 @@ can be compared.
 
 Launch: under torchrun / srun (``RANK`` and ``WORLD_SIZE`` in the environment) `main` trains in
 the current process group (NCCL on GPU, gloo on CPU); otherwise it spawns ``--nproc`` local ranks
-with `launch.run_distributed`. On CPU the ranks enable `compat.cpu` and turn TorchDynamo off
+with `launch.run_distributed`. On CPU the ranks enable `cpu.megatron_core` and turn TorchDynamo off
 (Megatron's ``jit_fuser`` would compile on CPU, which is slow and gains nothing here).
 """
 from __future__ import annotations
@@ -683,17 +683,21 @@ def init_parallel(args) -> bool:
     _init_process_group()
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
-        from ..compat import cpu as compat_cpu
+        from ..cpu import megatron_core as cpu_layer
 
-        compat_cpu.enable(kernels=True)
+        cpu_layer.enable(kernels=True)
         torch._dynamo.config.disable = True
     if args.experimental_attention_variant == "dsa":
         from ..ops.backend import module_available
 
-        if on_cpu or not module_available("fast_hadamard_transform"):
-            from ..compat import dsa as compat_dsa  # torch Hadamard rotation for the indexer (any dtype)
+        if on_cpu:
+            from ..cpu import dsa as cpu_dsa  # torch Hadamard rotation, indexer-loss tracker on the CPU
 
-            compat_dsa.enable()
+            cpu_dsa.enable()
+        elif not module_available("fast_hadamard_transform"):
+            from ..compat.dsa import use_torch_hadamard  # torch Hadamard rotation for the indexer (any dtype)
+
+            use_torch_hadamard()
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     cp = args.context_parallel_size
     if dist.get_world_size() % (tp * pp * cp):
@@ -832,7 +836,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
     dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     cp_group = ps.get_context_parallel_group() if args.context_parallel_size > 1 else None
     if cp_group is not None:
-        from ..cp.attention import attention_seconds
+        from ..cp.execution.attention import attention_seconds
     history, saved = [], []
     mtp_k = int(getattr(args, "mtp_num_layers", None) or 0)
     show = rank == 0 and not args.quiet

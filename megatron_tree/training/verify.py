@@ -16,7 +16,7 @@ it always fails and is named. ``fault=`` injects a known bug into the tree side 
 to prove verify can fail).
 
 ``model="dsa"`` (MLA with DeepSeek sparse attention): the per-sample side's core attention is stock
-``DSAttention`` (``compat.dsa.stock_oracle_class``; under tree CP our DSA on one CP rank per sample,
+``DSAttention`` (``dsa_oracle.stock_oracle_class``; under tree CP our DSA on one CP rank per sample,
 itself checked against stock by the CP=1 runs), and two more quantities are compared: the indexer's
 ordered top-k of every (sample, row, layer), as positions on the sample's path ("selected_ids": the
 fraction that differs), and the indexer loss per layer. Faults ``dsa_tie_order`` / ``dsa_loss_weight``.
@@ -525,7 +525,7 @@ def _rank_body_many(cfgs: list) -> list:
 
     import os
 
-    from ..cp.gdn import MODE_ENV
+    from ..cp.execution.gdn import MODE_ENV
 
     out = []
     for cfg in cfgs:
@@ -550,13 +550,13 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from ..compat import cpu as compat_cpu
+    from ..cpu import megatron_core as cpu_layer
     from ..megatron.mtp import mtp_tail_rows
     from ..tree import pack, padding_microbatch
     from .models import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
 
     on_cpu = not torch.cuda.is_available()
-    compat_cpu.enable(kernels=True)
+    cpu_layer.enable(kernels=True)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
                                  context_parallel_size=cfg.cp, expert_model_parallel_size=cfg.ep)
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[cfg.dtype]
@@ -568,9 +568,9 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                       num_experts=4 if (cfg.ep > 1 or cfg.routing_replay) and cfg.model in dense else None)
     dsa = cfg.model == "dsa"
     if dsa:
-        from ..compat import dsa as compat_dsa
+        from . import dsa_oracle
 
-        compat_dsa.enable()  # stock DSA on CPU / float64: Hadamard stand-in, tracker device
+        dsa_oracle.enable()  # stock DSA on CPU / float64: Hadamard stand-in, tracker device
         margs.extra.update(dsa_indexer_use_sparse_loss=cfg.dsa_sparse_loss)
         if cfg.dsa_topk is not None:
             margs.extra.update(dsa_indexer_topk=cfg.dsa_topk)
@@ -742,8 +742,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             if dsa:
                 from ..megatron.dsa import capture_selected
 
-                compat_dsa.dsa_module().DSAIndexerLossLoggingHelper.tracker.clear()
-                selected = stack.enter_context(compat_dsa.capture_stock_selected() if stock else capture_selected())
+                dsa_oracle.dsa_module().DSAIndexerLossLoggingHelper.tracker.clear()
+                selected = stack.enter_context(dsa_oracle.capture_stock_selected() if stock else capture_selected())
             reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap)
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
@@ -764,7 +764,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             runs[side]["mtp"] = mtp_totals(reports, cfg.mtp_num_layers,
                                            ps.get_data_parallel_group(with_context_parallel=True))
         if dsa:
-            tracker = compat_dsa.dsa_module().DSAIndexerLossLoggingHelper.tracker
+            tracker = dsa_oracle.dsa_module().DSAIndexerLossLoggingHelper.tracker
             vals = tracker["values"].clone() if "values" in tracker else torch.zeros(margs.layers(), dtype=torch.float64)
             if cfg.cp > 1:  # every CP rank logged the share of the rows it owns
                 torch.distributed.all_reduce(vals, group=ps.get_context_parallel_group())

@@ -6,7 +6,8 @@ Two layers:
   ``all_to_all_single`` of row blocks with split sizes, issued asynchronously (``async_op=True``);
   ``Exchange.wait()`` returns the received block. This is what the attention executor uses inside
   its own autograd Function, so it can issue the fetch of wave ``w + 1`` before computing wave ``w``
-  and overlap the return of dK/dV with the backward of the next stage.
+  and overlap the return of dK/dV with the backward of the next stage. `start_fetch` / `received`
+  run one wave of a `CPSchedule` (the plan's host-side KV schedule) through it.
 * `fetch_rows(x, send_local, send_splits, recv_splits, group)`: the same move as an autograd op.
   Forward gathers the local rows ``x[send_local]`` (grouped by destination) and sends them;
   backward sends the received rows' gradients back to their owners, who ADD them into the gradient
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Exchange", "start_exchange", "fetch_rows", "group_rank"]
+__all__ = ["Exchange", "start_exchange", "start_fetch", "received", "fetch_rows", "group_rank"]
 
 
 def group_rank(plan, group, who: str) -> int:
@@ -76,6 +77,27 @@ def start_exchange(send: torch.Tensor, send_splits, recv_splits, group=None, *, 
     work = dist.all_to_all_single(out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                                   group=group, async_op=async_op)
     return Exchange(out, work if async_op else None, send)
+
+
+def start_fetch(sched, pack: torch.Tensor, w: int, group=None):
+    """Start wave ``w`` of the schedule ``sched`` (a `CPSchedule`): send the rows of ``pack``
+    [n_local, F] (this rank's owned rows, any features) that other ranks need. None when no rank
+    moves a row in that wave (decided from the global plan, so every rank skips it alike). Pair
+    with `received`."""
+    wave = sched.waves[w]
+    if wave.global_rows == 0:
+        return None
+    send = pack.index_select(0, sched.device_indices(pack.device)["waves"][w]["send_local"])
+    return start_exchange(send, wave.send_splits, wave.recv_splits, group)
+
+
+def received(sched, ex, pack: torch.Tensor, w: int) -> torch.Tensor:
+    """Wave ``w``'s remote rows [m, F] from `start_fetch`'s exchange ``ex``, in ascending global
+    row order (``sched.waves[w].rows``); ``pack`` only supplies dtype / device / width when ``ex``
+    is None."""
+    if ex is None:
+        return pack.new_empty((0, pack.shape[1]))
+    return ex.wait().index_select(0, sched.device_indices(pack.device)["waves"][w]["sorted_from_recv"])
 
 
 class _FetchRows(torch.autograd.Function):

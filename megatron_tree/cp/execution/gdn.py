@@ -40,11 +40,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..ops.causal_conv1d import tree_causal_conv1d
-from ..ops.gated_delta_rule import gated_delta_rule_forest, gated_delta_rule_summary, l2norm, tree_gated_delta_rule
-from ..tree.layout import TreeLayout
-from .comm import group_rank, start_exchange
-from .gdn_plan import (
+from ...ops.causal_conv1d import tree_causal_conv1d
+from ...ops.gated_delta_rule import gated_delta_rule_forest, gated_delta_rule_summary, l2norm, tree_gated_delta_rule
+from ...tree.layout import TreeLayout
+from ..planning.gdn_plan import (
     MODES,
     GDNCostModel,
     GDNHeads,
@@ -53,9 +52,10 @@ from .gdn_plan import (
     gdn_heads_plan,
     gdn_rank_plan,
 )
-from .plan import CPPlan
+from ..planning.plan import CPPlan
+from .comm import group_rank, start_exchange
 
-__all__ = ["tree_gdn_cp", "compose_summaries", "default_gdn_cp_mode", "GDNHeads", "GDNCostModel"]
+__all__ = ["tree_gdn_cp", "compose_summaries", "default_gdn_cp_mode", "MODE_ENV"]
 
 #: TEST-ONLY fault switch (tests/test_cp_gdn.py); always None in real use. Each value plants one
 #: known bug the equivalence tests must catch: "drop_summary" (the first doubling round does not

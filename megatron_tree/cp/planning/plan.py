@@ -9,7 +9,7 @@ It keeps the three things of tree context parallelism apart:
   work (projections, norms, MLP / MoE), its queries and outputs, and the master copy of its K / V.
   A rank's rows need not be contiguous; its *local order* is ascending global row;
 * **schedule**: remote K / V a rank's queries need arrive in ``num_waves`` waves
-  (`megatron_tree.cp.schedule.build_schedule`): wave ``w`` of rank ``r`` holds the ``w``-th of
+  (`megatron_tree.cp.planning.schedule.build_schedule`): wave ``w`` of rank ``r`` holds the ``w``-th of
   ``num_waves`` contiguous, near-equal parts of ``r``'s needed remote rows sorted by global row.
 
 ``predicted_ms`` / ``imbalance`` are the planner's cost-model prediction for the executed plan

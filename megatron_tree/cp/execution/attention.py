@@ -50,10 +50,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.attention import apply_sinks, merge_attention, tree_attention_partial
-from .comm import group_rank, start_exchange
-from .plan import CPPlan
-from .schedule import CPSchedule, build_schedule
+from ...ops.attention import apply_sinks, merge_attention, tree_attention_partial
+from ..planning.plan import CPPlan
+from ..planning.schedule import CPSchedule, build_schedule
+from .comm import group_rank, received, start_exchange, start_fetch
 
 __all__ = ["tree_attention_cp", "attention_seconds"]
 
@@ -181,12 +181,12 @@ class _CPAttentionFn(torch.autograd.Function):
         keep = cfg.build_graph and not cfg.recompute  # keep each stage's graph until backward
         # K and V travel together in one buffer per wave: [n, Hkv*(D+Dv)] (D and Dv may differ)
         pack = _pack_kv(k, v)
-        fetch = cfg.sched.start_fetch(pack, 0, cfg.group) if nw else None  # wave 0 moves while the local stage runs
+        fetch = start_fetch(cfg.sched, pack, 0, cfg.group) if nw else None  # wave 0 moves while the local stage runs
         stages = [_run_stage(q, k, v, idx["owned"], idx["owned_visible_until"], idx["owned_position_ids"],
                              idx, cfg, keep)]
         for w in range(nw):
-            nxt = cfg.sched.start_fetch(pack, w + 1, cfg.group) if w + 1 < nw else None  # before wave w's compute
-            block = cfg.sched.received(fetch, pack, w)
+            nxt = start_fetch(cfg.sched, pack, w + 1, cfg.group) if w + 1 < nw else None  # before wave w's compute
+            block = received(cfg.sched, fetch, pack, w)
             fetch = nxt
             if block.shape[0] == 0 or (cfg.fault == "drop_wave" and w == nw - 1):
                 stages.append(None)  # nothing visible here: o = 0, lse = -inf contributes nothing
@@ -252,14 +252,14 @@ class _CPAttentionFn(torch.autograd.Function):
             dpack[:, :hkv * d].add_(gk.reshape(n, hkv * d))
             dpack[:, hkv * d:].add_(gv.reshape(n, hkv * dv))
 
-        fetch = cfg.sched.start_fetch(pack, 0, cfg.group) if recompute and nw else None
+        fetch = start_fetch(cfg.sched, pack, 0, cfg.group) if recompute and nw else None
         if recompute:
             local_stage()  # overlaps the re-fetch of wave 0
         for w in range(nw):
             wave = sched.waves[w]
             if recompute:
-                nxt = cfg.sched.start_fetch(pack, w + 1, cfg.group) if w + 1 < nw else None
-                block = cfg.sched.received(fetch, pack, w)
+                nxt = start_fetch(cfg.sched, pack, w + 1, cfg.group) if w + 1 < nw else None
+                block = received(cfg.sched, fetch, pack, w)
                 fetch = nxt
                 st = None if block.shape[0] == 0 else _remote_stage(block, idx, cfg, w, hkv, d, dv, q, True)
             else:

@@ -171,7 +171,7 @@ def _on_cpu(factory: Callable) -> Callable:
         return factory(*args, **kwargs)
 
     wrapper.__name__ = getattr(factory, "__name__", "factory")
-    wrapper.__doc__ = f"CPU-placing wrapper of torch.{wrapper.__name__} (megatron_tree.compat.cpu)."
+    wrapper.__doc__ = f"CPU-placing wrapper of torch.{wrapper.__name__} (megatron_tree.cpu.megatron_core)."
     return wrapper
 
 
@@ -267,7 +267,7 @@ class _CpuTorch:
         return getattr(torch, name)
 
     def __repr__(self) -> str:
-        return "<torch (CPU view, megatron_tree.compat.cpu)>"
+        return "<torch (CPU view, megatron_tree.cpu.megatron_core)>"
 
 
 for _name in _FACTORIES:
@@ -283,7 +283,7 @@ def patch_module(module: Any) -> bool:
     loaded ``megatron.core`` module.
     """
     if not _ENABLED:
-        raise RuntimeError("megatron_tree.compat.cpu.enable() has not been applied")
+        raise RuntimeError("megatron_tree.cpu.enable() has not been applied")
     return _patch_module(module)
 
 
@@ -519,7 +519,7 @@ def enable(*, kernels: bool = False) -> bool:
 
     ``kernels=True`` also installs torch stand-ins for the GPU kernels used by Megatron's stock
     ``GatedDeltaNet`` (FLA) and ``MambaMixer`` (mamba-ssm, Triton inference ops); see
-    :mod:`megatron_tree.compat.standins`.
+    :mod:`megatron_tree.cpu.standins`.
 
     Returns False without touching anything when CUDA is available; True when the shims are
     active. ``megatron.core`` modules imported later are patched on import (a meta-path hook);
@@ -536,7 +536,7 @@ def enable(*, kernels: bool = False) -> bool:
         for name in _CORE_MODULES:
             importlib.import_module(name)
         if kernels:
-            from megatron_tree.compat import standins  # noqa: PLC0415 (imports Megatron SSM modules)
+            from megatron_tree.cpu import standins  # noqa: PLC0415 (imports Megatron SSM modules)
 
             standins.prepare_imports(_set)
         _ENABLED = True

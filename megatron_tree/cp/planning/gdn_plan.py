@@ -1,7 +1,7 @@
 """Host-side plan of tree Gated DeltaNet under context parallelism (numpy, identical on every rank).
 
 Derived from a `CPPlan`'s ownership and the `TreeLayout` alone, so every rank computes the same
-structures and enters the same collectives. Two executions (`megatron_tree.cp.gdn`):
+structures and enters the same collectives. Two executions (`megatron_tree.cp.execution.gdn`):
 
 **summary mode** (the state crosses ranks). A *piece* is a maximal run of consecutive rows of one
 segment owned by one rank. Its *predecessor* is the piece whose final state it starts from: the
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tree.layout import TreeLayout
+from ...tree.layout import TreeLayout
 from .plan import CPPlan
 
 __all__ = ["GDNHeads", "GDNCostModel", "gdn_cp_figures", "choose_mode", "gdn_pieces", "gdn_rank_plan",

@@ -54,11 +54,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.dsa import (NO_ROW, dsa_indexer_loss_partial_stats, dsa_indexer_loss_partial_terms, merge_topk,
+from ...ops.dsa import (NO_ROW, dsa_indexer_loss_partial_stats, dsa_indexer_loss_partial_terms, merge_topk,
                        sparse_attention, tree_dsa_topk_partial, upcast_for_accumulation)
-from .comm import group_rank, start_exchange
-from .plan import CPPlan
-from .schedule import CPSchedule, build_schedule
+from ..planning.plan import CPPlan
+from ..planning.schedule import CPSchedule, build_schedule
+from .comm import group_rank, received, start_exchange, start_fetch
 
 __all__ = ["tree_dsa_cp"]
 
@@ -192,14 +192,14 @@ class _DSACPFn(torch.autograd.Function):
             for t in parts[1:]:
                 pdt = torch.promote_types(pdt, t.dtype)
             pack = _pack(*[t.detach().to(pdt) for t in parts])
-            fetch = cfg.sched.start_fetch(pack, 0, cfg.group) if nw else None
+            fetch = start_fetch(cfg.sched, pack, 0, cfg.group) if nw else None
             if cfg.score:  # the local stage scores while wave 0 moves
                 cands.append(tree_dsa_topk_partial(iq.detach(), w.detach(), ik.detach(), owned, owned,
                                                    idx["owned_visible_until"], cfg.topk, block_size=cfg.block_size))
                 best = cands[0]
             for wv in range(nw):
-                nxt = cfg.sched.start_fetch(pack, wv + 1, cfg.group) if wv + 1 < nw else None
-                blk = cfg.sched.received(fetch, pack, wv)
+                nxt = start_fetch(cfg.sched, pack, wv + 1, cfg.group) if wv + 1 < nw else None
+                blk = received(cfg.sched, fetch, pack, wv)
                 fetch = nxt
                 if cfg.loss or cfg.kv_stages:  # reused by the loss / the attention buffer (held until backward)
                     blocks.append(blk)

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .comm import start_exchange
 from .lru import lru_get
 from .plan import CPPlan
 
@@ -125,23 +124,6 @@ class CPSchedule:
                                for w in self.waves),
             }
         return self._device[key]
-
-    def start_fetch(self, pack, w: int, group=None):
-        """Start wave ``w``'s fetch of the rows of ``pack`` [n_local, F] (this rank's owned rows, any
-        features) that other ranks need; None when no rank moves a row in that wave (decided from the
-        global plan, so every rank skips it alike). Pair with `received`."""
-        wave = self.waves[w]
-        if wave.global_rows == 0:
-            return None
-        send = pack.index_select(0, self.device_indices(pack.device)["waves"][w]["send_local"])
-        return start_exchange(send, wave.send_splits, wave.recv_splits, group)
-
-    def received(self, ex, pack, w: int):
-        """Wave ``w``'s remote rows [m, F] from `start_fetch`'s exchange ``ex``, in ascending global
-        row order (``waves[w].rows``); ``pack`` only supplies dtype / device / width when ``ex`` is None."""
-        if ex is None:
-            return pack.new_empty((0, pack.shape[1]))
-        return ex.wait().index_select(0, self.device_indices(pack.device)["waves"][w]["sorted_from_recv"])
 
 
 # ---------------------------------------------------------------------------------------- needs

@@ -34,7 +34,7 @@ GQA model (32 query heads, 8 K/V heads, head dim 128, hidden 4096, bf16).
 `simulate` is vectorised over ranks (used by the planner's search); `simulate_reference` follows
 the same schedule with plain loops, one rank at a time (tests check that the two agree).
 
-DSA models (``CostModel.dsa``, a `DSAWork`; `cp.dsa.tree_dsa_cp` is the executor). The staged
+DSA models (``CostModel.dsa``, a `DSAWork`; `cp.execution.dsa.tree_dsa_cp` is the executor). The staged
 schedule above then runs the *indexer*: its stages score candidate keys, so a stage costs
 ``launch + pairs * index_{fwd,bwd}_ms_per_pair + stage_row_ms * (nq + nk)`` (work per visible
 (query, key) pair: the indexer scores every visible key), its transfers move candidate rows

@@ -1,7 +1,7 @@
 """Megatron-LM's ``megatron.training`` (``pretrain()``) on a CPU-only host with gloo.
 
 Serves the ``megatron.training`` of Megatron-LM tag core_v0.16.1 (a checkout) and of the
-megatron-core 0.19.x wheels. It sits on top of :mod:`megatron_tree.compat.cpu` (Megatron-Core on
+megatron-core 0.19.x wheels. It sits on top of :mod:`megatron_tree.cpu.megatron_core` (Megatron-Core on
 CPU, with the kernel stand-ins), which :func:`enable` applies first. What ``megatron.training``
 adds on a host without CUDA, and what each shim does about it:
 
@@ -15,7 +15,7 @@ adds on a host without CUDA, and what each shim does about it:
   it ``Tensor.cuda()`` keeps tensors where they are.
 * Every other ``megatron.training`` module that places tensors with ``device='cuda'`` or calls
   ``torch.cuda.*`` (timers, loss reduction, memory reports, RNG state in checkpoints) gets a
-  private CPU view of ``torch`` (the one of ``compat.cpu``, plus zero memory statistics), never
+  private CPU view of ``torch`` (the one of ``cpu.megatron_core``, plus zero memory statistics), never
   the global ``torch``.
 * Random numbers: on a GPU, ``torch.rand(..., device="cuda")`` and dropout on CUDA tensors draw from
   the CUDA generator, while ``--use-cpu-initialization`` builds the full weights from the CPU
@@ -36,7 +36,7 @@ adds on a host without CUDA, and what each shim does about it:
   ``--distributed-backend gloo``) unless the command line already sets them.
 
 Nothing happens on import; :func:`enable` is explicit, idempotent, returns False on a CUDA host
-(the real code runs there) and records every change in ``megatron_tree.compat.cpu.applied()``.
+(the real code runs there) and records every change in ``megatron_tree.cpu.megatron_core.applied()``.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megatron_tree.compat import cpu as _cpu
+from megatron_tree.cpu import megatron_core as _cpu
 
 __all__ = ["CPU_FLAGS", "CPU_ENV", "add_cpu_flags", "enable", "is_enabled"]
 
@@ -89,7 +89,7 @@ def add_cpu_flags(argv: Sequence[str]) -> list[str]:
 
 
 def is_enabled() -> bool:
-    """True while the layer is applied (``compat.cpu.disable()`` undoes it with the rest)."""
+    """True while the layer is applied (``cpu.disable()`` undoes it with the rest)."""
     return _ENABLED and _cpu.is_enabled()
 
 
@@ -97,7 +97,7 @@ def is_enabled() -> bool:
 # torch as seen by megatron.training modules
 # ----------------------------------------------------------------------------------------------
 class _TrainingCpuCuda(_cpu._CpuCuda):
-    """``compat.cpu``'s CPU ``torch.cuda`` plus what ``megatron.training`` reads: one "device"
+    """``cpu.megatron_core``'s CPU ``torch.cuda`` plus what ``megatron.training`` reads: one "device"
     (so model-parallel groups and RNG streams get initialised), a no-op ``set_device`` and zero
     memory statistics. ``is_available()`` stays False, so code that asks takes its CPU branch."""
 
@@ -161,7 +161,7 @@ def _cuda_draws_on_standin(factory: Callable) -> Callable:
         return placed(*args, **kwargs)
 
     draw.__doc__ = (f"torch.{factory.__name__} for megatron.training on a CPU host: device='cuda' draws come "
-                    "from the CUDA stand-in generator, not the CPU default one (megatron_tree.compat.lm_cpu)")
+                    "from the CUDA stand-in generator, not the CPU default one (megatron_tree.cpu.megatron_training)")
     return draw
 
 
@@ -176,7 +176,7 @@ class _TrainingCpuTorch(_cpu._CpuTorch):
     manual_seed = staticmethod(_manual_seed)
 
     def __repr__(self) -> str:
-        return "<torch (CPU view for megatron.training, megatron_tree.compat.lm_cpu)>"
+        return "<torch (CPU view for megatron.training, megatron_tree.cpu.megatron_training)>"
 
 
 for _name in _RANDOM_FACTORIES:
@@ -203,7 +203,7 @@ def _allow_no_cuda(fn: Callable) -> Callable:
         kwargs["allow_no_cuda"] = True
         return fn(*args, **kwargs)
 
-    initialize_megatron.__doc__ = ("initialize_megatron with allow_no_cuda=True (megatron_tree.compat.lm_cpu; "
+    initialize_megatron.__doc__ = ("initialize_megatron with allow_no_cuda=True (megatron_tree.cpu.megatron_training; "
                                    "pretrain() never passes it)")
     return initialize_megatron
 
@@ -238,7 +238,7 @@ def _warmup_keeps_cpu_rng(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     _warmup_jit_function.__doc__ = ("Megatron-LM's JIT warm-up with the CPU RNG state restored afterwards "
-                                    "(megatron_tree.compat.lm_cpu)")
+                                    "(megatron_tree.cpu.megatron_training)")
     return _warmup_jit_function
 
 
@@ -255,7 +255,7 @@ def _replace_everywhere(name: str, original: Any, replacement: Any, why: str) ->
 # enable
 # ----------------------------------------------------------------------------------------------
 def enable() -> bool:
-    """Apply the CPU layer for ``megatron.training`` (and ``compat.cpu.enable(kernels=True)``).
+    """Apply the CPU layer for ``megatron.training`` (and ``cpu.enable(kernels=True)``).
 
     Call it before ``pretrain()``. Returns False on a CUDA host (nothing changes), True otherwise.
     Raises ImportError when ``megatron.training`` does not import (message from

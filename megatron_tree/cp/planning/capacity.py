@@ -155,7 +155,7 @@ def recurrent_report(layout, attention_plans, *, heads=None, mamba=MAMBA_DEFAULT
     """
     from .gdn_layout import DEFAULT_HEADS, DEFAULT_HIDDEN, gdn_layout_figures, plan_gdn_layout
     from .gdn_plan import GDNCostModel
-    from .mamba import mamba_exchange_figures
+    from .mamba_heads import mamba_exchange_figures
 
     heads = heads or DEFAULT_HEADS
     cost = cost or GDNCostModel.default()

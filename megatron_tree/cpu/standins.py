@@ -8,7 +8,7 @@ CPU-only host, so the stock layers refuse to construct. ``megatron.core.ssm.mamb
 builds its final norm with transformer-engine's ``TENorm`` whatever its spec says; without TE that
 name is pointed at Megatron's torch norm (same parameter names).
 
-:func:`install` (called by ``megatron_tree.compat.cpu.enable(kernels=True)``) sets module
+:func:`install` (called by ``megatron_tree.cpu.enable(kernels=True)``) sets module
 attributes of those two Megatron modules to the adapters below, which call this project's torch
 references (``megatron_tree.ops.gated_delta_rule.chunk_gated_delta_rule_torch`` and
 ``megatron_tree.ops.ssd.ssd_chunked_torch``). No fake ``fla``/``mamba_ssm``/``triton`` package is
@@ -346,7 +346,7 @@ def prepare_imports(set_attr: Callable) -> None:
     functions (used only by dynamic-batching inference) raise."""
     if _TENSOR_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
         return
-    module = types.ModuleType(_TENSOR_OPS, "CPU stand-in (megatron_tree.compat.standins): Triton is not installed.")
+    module = types.ModuleType(_TENSOR_OPS, "CPU stand-in (megatron_tree.cpu.standins): Triton is not installed.")
     for name in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
         setattr(module, name, _inference_only(name))
     set_attr(sys.modules, _TENSOR_OPS, module, "Triton inference ops module stand-in (raises if called)")
@@ -355,7 +355,7 @@ def prepare_imports(set_attr: Callable) -> None:
 def install(set_attr: Callable) -> None:
     """Point Megatron's GatedDeltaNet and MambaMixer modules at the torch stand-ins.
 
-    ``set_attr(target, name, value, why)`` records each change (``megatron_tree.compat.cpu``).
+    ``set_attr(target, name, value, why)`` records each change (``megatron_tree.cpu.megatron_core``).
     Real kernels are left alone where they imported.
     """
     from megatron_tree.compat.mixers import gdn_modules  # noqa: PLC0415

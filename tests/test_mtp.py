@@ -367,6 +367,162 @@ def test_planted_fault_fails(oracle, fault):
     assert r["worst_grad"] > 1e-2
 
 
+# ---------------------------------------------------------------------------------------- fractional weights
+# SFT sample weights and RL weights make a sample's depth-k weight sum (stock's rolled loss-mask sum,
+# ``num_tokens``) fractional. Megatron-Core 0.19 multiplies each depth's per-token MTP loss by
+# ``original_num_tokens / max(num_tokens, 1)`` and logs ``sum / max(num_tokens, 1)``; 0.16 attaches it
+# unscaled and logs ``sum / num_tokens``. Per sample, the tree must attach and log what the installed version
+# does (`compat.mtp.mtp_num_tokens_floor`). (tokens, per-token weights; weight[0] is never a target): two
+# trees, the issue's sample first.
+FRACTIONAL = [
+    ([5, 6, 7], [0.0, 0.8, 0.4]),  # the issue's: depth-1 weight 0.4 < 1, nothing at depth 2
+    ([5, 6, 7, 8, 9], [0.0, 0.3, 0.9, 0.7, 0.6]),  # extends it: depth-1 weight 2.2 > 1, depth-2 1.3
+    ([5, 6, 2, 3], [0.0, 0.0, 0.25, 0.5]),  # fork at depth 2, a zero-weight target: 0.75 and 0.5 < 1
+    ([5, 6, 9], [0.0, 4.5, 0.0]),  # fork at depth 2: one deeper target, of weight 0 (depth-1 weight 0)
+    ([3, 4, 5, 6, 7, 8], [0.0, 0.6, 0.2, 0.1, 0.9, 0.35]),  # second tree: 1.55 and 1.35 > 1
+    ([3, 4], [0.0, 0.7]),  # one target, of depth 0: nothing for MTP
+]
+EXACT = dict(rtol=0.0, atol=1e-12)
+
+
+def _depth_weight(w, k: int) -> float:
+    """Stock's ``num_tokens`` of depth k for a sample of per-token weights ``w``: targets t >= k + 1."""
+    return float(sum(w[k + 1:]))
+
+
+class _Attached:
+    """Records every loss stock's ``MTPLossAutoScaler.apply`` attaches (stock and tree call it once per depth)."""
+
+    def __enter__(self):
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler as A
+
+        self.got, self._own = [], A.__dict__.get("apply")
+        inner = A.apply
+
+        def apply(hidden, loss):
+            self.got.append(loss.detach().clone())
+            return inner(hidden, loss)
+
+        A.apply = apply
+        return self
+
+    def __exit__(self, *exc):
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler as A
+
+        if self._own is None:
+            del A.apply
+        else:
+            A.apply = self._own
+
+
+def _tracked(K):
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as H
+
+    return H.tracker.get("values", H.tracker.get("loss_values"))[:K].double().clone()
+
+
+def _fractional_case(K: int, samples=FRACTIONAL) -> dict:
+    """Stock GPTModel + MTP on each sample alone (the weights as its loss mask, as Megatron's schedules pass
+    it) against the tree on the forest of all: per sample and depth the attached MTP loss (the sum of what
+    reaches ``MTPLossAutoScaler``) and the logged loss (stock's tracker; the tree's on a microbatch of that
+    sample alone), and every parameter gradient."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    from megatron_tree.megatron.packed_seq import tree_packed_seq_params
+    from megatron_tree.tree import pack
+
+    stock, tree = _models(K)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+    stock.train()
+    tree.train()
+    S = len(samples)
+    s_att, s_log = torch.zeros(S, K, dtype=torch.float64), torch.zeros(S, K, dtype=torch.float64)
+    for i, (toks, w) in enumerate(samples):
+        L = len(toks)
+        mask = torch.tensor(w[1:] + [0.0], dtype=torch.float64)[None]
+        MTPLossLoggingHelper.tracker.clear()
+        with _Attached() as rec:
+            ce = stock(torch.tensor(toks)[None], torch.arange(L)[None], None,
+                       labels=torch.tensor(toks[1:] + [0])[None], loss_mask=mask)
+        (ce * mask).sum().backward()
+        s_att[i] = torch.stack([a.sum() for a in rec.got])
+        s_log[i] = _tracked(K)
+
+    batch = [dict(tokens=t, weight=w) for t, w in samples]
+    mbs = pack(batch, 64, pad_to_multiple_of=16)
+    t_att, t_log = torch.zeros(S, K, dtype=torch.float64), torch.zeros(S, K, dtype=torch.float64)
+    for mb in mbs:
+        psp = tree_packed_seq_params(mb)
+        with _Attached() as rec:
+            lp = tree(psp.input_ids[None], psp.position_ids[None], None, packed_seq_params=psp)
+        (-(lp * psp.loss_map.weights.to(lp.dtype)).sum()).backward()
+        lm = psp.loss_map
+        depth = psp.position_ids[lm.source_rows]
+        for k in range(1, K + 1):
+            sel = torch.nonzero(depth >= k).squeeze(1)  # the occurrences depth k attaches, in its order
+            t_att[:, k - 1].index_add_(0, lm.sample_index[sel], rec.got[k - 1].double())
+    with torch.no_grad():  # the logged loss of each sample alone (the microbatch's mean: no step weights)
+        for i, s in enumerate(batch):
+            (mb,) = pack([s], 64, pad_to_multiple_of=16)
+            MTPLossLoggingHelper.tracker.clear()
+            psp = tree_packed_seq_params(mb)
+            tree(psp.input_ids[None], psp.position_ids[None], None, packed_seq_params=psp)
+            t_log[i] = _tracked(K)
+    sg, tg = dict(stock.named_parameters()), dict(tree.named_parameters())
+    return dict(num_mbs=len(mbs), trees=int((mbs[0].layout.segment_parent == -1).sum()) - mbs[0].layout.num_padding,
+                attached=(t_att, s_att), logged=(t_log, s_log), grad_names_equal=sorted(sg) == sorted(tg),
+                grads={n: (tg[n].grad.clone(), sg[n].grad.clone()) for n in sorted(sg)})
+
+
+def _fractional_body():
+    init_megatron(tp=1)
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    for K in (1, 2):
+        try:
+            out[K] = _fractional_case(K)
+        except Exception:  # noqa: BLE001 - reported by the test of that case
+            out[K] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def fractional():
+    return run_distributed(_fractional_body, 1, timeout=300)[0]
+
+
+def test_fractional_weights_reach_both_sides_of_the_count_clamp():
+    """The data: per depth, a sample whose weight sum is in (0, 1), one above 1 and one with targets of weight 0
+    only (stock 0.19 divides by max(num_tokens, 1)); one forest of samples sharing prefixes."""
+    for k in (1, 2):
+        n = [_depth_weight(w, k) for _, w in FRACTIONAL]
+        assert any(0 < x < 1 for x in n) and any(x > 1 for x in n), (k, n)
+    assert _depth_weight(FRACTIONAL[0][1], 1) == pytest.approx(0.4)
+    assert _depth_weight(FRACTIONAL[3][1], 1) == 0 and sum(FRACTIONAL[3][1]) > 4  # 0 * (4.5 / 0+) is not finite
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_tree_mtp_with_fractional_weights_equals_stock_per_sample(fractional, K):
+    """Issue 24: on 0.19 the tree attached 2.5 times stock's MTP loss for one sample [5, 6, 7] of weights
+    [0, 0.8, 0.4] (it divided by the exact depth-1 weight 0.4, stock by max(0.4, 1); here 1.6982 vs 0.6793
+    at K=1) and NaN gradients for [5, 6, 9] of weights [0, 4.5, 0] (4.5 / tiny overflows, times a 0 loss).
+    Attached and logged MTP losses per sample and depth, and every gradient (decoder, MTP layers, embedding,
+    head), to 1e-12."""
+    r = _result(fractional, K)
+    assert r["num_mbs"] == 1 and r["trees"] == 2 and r["grad_names_equal"]
+    t_att, s_att = r["attached"]
+    torch.testing.assert_close(t_att, s_att, **EXACT)
+    assert (s_att[:, 0] != 0).sum() >= 4
+    t_log, s_log = r["logged"]
+    has = torch.tensor([[_depth_weight(w, k) > 0 for k in range(1, K + 1)] for _, w in FRACTIONAL])
+    torch.testing.assert_close(t_log[has], s_log[has], **EXACT)
+    assert (t_log[~has] == 0).all()  # stock 0.19 logs 0 there too; 0.16 logs 0 / 0
+    assert any(n.startswith("mtp.layers.") for n in r["grads"])
+    for n, (g_tree, g_stock) in r["grads"].items():
+        assert g_stock.abs().max() > 0, n
+        torch.testing.assert_close(g_tree, g_stock, **EXACT, msg=lambda m: f"grad of {n}: {m}")
+
+
 def _forest():
     from megatron_tree.tree import pack
 

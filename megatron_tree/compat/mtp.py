@@ -10,6 +10,11 @@ Feature checks, never version numbers:
   gradient, does not shrink the MTP gradients; 0.16's ``GPTModel._postprocess`` adds the depth's
   loss unscaled. `rescales_per_token_mtp_loss` says which the installed version does (it reads the
   source of ``process_mtp_loss``: there is no flag for it).
+* **The depth's token count as a divisor.** 0.19 divides by ``max(num_tokens, 1)`` (``num_tokens``: the
+  rolled loss-mask sum), in that rescaling and in the logged mean; 0.16 logs ``sum / num_tokens``. With
+  0/1 masks the two agree wherever ``num_tokens > 0``; with loss weights (SFT sample weights, RL weights,
+  which reach stock as the loss mask) a sum in (0, 1) tells them apart: `mtp_num_tokens_floor` (read from
+  the source of stock's MTP loss code).
 * **Hybrid (Mamba) models.** 0.19's ``MambaModel`` is a ``HybridModel`` whose stack spec takes an
   ``mtp_block_spec`` (MTP depths from a ``main/mtp/...`` pattern, each MTP layer's inner stack built
   from the stack's own layer specs); 0.16's has no MTP: `hybrid_has_mtp`.
@@ -20,10 +25,11 @@ Feature checks, never version numbers:
 from __future__ import annotations
 
 import inspect
+import re
 from functools import lru_cache
 
-__all__ = ["mtp_inner_layer", "rescales_per_token_mtp_loss", "save_mtp_metrics", "tracks_acceptance",
-           "hybrid_has_mtp"]
+__all__ = ["mtp_inner_layer", "rescales_per_token_mtp_loss", "mtp_num_tokens_floor", "save_mtp_metrics",
+           "tracks_acceptance", "hybrid_has_mtp"]
 
 
 def hybrid_has_mtp() -> bool:
@@ -55,6 +61,30 @@ def rescales_per_token_mtp_loss() -> bool:
         return "original_num_tokens" in inspect.getsource(fn)
     except (OSError, TypeError):  # no source shipped: the newer behaviour
         return True
+
+
+_CLAMPED_COUNT = re.compile(r"clamp\(\s*num_tokens\s*,\s*min\s*=\s*1\s*\)|num_tokens\.clamp\(\s*min\s*=\s*1\s*\)")
+
+
+@lru_cache(maxsize=None)
+def mtp_num_tokens_floor() -> float:
+    """The least value stock's MTP loss lets a depth's token count (``num_tokens``, the rolled loss-mask sum)
+    take where it divides by it: 1.0 where it clamps it (0.19's ``process_mtp_loss``:
+    ``original_num_tokens / torch.clamp(num_tokens, min=1)`` under ``calculate_per_token_loss``, the logged
+    ``sum / num_tokens.clamp(min=1)``), 0.0 where it divides by the exact sum (0.16's
+    ``GPTModel._postprocess`` logs ``sum / num_tokens``). Read from the source of stock's MTP loss code."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    fn = getattr(mtp, "process_mtp_loss", None)
+    if fn is None:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        fn = getattr(GPTModel, "_postprocess", None)
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):  # no source shipped: the newer behaviour
+        return 1.0
+    return 1.0 if _CLAMPED_COUNT.search(src) else 0.0
 
 
 def tracks_acceptance() -> bool:

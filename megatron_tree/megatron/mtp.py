@@ -23,7 +23,9 @@ path):
   ``MTPLossAutoScaler.set_loss_scale`` applies), and, on Megatron-Core versions whose per-token MTP
   loss is multiplied by ``original_num_tokens / num_tokens`` (`compat.mtp
   .rescales_per_token_mtp_loss`), by that ratio of each occurrence's own sample (what stock computes
-  for one sample per microbatch; under CP the per-sample sums are combined over the CP group).
+  for one sample per microbatch; under CP the per-sample sums are combined over the CP group), its
+  ``num_tokens`` (the sample's weight sum over occurrences of depth >= k) clamped as stock clamps it
+  (0.19: to at least 1, `compat.mtp.mtp_num_tokens_floor`; loss weights make it fractional).
 
 DSA in the MTP layers: stock's depth k runs on all L anchors of a sample and its indexer loss covers
 the k trailing ones (rolled-in token 0). The microbatch then carries each sample's MTP *tail rows*
@@ -64,7 +66,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MultiTokenPredictionLayer
 from megatron.core.utils import make_viewless_tensor
 
-from ..compat.mtp import rescales_per_token_mtp_loss, save_mtp_metrics, tracks_acceptance
+from ..compat.mtp import mtp_num_tokens_floor, rescales_per_token_mtp_loss, save_mtp_metrics, tracks_acceptance
 from ..cp.execution.comm import fetch_rows
 from ..cp.planning.lru import lru_get
 from ..tree.layout import TreeLayout
@@ -331,8 +333,10 @@ class TreeMultiTokenPredictionLayer(MultiTokenPredictionLayer):
 
 # ------------------------------------------------------------------------------------ loss
 def _sample_ratios(lm, depth: torch.Tensor, num_layers: int, cp_group) -> torch.Tensor:
-    """[M, K] per occurrence: its sample's ``sum(w) / sum(w over occurrences of depth >= k)`` (stock's
-    ``original_num_tokens / num_tokens`` for a microbatch of that sample alone), over every CP rank."""
+    """[M, K] per occurrence: its sample's ``sum(w) / max(sum(w over occurrences of depth >= k), floor)``
+    (stock's ``original_num_tokens / num_tokens`` for a microbatch of that sample alone, ``num_tokens``
+    clamped as the installed stock clamps it: `compat.mtp.mtp_num_tokens_floor`, 1 on 0.19; 0 where the
+    denominator is 0), over every CP rank."""
     w = lm.weights.to(torch.float64)
     ids, slot = torch.unique(lm.sample_index, return_inverse=True)
     cols = [w] + [w * (depth >= k).to(w) for k in range(1, num_layers + 1)]
@@ -358,7 +362,8 @@ def _sample_ratios(lm, depth: torch.Tensor, num_layers: int, cp_group) -> torch.
         pos = torch.searchsorted(ids, g_ids).clamp(max=max(len(ids) - 1, 0))
         hit = (ids[pos] == g_ids) if len(ids) else torch.zeros_like(g_ids, dtype=torch.bool)
         sums = torch.zeros_like(sums).index_add_(0, pos[hit], g_sums[hit])
-    ratio = sums[:, :1] / sums[:, 1:].clamp(min=torch.finfo(torch.float64).tiny)
+    num = sums[:, 1:].clamp(min=mtp_num_tokens_floor())
+    ratio = torch.where(num > 0, sums[:, :1] / torch.where(num > 0, num, 1.0), 0.0)
     return ratio[slot]
 
 
@@ -478,9 +483,14 @@ def _logged_loss(loss_sum: torch.Tensor, num: torch.Tensor, by_depth: Optional[t
     step's per-token mean only when every microbatch holds as many targets (a tree step's microbatches do
     not; padding ones hold none). With the step's target weights by source depth (``by_depth``, all ranks;
     W = their sum over depths >= k) it adds ``loss_sum * M * R / W``: the logged value is exactly
-    ``sum of loss / W``, the step's per-token mean."""
+    ``sum of loss / W``, the step's per-token mean (W exact, as Megatron-LM's training step divides ``lm
+    loss``: a step's weights may sum below 1; ``tiny`` only keeps W = 0 finite). Without them (a microbatch
+    not from the data pipeline) it adds what stock adds, the microbatch's ``loss_sum / num``, ``num``
+    clamped as stock clamps it (`compat.mtp.mtp_num_tokens_floor`: ``max(num, 1)`` on 0.19, exact on 0.16;
+    0 where ``num`` is 0, as 0.19 logs, where 0.16 logs 0 / 0)."""
     if by_depth is None:
-        return loss_sum / num.clamp(min=1)
+        num = num.clamp(min=mtp_num_tokens_floor())
+        return torch.where(num > 0, loss_sum / torch.where(num > 0, num, 1.0), 0.0)
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     group = _dp_cp_group()

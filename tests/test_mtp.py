@@ -421,11 +421,21 @@ def _tracked(K):
     return H.tracker.get("values", H.tracker.get("loss_values"))[:K].double().clone()
 
 
+def _accepted(K):
+    """[K, 2] (correct, total) of stock's acceptance tracker (megatron-core 0.19), None where it has none."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as H
+
+    if "correct_values" not in H.tracker:
+        return None
+    return torch.stack([H.tracker["correct_values"][:K], H.tracker["total_values"][:K]], 1).double().clone()
+
+
 def _fractional_case(K: int, samples=FRACTIONAL) -> dict:
     """Stock GPTModel + MTP on each sample alone (the weights as its loss mask, as Megatron's schedules pass
     it) against the tree on the forest of all: per sample and depth the attached MTP loss (the sum of what
     reaches ``MTPLossAutoScaler``) and the logged loss (stock's tracker; the tree's on a microbatch of that
-    sample alone), and every parameter gradient."""
+    sample alone), the acceptance counts where stock keeps them (0.19: targets of weight 0 not counted), and
+    every parameter gradient."""
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
     from megatron_tree.megatron.packed_seq import tree_packed_seq_params
@@ -437,6 +447,7 @@ def _fractional_case(K: int, samples=FRACTIONAL) -> dict:
     tree.train()
     S = len(samples)
     s_att, s_log = torch.zeros(S, K, dtype=torch.float64), torch.zeros(S, K, dtype=torch.float64)
+    s_acc, t_acc = [], []
     for i, (toks, w) in enumerate(samples):
         L = len(toks)
         mask = torch.tensor(w[1:] + [0.0], dtype=torch.float64)[None]
@@ -447,6 +458,7 @@ def _fractional_case(K: int, samples=FRACTIONAL) -> dict:
         (ce * mask).sum().backward()
         s_att[i] = torch.stack([a.sum() for a in rec.got])
         s_log[i] = _tracked(K)
+        s_acc.append(_accepted(K))
 
     batch = [dict(tokens=t, weight=w) for t, w in samples]
     mbs = pack(batch, 64, pad_to_multiple_of=16)
@@ -468,9 +480,11 @@ def _fractional_case(K: int, samples=FRACTIONAL) -> dict:
             psp = tree_packed_seq_params(mb)
             tree(psp.input_ids[None], psp.position_ids[None], None, packed_seq_params=psp)
             t_log[i] = _tracked(K)
+            t_acc.append(_accepted(K))
     sg, tg = dict(stock.named_parameters()), dict(tree.named_parameters())
     return dict(num_mbs=len(mbs), trees=int((mbs[0].layout.segment_parent == -1).sum()) - mbs[0].layout.num_padding,
-                attached=(t_att, s_att), logged=(t_log, s_log), grad_names_equal=sorted(sg) == sorted(tg),
+                attached=(t_att, s_att), logged=(t_log, s_log), accepted=(t_acc, s_acc),
+                grad_names_equal=sorted(sg) == sorted(tg),
                 grads={n: (tg[n].grad.clone(), sg[n].grad.clone()) for n in sorted(sg)})
 
 
@@ -517,6 +531,11 @@ def test_tree_mtp_with_fractional_weights_equals_stock_per_sample(fractional, K)
     has = torch.tensor([[_depth_weight(w, k) > 0 for k in range(1, K + 1)] for _, w in FRACTIONAL])
     torch.testing.assert_close(t_log[has], s_log[has], **EXACT)
     assert (t_log[~has] == 0).all()  # stock 0.19 logs 0 there too; 0.16 logs 0 / 0
+    t_acc, s_acc = r["accepted"]  # per sample: (correct, total) by depth; a weight-0 target is not counted
+    for i, (t, st) in enumerate(zip(t_acc, s_acc)):
+        assert (t is None) == (st is None), i
+        if st is not None:
+            torch.testing.assert_close(t, st, rtol=0, atol=0, msg=lambda m: f"acceptance of sample {i}: {m}")
     assert any(n.startswith("mtp.layers.") for n in r["grads"])
     for n, (g_tree, g_stock) in r["grads"].items():
         assert g_stock.abs().max() > 0, n

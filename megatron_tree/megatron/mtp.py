@@ -367,9 +367,11 @@ def _sample_ratios(lm, depth: torch.Tensor, num_layers: int, cp_group) -> torch.
     return ratio[slot]
 
 
-def _head(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, acceptance: bool):
+def _head(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, counted: Optional[torch.Tensor]):
     """Shared output head on ``rows`` of [s(/tp), 1, h]: (log-probs of ``targets`` [m], correct, total)
-    with the TP vocab shards never gathered (as `TreeLanguageModelMixin.tree_logprobs`)."""
+    with the TP vocab shards never gathered (as `TreeLanguageModelMixin.tree_logprobs`). ``counted``
+    [m] bool: the targets the acceptance counts cover (stock: ``loss_mask.bool()``, so a weight-0 target
+    is not counted); None: no acceptance counts."""
     tp = model.pg_collection.tp
     if model.config.sequence_parallel:
         h = gather_from_sequence_parallel_region(hidden, group=tp)
@@ -385,7 +387,7 @@ def _head(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
     group = tp if tp.size() > 1 else None
     logp = vocab_parallel_logprobs(logits, inverse, targets, vocab_start=tp.rank() * v_local, group=group)
     correct = total = None
-    if acceptance:
+    if counted is not None:
         with torch.no_grad():
             best, arg = logits.max(dim=-1) if logits.shape[0] else (logits.new_zeros(0), inverse.new_zeros(0))
             gid = arg + tp.rank() * v_local
@@ -394,8 +396,8 @@ def _head(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
                 dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
                 gid = torch.where(best == top, gid, torch.full_like(gid, torch.iinfo(torch.int64).max))
                 dist.all_reduce(gid, op=dist.ReduceOp.MIN, group=group)  # first rank, first id: stock's tie rule
-            correct = (gid[inverse] == targets).sum().float()
-            total = torch.tensor(float(targets.numel()), device=targets.device)
+            correct = ((gid[inverse] == targets) & counted).sum().float()
+            total = counted.sum().float()
     return logp, correct, total
 
 
@@ -453,8 +455,10 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
                                device=rows.device).scatter_reduce(0, rows, torch.arange(sel.numel(), device=rows.device),
                                                                   reduce="amin")
             sel = sel[first[first < sel.numel()].sort().values]
-        logp, correct, total = _head(model, h_k, lm.source_rows[sel], lm.targets[sel], acceptance)
-        w = lm.weights[sel].to(logp.dtype)
+        w = lm.weights[sel]
+        counted = (w != 0) if acceptance else None  # stock counts loss_mask.bool()
+        logp, correct, total = _head(model, h_k, lm.source_rows[sel], lm.targets[sel], counted)
+        w = w.to(logp.dtype)
         loss = -logp * w
         s, n = loss.sum(), w.sum()
         sums.append(s.detach())

@@ -78,6 +78,9 @@ MAIN_TIER_ONLY = {
                                "every family runs in latest",
     "test_preemption.py::test_cli_sigterm_to_launcher_then_sigkill_of_the_job_resume_exactly":
         "megatron-tree train's CLI and launcher; the collective stop and the Megatron-LM preemption run in latest",
+    "test_preemption.py::test_cli_signal_to_every_process_*": "megatron-tree train's CLI, launcher and forkserver",
+    "test_preemption.py::test_a_rank_error_after_a_signal_*": "the launcher's error handling",
+    "test_preemption.py::test_cli_a_rank_killed_mid_run_*": "megatron-tree train's launcher (in-place restart)",
     "test_tree_loss.py::test_[!m]*": "loss formulas on tensors; the Megatron loss function case runs in latest",
 }
 

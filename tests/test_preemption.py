@@ -219,6 +219,124 @@ def test_cli_sigterm_to_launcher_then_sigkill_of_the_job_resume_exactly(collecti
         print(f"step {m['step']:2d} loss {m['loss']!r} (uninterrupted {r['loss']!r}) samples {m['sample_ids']}")
 
 
+def _signal_job(sig):
+    """``sig`` to every process of the job at once (the launcher, its forkserver, the ranks), as SLURM
+    signals a job step at a time limit and ``kill -TERM -- -PGID`` or a terminal do."""
+    def fire(proc):
+        for pid in _process_tree(proc.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    return fire
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_cli_signal_to_every_process_saves_the_last_step_and_resumes_exactly(collective, tmp_path, sig):
+    """``sig`` to every process of ``megatron-tree train --nproc 2`` after step 2 (no periodic
+    checkpoint yet): the ranks finish their step, save it, ``latest`` names it, exit 75 with the
+    message naming the step; the rerun resumes from it and the whole run is the uninterrupted one.
+    (Before the forkserver ignored the signal it died with the job, the launcher read every rank as
+    exit code 255, ended them mid-save and claimed no step had finished: nothing saved.)"""
+    data, _, ranks = collective
+    ref = ranks[0][0]["history"]
+    ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    argv = _argv(data, "--nproc", "2", "--save", ckpt, "--load", ckpt, "--save-interval", 1000,
+                 "--metrics-jsonl", log)
+    rc, out = _run_cli(tmp_path, argv, _step_line(2), _signal_job(sig))
+    stopped = latest_checkpoint(str(ckpt))
+    assert rc == PREEMPTED_EXIT_CODE, out[-4000:]
+    assert stopped is not None and 2 <= stopped < STEPS, out[-4000:]
+    assert (f"received {sig.name}; stopped after step {stopped} and saved {ckpt}/iter_{stopped:07d}; rerun with "
+            f"--load {ckpt} to resume exactly") in out, out[-4000:]
+    assert sorted(os.listdir(ckpt)) == ["iter_%07d" % stopped, "latest"]
+    first = _jsonl(log)
+    rc, out = _run_cli(tmp_path, argv)
+    assert rc == 0, out[-4000:]
+    assert f"resumed from {ckpt}/iter_{stopped:07d} (step {stopped})" in out
+    final = first + _jsonl(log)[len(first):]
+    assert [m["step"] for m in final] == list(range(1, STEPS + 1))
+    _same_steps(final, ref, f"{sig.name} to every process, rerun")
+
+
+def test_cli_a_rank_killed_mid_run_restarts_in_place_and_resumes_exactly(collective, tmp_path):
+    """``megatron-tree train --nproc 2 --max-restarts 1``: rank 1 alone is SIGKILLed (the OOM killer, a
+    segfault) once a step past a periodic checkpoint is logged; the launcher restarts every rank, they
+    resume from that checkpoint and finish; the steps lost are recomputed identically and the whole run
+    is the uninterrupted one (losses bit for bit, the same samples). Without a restart budget the same
+    kill fails the run."""
+    data, _, ranks = collective
+    ref = ranks[0][0]["history"]
+    ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    argv = _argv(data, "--nproc", "2", "--save", ckpt, "--load", ckpt, "--save-interval", SAVE_EVERY,
+                 "--metrics-jsonl", log)
+
+    def kill_rank_1(proc):
+        os.kill(_ranks_of(proc.pid)[-1], signal.SIGKILL)  # the last forked: rank 1
+
+    rc, out = _run_cli(tmp_path, argv + ["--max-restarts", "1"], _step_line(SAVE_EVERY + 1), kill_rank_1)
+    assert rc == 0, out[-4000:]
+    assert (f"restarting every rank from step {SAVE_EVERY} ({ckpt}), 0 restarts left (--max-restarts 1)") in out, \
+        out[-4000:]
+    assert f"resumed from {ckpt}/iter_{SAVE_EVERY:07d} (step {SAVE_EVERY})" in out
+    steps = _jsonl(log)
+    restart_at = max(i for i, m in enumerate(steps) if m["step"] == SAVE_EVERY + 1)  # the recomputed step
+    first, last = steps[:restart_at], steps[restart_at:]
+    assert [m["step"] for m in last] == list(range(SAVE_EVERY + 1, STEPS + 1))
+    _same_steps(first, ref, "before the kill")
+    _same_steps(last, ref, "after the in-place restart")
+    assert latest_checkpoint(str(ckpt)) == STEPS
+
+    rc, out = _run_cli(tmp_path, _argv(data, "--nproc", "2", "--save", tmp_path / "c2", "--load", tmp_path / "c2",
+                                       "--save-interval", SAVE_EVERY), _step_line(2), kill_rank_1)
+    assert rc != 0 and "restarting every rank" not in out, out[-3000:]
+    assert "rank 1 of 2 was killed by SIGKILL (no traceback: out of memory, a crash or a kill)" in out, out[-3000:]
+
+
+def _ranks_of(launcher: int) -> list:
+    """The rank processes of a ``megatron-tree train --nproc`` launcher: the children of its forkserver,
+    in the order they were forked (rank order)."""
+    def cmdline(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return ""
+
+    def parent(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    tree = _process_tree(launcher)  # parents first: the server comes before the ranks it forked
+    server = next(p for p in tree if "forkserver" in cmdline(p))
+    ranks = sorted(p for p in tree if p != server and _alive(p) and parent(p) == server)
+    assert len(ranks) == 2, [cmdline(p) for p in tree]
+    return ranks
+
+
+def test_a_rank_error_after_a_signal_is_shown_not_taken_for_the_signal(tmp_path, monkeypatch):
+    """The launcher got SIGTERM (and forwarded it), then a rank failed with its own traceback: `run`
+    raises that rank's error; only a rank the signal itself ended (no traceback) is "stopped before
+    the first step finished"."""
+    from megatron_tree.training import launch, trainer
+
+    data = _write_data(tmp_path / "d.jsonl")
+    args = build_train_parser().parse_args(_argv(data, "--nproc", "2", "--quiet"))
+
+    def failing(sig_of_rank):
+        def run_distributed(*a, **kw):
+            os.kill(os.getpid(), signal.SIGTERM)  # reaches the launcher's handler (forwarding: no ranks here)
+            raise launch.DistributedError("rank 1 of 2 raised:\nRuntimeError: disk on fire", signal=sig_of_rank)
+        return run_distributed
+
+    monkeypatch.setattr(launch, "run_distributed", failing(None))
+    with pytest.raises(launch.DistributedError, match="disk on fire"):
+        trainer.run(args)
+    monkeypatch.setattr(launch, "run_distributed", failing(signal.SIGTERM))
+    out = trainer.run(args)
+    assert out["preempted"] == {"step": None, "signal": "SIGTERM", "saved": None}
+
+
 # --------------------------------------------------------------------------------------------- Megatron-LM
 def _lm():
     """tests/test_launch_lm.py's helpers (its data, its tiny GPT configuration, its skip marker)."""

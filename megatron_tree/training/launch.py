@@ -16,11 +16,19 @@ nothing has run in the server but imports (no threads, no process group, no RNG 
 output / error *at the time of the call* are installed in each rank (the server's own were captured
 when it started: a caller that redirected fd 2 since, as pytest's ``capfd`` does, would otherwise
 not see its ranks' messages).
+
+Signals: a batch system signals every process of a job at once (SLURM at a time limit, ``kill -TERM
+-- -PGID``, a terminal's Ctrl-C), the forkserver included. The forkserver ignores SIGINT on its own;
+it also ignores the preemption signals (SIGTERM, SIGUSR1: `_shield_forkserver`, its first preload),
+since a forkserver that dies takes its ranks' exit statuses with it (multiprocessing then reports every
+rank as exit code 255 and this launcher would end ranks that were saving a checkpoint). Each rank
+starts with the default actions restored; the trainer installs its own handlers around its loop.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -35,12 +43,21 @@ __all__ = ["run_distributed", "DistributedError", "PRELOAD"]
 
 #: Modules the forkserver imports once, before it forks any rank. Only imports: a module that
 #: fails to import is skipped by the server (the rank then imports or fails as usual).
-PRELOAD = ("numpy", "torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
-           "megatron.core.models.gpt", "megatron_tree.megatron")
+PRELOAD = ("megatron_tree.training.forkserver_shield", "numpy", "torch", "torch.distributed", "megatron.core",
+           "megatron.core.parallel_state", "megatron.core.models.gpt", "megatron_tree.megatron")
+
+#: The signals a batch system sends ahead of a time limit or preemption (the trainer's own list).
+SHIELDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class DistributedError(RuntimeError):
-    """A rank raised; the message holds its rank and traceback."""
+    """A rank failed; the message holds its rank and traceback. ``signal`` is the number of the signal
+    that ended the first failing rank when it was killed outright (no traceback of its own), else
+    None: a caller that forwarded that signal itself can tell the two apart."""
+
+    def __init__(self, message: str, signal: int | None = None):
+        super().__init__(message)
+        self.signal = signal
 
 
 #: Marker file of a rank whose process group could not bind its port (see `run_distributed`).
@@ -92,6 +109,8 @@ def _adopt_stdio(stdio: tuple) -> None:
 
 def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str, timeout: float, args: tuple,
                environ: dict, stdio: tuple) -> None:
+    for sig in SHIELDED_SIGNALS:  # a forked rank inherits the forkserver's SIG_IGN: back to the default
+        signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(environ)  # the caller's, as spawn would have inherited it
     _adopt_stdio(stdio)  # and its stdout / stderr
@@ -134,11 +153,11 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
-def _first_error(outdir: str, world_size: int) -> str | None:
+def _first_error(outdir: str, world_size: int, exclude: int | None = None) -> str | None:
     errors = []
     for rank in range(world_size):
         path = os.path.join(outdir, f"rank{rank}.err")
-        if os.path.exists(path):
+        if rank != exclude and os.path.exists(path):
             with open(path) as f:
                 stamp, _, text = f.read().partition("\n")
             errors.append((float(stamp), rank, text))
@@ -194,7 +213,16 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, outdir
                 if ctx.join(timeout=0.2):
                     break
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # a rank failed; start_processes ended the rest
-                raise DistributedError(_first_error(outdir, world_size) or str(exc)) from None
+                killed = getattr(exc, "signal_name", None)
+                if killed is None:
+                    raise DistributedError(_first_error(outdir, world_size) or str(exc)) from None
+                # the first rank to go was killed outright (the OOM killer, a segfault, a kill): it wrote
+                # no traceback; what the others raised afterwards (a broken connection) comes second
+                rank = exc.error_index
+                after = _first_error(outdir, world_size, exclude=rank)
+                raise DistributedError(
+                    f"rank {rank} of {world_size} was killed by {killed} (no traceback: out of memory, a crash or "
+                    f"a kill)" + (f"; afterwards {after}" if after else ""), signal=signal.Signals[killed]) from None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)!r} on {world_size} ranks "
                                    f"exceeded {timeout:.0f} s"

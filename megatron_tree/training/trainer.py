@@ -36,9 +36,13 @@ with ``srun megatron-tree train ... ; [ $? -eq 75 ] && scontrol requeue $SLURM_J
 ``--save`` the run says that nothing was saved and exits with the same status. The handlers are
 installed only around the loop (a signal during start-up ends the process as usual) and the
 previous ones are restored after it. The local launcher (``--nproc``) forwards the two signals to
-its ranks. A run killed outright (SIGKILL) resumes from its last ``--save-interval`` checkpoint;
-``--metrics-jsonl`` keeps every step's metrics on disk as they happen, so the steps it recomputes
-can be compared.
+its ranks; a signal to every process of the job at once (a time limit) ends the same way, since the
+launcher's forkserver ignores it (`launch`), and a rank that fails after a signal reports its own
+error, never "stopped before the first step". With ``--max-restarts N`` a rank that dies (SIGKILL,
+the OOM killer, a crash) makes the launcher restart every rank in place, up to N times, each time
+resuming from the newest checkpoint. A run killed outright (SIGKILL) resumes from its last
+``--save-interval`` checkpoint; ``--metrics-jsonl`` keeps every step's metrics on disk as they
+happen, so the steps it recomputes can be compared.
 
 Launch: under torchrun / srun (``RANK`` and ``WORLD_SIZE`` in the environment) `main` trains in
 the current process group (NCCL on GPU, gloo on CPU); otherwise it spawns ``--nproc`` local ranks
@@ -191,6 +195,11 @@ def add_parallel_args(parser: argparse.ArgumentParser, *, training: bool = True)
     p.add_argument("--nproc", type=int, default=1,
                    help="local ranks to spawn when not launched by torchrun/srun (default 1)")
     p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before spawned ranks are stopped")
+    if training:
+        p.add_argument("--max-restarts", type=int, default=0,
+                       help="with --nproc: when a rank dies (killed, out of memory, a crash), restart every rank "
+                            "in place up to this many times, each restart resuming from the newest checkpoint "
+                            "(needs --save and --load on one directory; torchrun's name and meaning)")
     return p
 
 
@@ -245,6 +254,11 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
         errors.append(f"--log-interval must be >= 1, got {args.log_interval}")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         errors.append("--save-interval needs --save DIR and a value >= 1")
+    if args.max_restarts < 0:
+        errors.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    elif args.max_restarts and not (args.save and args.load and os.path.abspath(args.save) == os.path.abspath(args.load)):
+        errors.append("--max-restarts needs --save DIR and --load DIR on the same directory: a restart resumes from "
+                      "the newest checkpoint there")
     if not args.synthetic_scale > 0:
         errors.append(f"--synthetic-scale must be > 0, got {args.synthetic_scale}")
     if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
@@ -970,12 +984,27 @@ def run(args) -> dict:
         return train(args, samples, skipped=report.skipped)
     from .launch import DistributedError, run_distributed
 
-    with _ForwardSignals() as forward:
-        try:
-            return run_distributed(_rank_train, args.nproc, args, timeout=args.timeout)[0]
-        except DistributedError:
-            if not forward.received:
-                raise
+    restarts = args.max_restarts
+    while True:
+        with _ForwardSignals() as forward:
+            try:
+                return run_distributed(_rank_train, args.nproc, args, timeout=args.timeout)[0]
+            except DistributedError as e:
+                if forward.received:
+                    # only a rank that the signal itself ended (before its training loop installed a
+                    # handler: no traceback of its own) means "stopped before the first step"; any other
+                    # failure after a signal is that rank's own error and is shown as such
+                    if e.signal != forward.received:
+                        raise
+                    break
+                if restarts <= 0:
+                    raise
+                restarts -= 1
+                step = latest_checkpoint(args.load)
+                print(f"megatron-tree train: {str(e).splitlines()[0].rstrip(':')}; restarting every rank from "
+                      f"{'step %d (%s)' % (step, args.load) if step is not None else 'the start (no checkpoint yet)'}"
+                      f", {restarts} restart{'s' * (restarts != 1)} left (--max-restarts {args.max_restarts})",
+                      file=sys.stderr, flush=True)
     # a rank ended by the forwarded signal before its training loop (start-up: no handler yet)
     preempted = {"step": None, "signal": signal.Signals(forward.received).name, "saved": None}
     print(_preempted_message(preempted, args), file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ STACK_INDEPENDENT = {
     "test_cp_planner.py": "pure-numpy planner and its CLI report",
     "test_cp_gdn_layout.py": "pure-numpy GDN layout planner and the executor on plain torch",
     "test_data_pipeline.py": "readers, packing pipeline, resume state",
+    "test_data_fuzz.py": "damaged JSONL / Parquet files against the readers (hypothesis)",
     "test_gpu_check.py": "the GPU check script's dry run",
     "test_layers.py": "import layering of our own package",
     "test_ops_attention.py": "tree attention ops",

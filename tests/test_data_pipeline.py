@@ -507,7 +507,7 @@ def test_jsonl_bad_lines_through_read_samples(tmp_path):
     assert pipe.skipped == 2 and pipe.read_report.skipped == rep.skipped and pipe.sources == [f"{p}:1"]
     assert pipe.read_report.summary().splitlines() == [
         "skipped 2 bad samples (--tree-bad-sample skip):", f"  {p}:2: advantage has a non-finite value at a "
-        "target position", f"  {p}:3: token id 60 >= vocab size 50"]
+        "target position (per-sample value inf)", f"  {p}:3: token id 60 >= vocab size 50"]
     assert TreeDataPipeline(kept, max_tokens_per_mb=BUDGET, global_batch_samples=4).skipped == 0
     with pytest.raises(ValueError, match="unknown file type"):
         read_samples(tmp_path / "x.csv")

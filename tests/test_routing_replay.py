@@ -195,10 +195,11 @@ def _train_body(paths):
     for name in ("a", "b"):
         res = train(build_train_parser().parse_args(_train_argv(paths[name], "--routing-replay")))
         out[name] = [(h["loss"], h["tree_rows"], h["flat_tokens"]) for h in res["history"]]
-    try:
-        train(build_train_parser().parse_args(_train_argv(paths["missing"], "--routing-replay")))
-    except ValueError as e:
-        out["missing"] = str(e)
+    for name in ("missing", "layers"):
+        try:
+            train(build_train_parser().parse_args(_train_argv(paths[name], "--routing-replay")))
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -212,16 +213,22 @@ def test_train_routing_replay(tmp_path):
 
     samples = verify_routes(verify_samples(7, 128, 2), 2, 2, 4, 7)
     other = verify_routes(samples, 2, 2, 4, 8)  # the same tokens routed differently
-    paths = {"a": tmp_path / "a.jsonl", "b": tmp_path / "b.jsonl", "missing": tmp_path / "m.jsonl"}
+    paths = {"a": tmp_path / "a.jsonl", "b": tmp_path / "b.jsonl", "missing": tmp_path / "m.jsonl",
+             "layers": tmp_path / "l.jsonl"}
     write_jsonl(samples, paths["a"])
     write_jsonl(other, paths["b"])
     write_jsonl(samples[:5] + [Sample(tokens=samples[5].tokens)] + samples[6:], paths["missing"])
+    one_layer = Sample(tokens=samples[5].tokens, routed_experts=samples[5].routed_experts[:, :1])
+    write_jsonl(samples[:5] + [one_layer] + samples[6:], paths["layers"])  # the model has 2 MoE layers
     out = run_distributed(_train_body, 1, paths, timeout=600)[0]
     (loss_a, rows_a, flat_a), (loss_b, _, _) = out["a"][0], out["b"][0]
     assert np.isfinite([h[0] for h in out["a"]]).all() and loss_a != loss_b
     # every step's rows: the route-aware trie of its window (12 samples), more than token-only sharing
     assert rows_a < flat_a
     assert "has no routed_experts" in out["missing"] and "re-routed" in out["missing"]
+    # what only the built model knows (its MoE layer count) is checked in the rank, named by file and line
+    assert out["layers"].startswith(f"{paths['layers']}:6: routed_experts has 1 MoE layers per token but the model "
+                                    "has 2"), out["layers"]
 
 
 def test_train_checks_routes_top_k_and_experts_where_file_and_line_are_known(tmp_path):
@@ -243,6 +250,41 @@ def test_train_checks_routes_top_k_and_experts_where_file_and_line_are_known(tmp
             load_train_samples(args)
     args = build_train_parser().parse_args(_train_argv(tmp_path / "bad2.jsonl"))  # no replay: routes unchecked
     assert len(load_train_samples(args)) == 2
+
+
+def test_cli_names_a_record_without_routes_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """``megatron-tree train`` / ``score --routing-replay``: a record missing ``routed_experts`` is an
+    error naming its file and line, raised while reading, before any rank is spawned (train named it
+    ``sample 13`` inside rank 0's traceback); ``--tree-bad-sample skip`` drops and records it."""
+    import json
+
+    from megatron_tree.cli import main
+    from megatron_tree.data.io import ReadReport
+    from megatron_tree.training import launch
+    from megatron_tree.training.trainer import build_train_parser, load_train_samples
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "run_distributed", no_ranks)
+    lines = [{"tokens": [1, 2, 3 + i % 4], "routed_experts": [[[0, 1]], [[1, 2]], [[2, 3]]]} for i in range(16)]
+    del lines[13]["routed_experts"]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    model = ["--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+             "--num-experts", "4", "--moe-router-topk", "2", "--routing-replay"]
+    assert main(["train", "--tree-data-path", str(path), "--train-iters", "1", "--tree-global-batch-samples", "16",
+                 *model]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}:14: has no routed_experts" in err and "re-routed" in err, err
+    assert main(["score", "--data", str(path), "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o.parquet"),
+                 *model]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}:14: record 13 has no routed_experts" in err, err
+    report = ReadReport()
+    args = build_train_parser().parse_args(["--tree-data-path", str(path), "--tree-bad-sample", "skip", *model])
+    assert len(load_train_samples(args, report)) == 15
+    assert [w for w, _ in report.skipped] == [f"{path}:14"] and f"{path}:14" not in report.sources
 
 
 # ----------------------------------------------------------------------------------- Megatron-LM hooks

@@ -179,6 +179,48 @@ def test_train_cli_reports_skipped_samples(tmp_path, capfd):
     assert _tb_scalars(tb, "data/skipped_samples") == [(1, 2.0), (2, 2.0)]
 
 
+def test_bad_records_stop_train_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """A non-finite RL value at a target (JSONL or Parquet), a byte that is not UTF-8: ``megatron-tree
+    train`` names the file and line (row) while reading, before any rank is spawned."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megatron_tree.cli import main as cli_main
+    from megatron_tree.training import launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "run_distributed", no_ranks)
+    good = json.dumps({"tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "advantage": [0.0, 1.0, 1.0],
+                       "old_logprobs": [None, -1.0, -2.0]}) + "\n"
+    cases = {  # file, its content, the message
+        "nan.jsonl": (good * 4 + good.replace("-2.0", "NaN"),
+                      ":5: old_logprobs has a non-finite value at a target position (token 2: nan)"),
+        "inf.jsonl": (good * 2 + good.replace("[0.0, 1.0, 1.0]", "[0.0, 1e999, 1.0]"),
+                      ":3: advantage has a non-finite value at a target position (token 1: inf)"),
+        "utf8.jsonl": (good.encode() * 3 + b'{"tokens": [1, 2], "note": "\xff"}\n',
+                       ":4:29: invalid UTF-8: byte 0xff"),
+        "w.parquet": ({"tokens": [[1, 2, 3], [1, 2, 4]], "weight": [[1.0, 1.0, 1.0], [1.0, float("inf"), 1.0]]},
+                      ":row 1: weight has a non-finite value at a target position (token 1: inf)"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        if name.endswith(".parquet"):
+            pq.write_table(pa.table(content), path)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        argv = ["train", "--tree-data-path", str(path), "--train-iters", "1", "--tree-global-batch-samples", "2",
+                "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"]
+        assert cli_main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert f"megatron-tree: error: {path}{message}" in err, err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--train-iters", "2"], "no training data"),
     (["--synthetic-preset", "fixed_5k_16x100"], "--train-iters"),

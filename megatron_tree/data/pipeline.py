@@ -59,7 +59,7 @@ _OPTIONAL_FIELDS = {"advantage": "advantages", "old_logprobs": "old_logprobs", "
 
 # ---------------------------------------------------------------------------------------------- readers
 def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "error",
-                 report: ReadReport | None = None, route_spec=None) -> list[Sample]:
+                 report: ReadReport | None = None, route_spec=None, require_routes: bool = False) -> list[Sample]:
     """Samples of one or more files, in the order given, then file order.
 
     ``.jsonl`` / ``.json`` files go to `io.read_jsonl`, ``.parquet`` / ``.pq`` to
@@ -68,7 +68,9 @@ def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "err
     sample, ``report.skipped`` ``(where, reason)`` of each skipped one (``bad_sample="skip"``).
     ``file`` is spelled as given (a directory's files as ``os.path.join(directory, name)``), so
     messages point at what the user typed. ``route_spec``: the model's MoE shape that records'
-    ``routed_experts`` must match (`megatron_tree.tree.routes.RouteSpec`).
+    ``routed_experts`` must match (`megatron_tree.tree.routes.RouteSpec`); ``require_routes``
+    (routing replay): a record without ``routed_experts`` is a bad record like any other. A refused
+    record or file raises `io.DataError` (a ValueError) whose message starts with its location.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -84,11 +86,13 @@ def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "err
     for f in files:
         suffix = Path(f).suffix
         if suffix in (".jsonl", ".json"):
-            out += read_jsonl(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report, route_spec=route_spec)
+            out += read_jsonl(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report, route_spec=route_spec,
+                              require_routes=require_routes)
         elif suffix in (".parquet", ".pq"):
             from .parquet import read_parquet
 
-            out += read_parquet(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report, route_spec=route_spec)
+            out += read_parquet(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report, route_spec=route_spec,
+                                require_routes=require_routes)
         else:
             raise ValueError(f"{f}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet or .pq)")
     return out
@@ -314,7 +318,7 @@ class TreeDataPipeline:
         ``pipe.read_report.summary()`` lists them; ``read_report.sources`` names every sample."""
         report = report if report is not None else ReadReport()
         samples = read_samples(paths, vocab_size=vocab_size, bad_sample=bad_sample, report=report,
-                               route_spec=kwargs.get("route_spec"))
+                               route_spec=kwargs.get("route_spec"), require_routes=bool(kwargs.get("route_aware")))
         return cls(samples, vocab_size=vocab_size, sources=report.sources, read_report=report, **kwargs)
 
     @property

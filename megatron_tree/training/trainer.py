@@ -404,7 +404,7 @@ def load_train_samples(args, report=None) -> list:
 
         route_spec = RouteSpec(topk=args.moe_router_topk, num_experts=args.num_experts)
     return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample,
-                        report=report, route_spec=route_spec)
+                        report=report, route_spec=route_spec, require_routes=replay)
 
 
 # --------------------------------------------------------------------------------------------- process group
@@ -721,12 +721,14 @@ def init_parallel(args) -> bool:
     return on_cpu
 
 
-def train(args, samples=None, *, skipped=None) -> dict:
+def train(args, samples=None, *, skipped=None, sources=None) -> dict:
     """Train on the current process group (initialised here from the environment if needed).
 
     ``args``: a namespace from `build_train_parser` (checked with `check_train_args`); ``samples``:
     the training samples (default `load_train_samples(args)`); ``skipped``: the ``(where, reason)``
-    bad samples dropped while reading them (default: those of that read; none with given samples).
+    bad samples dropped while reading them (default: those of that read; none with given samples);
+    ``sources``: the ``file:line`` of each sample (default: those of that read), which the data
+    pipeline's errors name.
     Returns, on every rank, ``{"history": [per-step metric dicts], "resumed_from": step or None,
     "saved": [paths], "timing": data-pipeline timing, "tree_token_ratio": over the run, "skipped":
     [(where, reason)]}``. History entries: step (1-based), loss (with the ``--tree-entropy-coef``
@@ -752,16 +754,17 @@ def train(args, samples=None, *, skipped=None) -> dict:
     if samples is None:
         report = ReadReport()
         samples = load_train_samples(args, report)
-        skipped = report.skipped
+        skipped, sources = report.skipped, report.sources
     check_train_args(args, samples)
     on_cpu = init_parallel(args)
+    sources = list(sources) if sources is not None and len(sources) == len(samples) else None
     try:
-        return _train_loop(args, samples, on_cpu, list(skipped or []))
+        return _train_loop(args, samples, on_cpu, list(skipped or []), sources)
     finally:
         ps.destroy_model_parallel()
 
 
-def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
+def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -826,7 +829,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list) -> dict:
                                             model.gdn_island_geometry)
     if replay is not None:  # rows shared only where tokens and routes agree; every row carries its route
         kw.update(route_aware=True, route_spec=replay)
-    pipeline = _make_pipeline(samples, args.packing, **kw)
+    pipeline = _make_pipeline(samples, args.packing, sources=sources, **kw)  # errors name file:line
 
     start, resumed_from = 0, None
     ckpt = latest_checkpoint(args.load) if args.load else None
@@ -981,7 +984,7 @@ def run(args) -> dict:
     check_train_args(args, samples)
     if _launched() or dist.is_initialized():
         _quiet_warnings()
-        return train(args, samples, skipped=report.skipped)
+        return train(args, samples, skipped=report.skipped, sources=report.sources)
     from .launch import DistributedError, run_distributed
 
     restarts = args.max_restarts

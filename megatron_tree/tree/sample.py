@@ -119,6 +119,14 @@ def validate_sample(index: int, s: Sample, *, max_tokens: int | None = None, voc
     if s.loss_mask is not None:
         if s.loss_mask.shape != (L,):
             raise ValueError(f"{name}: loss_mask has shape {s.loss_mask.shape}, tokens have length {L}")
+        m = s.loss_mask
+        if m.dtype != bool:
+            if m.dtype.kind not in "iuf":
+                raise ValueError(f"{name}: loss_mask must hold booleans (or 0 / 1), got dtype {m.dtype}")
+            off = np.flatnonzero((m != 0) & (m != 1))
+            if len(off):
+                raise ValueError(f"{name}: loss_mask must hold booleans (or 0 / 1), got {m[off[0]]} at token "
+                                 f"{int(off[0])}")
         if bool(s.loss_mask[0]):
             raise ValueError(f"{name}: loss_mask[0] is set, but token 0 has no preceding row to predict it")
     for f in _TOKEN_FIELDS + _SCALAR_OR_TOKEN_FIELDS:
@@ -129,11 +137,15 @@ def validate_sample(index: int, s: Sample, *, max_tokens: int | None = None, voc
             raise ValueError(f"{name}: {f} must have one value per token ({L}), got shape {v.shape}")
         if f in _SCALAR_OR_TOKEN_FIELDS and v.ndim != 0 and v.shape != (L,):
             raise ValueError(f"{name}: {f} must be a scalar or have one value per token ({L}), got shape {v.shape}")
-        vals = v if v.ndim else v.reshape(1)
-        mask = s.target_mask()
-        checked = vals[mask] if vals.shape == (L,) else vals
-        if not np.all(np.isfinite(checked)):
-            raise ValueError(f"{name}: {f} has a non-finite value at a target position")
+        if v.ndim == 0:
+            if not np.isfinite(v):
+                raise ValueError(f"{name}: {f} has a non-finite value at a target position (per-sample value "
+                                 f"{float(v)})")
+            continue
+        bad = s.target_mask() & ~np.isfinite(v)
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise ValueError(f"{name}: {f} has a non-finite value at a target position (token {at}: {float(v[at])})")
     if s.routed_experts is not None:
         s.routed_experts = validate_routes(name, s.routed_experts, L, route_spec)
 

@@ -139,7 +139,7 @@ def cmd_launch(args) -> int:
     try:
         return launch(args.script, args.script_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                       rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                      dry_run=args.dry_run)
+                      max_restarts=args.max_restarts, dry_run=args.dry_run)
     except RuntimeError as e:  # megatron.training is not importable: what to install
         print(f"megatron-tree: error: {e}", file=sys.stderr)
         return 2
@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="HOST:PORT the ranks of all machines meet on (required with --nnodes > 1)")
     la.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None,
                     help="rendezvous id, the same on every machine (e.g. $SLURM_JOB_ID)")
+    la.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                    help="torchrun's in-place restart budget: when a rank dies, restart every rank up to this many "
+                         "times (the entry point resumes from its --load checkpoint; default 0)")
     la.add_argument("--dry-run", action="store_true", help="print the command and exit")
     la.add_argument("script", help="the entry point, e.g. examples/pretrain_tree_gpt.py")
     la.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed through")

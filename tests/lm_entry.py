@@ -11,7 +11,8 @@ Runs the Megatron-LM entry point named by ``$MTREE_LM_SCRIPT`` as ``__main__`` a
   Megatron-LM's printed "lm loss" is rounded to 7 digits and, in 0.19.x, averaged over the first
   two iterations after a (re)start; these are the exact per-iteration sums.
 
-``iteration`` is the number Megatron-LM logs (``args.curr_iteration + 1``).
+``iteration`` is the number Megatron-LM logs (``args.curr_iteration + 1``), ``attempt`` torchrun's
+restart count (``TORCHELASTIC_RESTART_COUNT``: 0 until a rank dies under ``--max-restarts``).
 """
 import json
 import os
@@ -25,7 +26,8 @@ def _record(entry: dict) -> None:
     import torch.distributed as dist
     from megatron.training import get_args
 
-    entry = dict(entry, iteration=int(getattr(get_args(), "curr_iteration", -1)) + 1)
+    entry = dict(entry, iteration=int(getattr(get_args(), "curr_iteration", -1)) + 1,
+                 attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))  # torchrun's in-place restarts
     with open(f"{os.environ['MTREE_LM_RECORD']}.{dist.get_rank()}.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
 

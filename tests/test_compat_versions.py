@@ -90,3 +90,46 @@ def test_gdn_modules_cover_where_the_fla_names_are_read():
         names = {m.__name__ for m in mods}
         assert "megatron.core.ssm.gated_delta_net.common" in names
     assert cpu_layer is not None
+
+
+_RESTART_WORKER = '''
+import os, signal, sys, time
+import torch, torch.distributed as dist
+if sys.argv[1] == "shim":
+    from megatron_tree.compat.torchelastic import isolate_restart_attempts
+    isolate_restart_attempts()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 1 and os.environ["RANK"] == "1":
+    time.sleep(6)  # the peer arrives late: rank 0 reads whatever address the store holds for it
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+if attempt == 0 and dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # a rank dies: torchrun restarts both
+dist.all_reduce(t)
+print(f"attempt {attempt} rank {dist.get_rank()} done", flush=True)
+'''
+
+
+def test_torchrun_restart_attempts_do_not_read_the_previous_attempts_keys(tmp_path):
+    """torchrun --max-restarts 1, rank 1 killed in attempt 0 and late in attempt 1: with
+    `compat.torchelastic.isolate_restart_attempts` both ranks of attempt 1 meet and finish. Without it
+    (torch 2.13: the agent's store is reused bare) rank 0 reads rank 1's dead address of attempt 0."""
+    import subprocess
+    import sys
+
+    from megatron_tree.compat import torchelastic
+
+    script = tmp_path / "w.py"
+    script.write_text(_RESTART_WORKER)
+
+    def run(mode):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "--max-restarts", "1", str(script), mode], capture_output=True, text=True, timeout=300)
+
+    shim = run("shim")
+    assert shim.returncode == 0 and "attempt 1 rank 0 done" in shim.stdout, shim.stderr[-3000:]
+    assert "attempt 1 rank 1 done" in shim.stdout
+    if torchelastic.isolate_restart_attempts():  # this torch needed the shim: show that it did
+        bare = run("bare")
+        assert bare.returncode != 0 and "attempt 1 rank 0 done" not in bare.stdout, bare.stdout

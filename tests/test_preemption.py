@@ -387,18 +387,43 @@ def _still_alive(pids: list, grace_s: float = 0.0) -> list:
         time.sleep(0.05)
 
 
-def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=signal.SIGTERM):
+def _env_rank(pid: int):
+    """RANK in a process's environment as it started (torchrun's workers get theirs so), else None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+def _lm_records(tmp: Path, name: str) -> list:
+    """Every record tests/lm_entry.py wrote for run ``name`` (a SIGKILLed rank's cut-short last line left out)."""
+    out = []
+    for f in sorted(tmp.glob(f"record_{name}.*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=signal.SIGTERM,
+               only_rank: int = None, launch_flags: tuple = ()):
     """`megatron-tree launch --nproc 2` of the GPT example through tests/lm_entry.py (its records:
     every microbatch's loss sums and sample ids, by iteration). With
     ``signal_after``: once Megatron-LM logs that iteration, ``sig`` to every process of the job, as
     SLURM signals a job step (the launcher, torchrun and the ranks, whatever their sessions). Returns
     (exit status, output, {iteration: loss}, {iteration: sorted sample ids}, processes still alive
     when the launcher had exited). Iterations after ``signal_after`` are left out after a SIGKILL
-    (one may have been cut short)."""
+    (one may have been cut short). ``only_rank``: ``sig`` to that rank's process alone.
+    ``launch_flags``: `megatron-tree launch` flags before the script."""
     lm = _lm()
     record = tmp / f"record_{name}"
     env = dict(os.environ, MTREE_LM_SCRIPT=str(lm.GPT), MTREE_LM_RECORD=str(record), PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "megatron_tree", "launch", "--nproc", "2", str(ROOT / "tests" / "lm_entry.py"), *args]
+    cmd = [sys.executable, "-m", "megatron_tree", "launch", "--nproc", "2", *launch_flags,
+           str(ROOT / "tests" / "lm_entry.py"), *args]
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     out, job = [], []
@@ -407,6 +432,9 @@ def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=s
             out.append(line)
             if signal_after is not None and not job and f"iteration {signal_after:8d}/{LM_ITERS:8d}" in line:
                 job = _process_tree(proc.pid)
+                if only_rank is not None:
+                    job = [p for p in job if _env_rank(p) == only_rank]
+                    assert len(job) == 1, job
                 for pid in job:
                     try:
                         os.kill(pid, sig)
@@ -422,23 +450,25 @@ def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=s
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+    recs = _lm_records(tmp, name)
+    if sig == signal.SIGKILL and signal_after is not None and only_rank is None:
+        recs = [r for r in recs if r["iteration"] <= signal_after]
+    losses, samples = _lm_iterations(recs)
+    return rc, "".join(out), losses, samples, left
+
+
+def _lm_iterations(recs: list) -> tuple:
+    """({iteration: loss}, {iteration: sorted sample ids}) from tests/lm_entry.py's records."""
     losses, samples = {}, {}
-    for f in sorted(tmp.glob(f"record_{name}.*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:  # the last line of a SIGKILLed rank may be cut short
-                continue
-            it = rec["iteration"]
-            if sig == signal.SIGKILL and signal_after is not None and it > signal_after:
-                continue
-            if rec["kind"] == "loss":
-                s, n = losses.get(it, (0.0, 0))
-                losses[it] = (s + rec["loss_sum"], n + rec["num_tokens"])
-            else:
-                samples.setdefault(it, []).extend(rec["sample_ids"])
-    return (rc, "".join(out), {it: s / n for it, (s, n) in sorted(losses.items())},
-            {it: sorted(ids) for it, ids in sorted(samples.items())}, left)
+    for rec in recs:
+        it = rec["iteration"]
+        if rec["kind"] == "loss":
+            s, n = losses.get(it, (0.0, 0))
+            losses[it] = (s + rec["loss_sum"], n + rec["num_tokens"])
+        else:
+            samples.setdefault(it, []).extend(rec["sample_ids"])
+    return ({it: s / n for it, (s, n) in sorted(losses.items())},
+            {it: sorted(ids) for it, ids in sorted(samples.items())})
 
 
 def test_megatron_lm_sigterm_then_sigkill_reruns_resume_exactly(tmp_path):
@@ -500,3 +530,23 @@ def test_megatron_lm_sigterm_then_sigkill_reruns_resume_exactly(tmp_path):
         assert sorted(ids) == list(range(48))
     print(f"Megatron-LM: SIGKILL after iteration {periodic + 1} -> resumed from {restart}\n"
           f"Megatron-LM losses uninterrupted {ref}\nMegatron-LM losses preempted+resumed {resumed}")
+
+    # In-place restart (`megatron-tree launch --max-restarts 1`, torchrun's): rank 1 alone SIGKILLed (the
+    # OOM killer, a crash) once the iteration after the first periodic checkpoint is logged; torchrun
+    # restarts both ranks, which resume from that checkpoint and finish in the same launch.
+    ckpt_r = ["--save", str(tmp_path / "ckpt_r"), "--load", str(tmp_path / "ckpt_r"), "--save-interval",
+              str(LM_SAVE_EVERY), "--ckpt-format", "torch"]
+    rc, out, _, _, _ = _launch_lm(tmp_path, "restart", args + ckpt_r, signal_after=LM_SAVE_EVERY + 1,
+                                  sig=signal.SIGKILL, only_rank=1, launch_flags=("--max-restarts", "1"))
+    assert rc == 0, out[-6000:]
+    recs = _lm_records(tmp_path, "restart")
+    assert sorted({r["attempt"] for r in recs}) == [0, 1], out[-6000:]
+    assert re.search(rf"successfully loaded checkpoint from {re.escape(str(tmp_path / 'ckpt_r'))} .* at iteration "
+                     rf"{LM_SAVE_EVERY}\b", out), out[-6000:]
+    before, before_samples = _lm_iterations([r for r in recs if r["attempt"] == 0 and r["iteration"] <= LM_SAVE_EVERY])
+    after, after_samples = _lm_iterations([r for r in recs if r["attempt"] == 1])
+    assert sorted(before) == list(range(1, LM_SAVE_EVERY + 1))
+    assert sorted(after) == list(range(LM_SAVE_EVERY + 1, LM_ITERS + 1))  # resumed right after the checkpoint
+    assert {**before, **after} == ref and {**before_samples, **after_samples} == ref_samples  # bit for bit
+    print(f"Megatron-LM: rank 1 SIGKILLed after iteration {LM_SAVE_EVERY + 1} -> restarted in place from "
+          f"{LM_SAVE_EVERY}, losses equal the uninterrupted run")

@@ -53,6 +53,26 @@ def test_defaults_keep_the_gpu_flags_and_variables_turn_them_off(script, tmp_pat
     assert "--fp16" in _command(_dry_run(script, tmp_path, PRECISION="--fp16"))
 
 
+@pytest.mark.parametrize("script", ["train_tree_gpt.sbatch", "train_tree_hybrid.sbatch"])
+def test_in_place_restart_budget_and_load_always(script, tmp_path):
+    """torchrun's restart budget (MAX_RESTARTS, default 3) reaches `megatron-tree launch`, and --load is
+    passed even before the first checkpoint exists, so a restarted rank resumes from what this job saved."""
+    cmd = _command(_dry_run(script, tmp_path))
+    assert _flag(cmd, "--max-restarts") == "3" and cmd.index("--max-restarts") < cmd.index("--rdzv-endpoint")
+    assert _flag(cmd, "--load") == _flag(cmd, "--save")
+    assert _flag(_command(_dry_run(script, tmp_path, MAX_RESTARTS=0)), "--max-restarts") == "0"
+
+
+def test_launch_passes_the_restart_budget_to_torchrun():
+    from megatron_tree.training.launch_lm import build_command
+
+    cmd = build_command("x.py", ["--a"], nproc=2, max_restarts=3, cuda=True)
+    assert cmd[cmd.index("--max-restarts") + 1] == "3" and cmd.index("--max-restarts") < cmd.index("x.py")
+    assert "--max-restarts" not in build_command("x.py", [], nproc=2, cuda=True)
+    with pytest.raises(ValueError, match="--max-restarts must be >= 0"):
+        build_command("x.py", [], max_restarts=-1, cuda=True)
+
+
 def test_hybrid_sizes_are_variables(tmp_path):
     cmd = _command(_dry_run("train_tree_hybrid.sbatch", tmp_path))
     assert "--moe-grouped-gemm" in cmd and _flag(cmd, "--num-experts") == "8"

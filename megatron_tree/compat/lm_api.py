@@ -108,7 +108,12 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
              args_defaults: Optional[dict] = None, **kwargs: Any):
     """Megatron-LM's ``pretrain()`` in the 0.16.1 calling form, on either supported installation.
 
-    ``kwargs`` (``process_non_loss_data_func``, ``get_embedding_ranks``, ...) are passed through."""
+    ``kwargs`` (``process_non_loss_data_func``, ``get_embedding_ranks``, ...) are passed through. Under
+    torchrun's in-place restart each attempt's process groups get their own store keys
+    (`compat.torchelastic.isolate_restart_attempts`)."""
+    from .torchelastic import isolate_restart_attempts
+
+    isolate_restart_attempts()  # torchrun --max-restarts: each attempt's process groups in their own keys
     training = importlib.import_module("megatron.training")
     args_defaults = dict(args_defaults or {})
     if not pretrain_takes_config_container(training.pretrain):

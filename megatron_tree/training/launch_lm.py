@@ -18,7 +18,9 @@ Several machines: ``--nnodes N`` (or ``MIN:MAX``), ``--rdzv-endpoint HOST:PORT``
 ``--rdzv-backend`` (default ``c10d``), ``--rdzv-id`` (a job id, the same on every machine) and
 ``--node-rank R``, which torchrun uses with ``--rdzv-backend static`` only (c10d numbers the
 machines in the order they join). One launcher per machine, e.g. one SLURM task per node
-(``examples/slurm/*.sbatch``).
+(``examples/slurm/*.sbatch``). ``--max-restarts N``: torchrun's in-place restart (when a rank dies,
+the agent restarts every rank of the machine, up to N times; with ``--load`` the entry point resumes
+from the newest checkpoint and the tree data stream right after it).
 
 Signals (preemption, time limits). The launcher does not stay in between: after its checks it
 *becomes* torchrun, running torchrun's own entry point (``torch.distributed.run.main``) in its own
@@ -62,13 +64,16 @@ _NNODES = re.compile(r"^[1-9][0-9]*(:[1-9][0-9]*)?$")
 def build_command(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: str = "1",
                   node_rank: Optional[int] = None, rdzv_backend: Optional[str] = None,
                   rdzv_endpoint: Optional[str] = None, rdzv_id: Optional[str] = None,
-                  cuda: Optional[bool] = None) -> list[str]:
+                  max_restarts: int = 0, cuda: Optional[bool] = None) -> list[str]:
     """The torchrun command line ``launch`` runs (``cuda`` defaults to ``torch.cuda.is_available()``).
 
     ``nnodes`` "1" with no ``rdzv_endpoint``: ``--standalone``. Otherwise the rendezvous flags are
-    passed as given (``rdzv_backend`` default c10d); more than one node needs ``rdzv_endpoint``."""
+    passed as given (``rdzv_backend`` default c10d); more than one node needs ``rdzv_endpoint``.
+    ``max_restarts``: torchrun's ``--max-restarts`` (every rank restarted when one dies)."""
     if nproc < 1:
         raise ValueError(f"--nproc / --nproc-per-node must be >= 1; got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0; got {max_restarts}")
     nnodes = str(nnodes)
     if not _NNODES.match(nnodes):
         raise ValueError(f"--nnodes must be N or MIN:MAX (positive integers); got {nnodes!r}")
@@ -91,6 +96,8 @@ def build_command(script: str, script_args: Sequence[str], *, nproc: int = 1, nn
         if node_rank is not None:
             run += ["--node-rank", str(node_rank)]
     run += ["--nproc-per-node", str(nproc)]
+    if max_restarts:
+        run += ["--max-restarts", str(max_restarts)]
     if cuda:
         return run + [script, *script_args]
     from ..cpu.megatron_training import add_cpu_flags
@@ -105,7 +112,8 @@ def _check_script(script: str) -> None:
 
 def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: str = "1",
            node_rank: Optional[int] = None, rdzv_backend: Optional[str] = None, rdzv_endpoint: Optional[str] = None,
-           rdzv_id: Optional[str] = None, env: Optional[dict] = None, dry_run: bool = False) -> int:
+           rdzv_id: Optional[str] = None, max_restarts: int = 0, env: Optional[dict] = None,
+           dry_run: bool = False) -> int:
     """Check, print and run the torchrun command of :func:`build_command`.
 
     Before starting anything: the script must exist and ``megatron.training`` must be importable
@@ -123,7 +131,8 @@ def launch(script: str, script_args: Sequence[str], *, nproc: int = 1, nnodes: s
 
     _check_script(script)
     cmd = build_command(script, script_args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+                        rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                        max_restarts=max_restarts)
     print("megatron-tree launch: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     if dry_run:
         return 0

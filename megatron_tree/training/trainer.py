@@ -426,6 +426,9 @@ def _init_process_group() -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    from ..compat.torchelastic import isolate_restart_attempts
+
+    isolate_restart_attempts()  # under torchrun --max-restarts: no keys of the attempt before
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group("nccl")

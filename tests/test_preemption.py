@@ -314,6 +314,60 @@ def _ranks_of(launcher: int) -> list:
     return ranks
 
 
+def _nonfinite_body(data, ckpt):
+    """Rank 1's loss report of microbatch 0 made NaN in step 3; then (a fresh run) rank 0's reduced
+    gradient of one parameter made Inf in step 2. Returns each run's error text per rank and the
+    checkpoints written."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_tree.training import models
+    from megatron_tree.training.trainer import train
+
+    real = models.forward_backward
+    rank = dist.get_rank()
+    out = {}
+    for name, (bad_rank, bad_step) in {"loss": (1, 3), "grad": (0, 2)}.items():
+        calls = [0]
+
+        def forward_backward(ddp, items, **kw):
+            reports = real(ddp, items, **kw)
+            calls[0] += 1
+            if calls[0] == bad_step and rank == bad_rank:
+                if name == "loss":
+                    reports[0] = dict(reports[0], **{"lm loss": reports[0]["lm loss"] * float("nan")})
+                else:
+                    next(p for p in ddp.parameters() if p.requires_grad).main_grad[0] = float("inf")
+            return reports
+
+        models.forward_backward = forward_backward
+        save = os.path.join(ckpt, name)
+        try:
+            train(build_train_parser().parse_args(_argv(data, "--quiet", "--save", save, "--save-interval", 1)))
+            out[name] = ("no error", None)
+        except FloatingPointError as e:
+            out[name] = (str(e), sorted(os.listdir(save)) if os.path.isdir(save) else [])
+        finally:
+            models.forward_backward = real
+    return out
+
+
+def test_a_non_finite_loss_or_gradient_stops_before_the_update_naming_microbatch_and_samples(tmp_path):
+    """A NaN loss in one microbatch of one rank, or an Inf in a reduced gradient: every rank stops
+    before that step's optimizer update with one message naming the step, the microbatch (rank and
+    index) and its samples as file:line; the checkpoints are those of the steps before it."""
+    data = _write_data(tmp_path / "d.jsonl")
+    res = run_distributed(_nonfinite_body, 2, str(data), str(tmp_path / "ckpt"), timeout=600)
+    for rank in (0, 1):
+        msg, saved = res[rank]["loss"]
+        assert msg.startswith("megatron-tree train: step 3: microbatch 0 of rank 1 has a non-finite loss (samples: "), msg
+        assert re.search(rf"\(samples: {re.escape(str(data))}:\d+", msg) and "Stopped before the optimizer step" in msg
+        assert saved == ["iter_0000001", "iter_0000002", "latest"], saved
+        msg, saved = res[rank]["grad"]
+        assert msg.startswith("megatron-tree train: step 2: the reduced gradients are not finite on rank 0."), msg
+        assert saved == ["iter_0000001", "latest"], saved
+
+
 def test_a_rank_error_after_a_signal_is_shown_not_taken_for_the_signal(tmp_path, monkeypatch):
     """The launcher got SIGTERM (and forwarded it), then a rank failed with its own traceback: `run`
     raises that rank's error; only a rank the signal itself ended (no traceback) is "stopped before

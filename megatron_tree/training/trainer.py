@@ -44,6 +44,11 @@ resuming from the newest checkpoint. A run killed outright (SIGKILL) resumes fro
 ``--save-interval`` checkpoint; ``--metrics-jsonl`` keeps every step's metrics on disk as they
 happen, so the steps it recomputes can be compared.
 
+Non-finite steps: with ``--check-for-nan-in-loss-and-grad`` (default on, Megatron-LM's flag) every
+rank checks its microbatch losses and the reduced gradient buffers after the backward, one all-reduce
+decides, and a NaN / Inf stops every rank before the optimizer step with a `FloatingPointError`
+naming the step, the microbatch (rank, index) and its samples (`_stop_on_nonfinite`).
+
 Launch: under torchrun / srun (``RANK`` and ``WORLD_SIZE`` in the environment) `main` trains in
 the current process group (NCCL on GPU, gloo on CPU); otherwise it spawns ``--nproc`` local ranks
 with `launch.run_distributed`. On CPU the ranks enable `cpu.megatron_core` and turn TorchDynamo off
@@ -98,6 +103,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="resume from DIR/latest when present (an absent checkpoint starts fresh)")
     c.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and one at the end)")
     c.add_argument("--log-interval", type=int, default=1)
+    c.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="after each step's forward and backward, stop before the optimizer step when a "
+                        "microbatch's loss or a reduced gradient is NaN or Inf, naming the microbatch and its "
+                        "samples (no update, no checkpoint from that state; Megatron-LM's flag and default)")
     c.add_argument("--tensorboard-dir", type=str, default=None)
     c.add_argument("--wandb-project", type=str, default=None)
     c.add_argument("--wandb-exp-name", type=str, default=None)
@@ -624,6 +633,42 @@ class _ForwardSignals(_PreemptionSignals):
                     pass
 
 
+# --------------------------------------------------------------------------------------------- non-finite steps
+def _stop_on_nonfinite(step_no: int, reports: list, microbatches: list, ddp, dev, sources=None) -> None:
+    """Raise `FloatingPointError` on every rank, before the optimizer step, when any rank's microbatch
+    loss (``reports``: this rank's loss reports, one per microbatch in order; empty off the loss
+    ranks) or any reduced gradient is NaN / Inf. The message names the step, each bad microbatch
+    (rank, index) and its samples (``file:line`` where ``sources`` is known). One all-reduce per step;
+    the details are gathered only on failure."""
+    bad = [i for i, r in enumerate(reports) if "lm loss" in r and not bool(torch.isfinite(r["lm loss"]).all())]
+    # the DDP's contiguous gradient buffers (a few large tensors), one host sync for all of them
+    buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    grads = [b.grad_data for b in buffers] or [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+                                               for p in ddp.parameters()]
+    finite = [torch.isfinite(g).all() for g in grads if g is not None]
+    grad_bad = bool(finite) and not bool(torch.stack(finite).all())
+    flag = torch.tensor([float(bool(bad)), float(grad_bad)], device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not bool(flag.any()):
+        return
+
+    def name(i):
+        return sources[i] if sources is not None and 0 <= i < len(sources) else f"sample {i}"
+
+    mine = (dist.get_rank(), [(i, [name(j) for j in microbatches[i].sample_ids]) for i in bad], grad_bad)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    parts = [f"microbatch {i} of rank {rank} has a non-finite loss (samples: {', '.join(ids) or 'none'})"
+             for rank, mbs, _ in every for i, ids in mbs]
+    grad_ranks = [rank for rank, _, g in every if g]
+    if grad_ranks:
+        parts.append(f"the reduced gradients are not finite on rank{'s' * (len(grad_ranks) > 1)} "
+                     f"{', '.join(map(str, grad_ranks))}")
+    raise FloatingPointError(f"megatron-tree train: step {step_no}: " + "; ".join(parts) + ". Stopped before the "
+                             "optimizer step: no parameter was updated and no checkpoint was written from this state "
+                             "(--no-check-for-nan-in-loss-and-grad turns the check off)")
+
+
 def _preempted_message(preempted: dict, args) -> str:
     head = f"megatron-tree train: received {preempted['signal']}; "
     if preempted.get("step") is None:
@@ -878,6 +923,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                 if cp_group is not None:
                     attention_seconds(reset=True)
                 reports = forward_backward(ddp, items, **loss_kwargs)
+                if args.check_for_nan_in_loss_and_grad:
+                    _stop_on_nonfinite(it + 1, reports if loss_owner else [], step.microbatches, ddp, dev, sources)
                 lr = float(opt.param_groups[0]["lr"])  # the rate this step uses (sched.step sets the next one)
                 ok, grad_norm, _ = opt.step()
                 sched.step(1)

@@ -407,9 +407,9 @@ def load_train_samples(args, report=None) -> list:
                            scale=args.synthetic_scale)
     from ..data.pipeline import read_samples
 
-    route_spec = None
-    if getattr(args, "routing_replay", False):  # top-k and expert ids checked where file:line is known; the
-        from ..tree.routes import RouteSpec     # MoE layer count once the model is built (it knows its layers)
+    route_spec, replay = None, bool(getattr(args, "routing_replay", False))
+    if replay:  # routes present, top-k and expert ids checked where file:line is known (`run` reads before any
+        from ..tree.routes import RouteSpec  # rank starts); the MoE layer count once the model is built
 
         route_spec = RouteSpec(topk=args.moe_router_topk, num_experts=args.num_experts)
     return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample,

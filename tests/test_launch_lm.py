@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -363,6 +364,14 @@ def _microbatches(tmp: Path, name: str, iteration: int) -> list:
 #: to 128 rows there; its RMSNorm, rope with base 10000, untied embeddings and no biases are ours too)
 SCORE_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
              "--swiglu", "--normalization", "RMSNorm", "--rotary-base", "10000", "--vocab-size", "128"]
+#: score's flags for each Megatron-LM checkpoint this module saves (COMMON + MODELS / MTP_MODELS flags)
+SCORE_FLAGS = {
+    "gpt": SCORE_GPT,
+    "hybrid": SCORE_GPT[2:] + ["--hybrid-override-pattern", "MG*-"],
+    "gpt_mtp": SCORE_GPT + ["--mtp-num-layers", "2"],
+    "mamba_mtp": SCORE_GPT[2:] + ["--model-family", "mamba", "--hybrid-override-pattern", "M*-M", "--mtp-num-layers",
+                                  "1", "--mtp-pattern", "M*"],
+}
 _SCORE_SCRIPT = """
 import json, sys
 from megatron_tree.cli import main
@@ -370,50 +379,79 @@ print("MTREE_RC " + json.dumps([main(argv) for argv in json.loads(sys.argv[1])])
 """
 
 
-def _check_score_of_megatron_lm_checkpoint(tmp: Path, data: Path, lm_loss: float) -> None:
+def _check_score_of_megatron_lm_checkpoint(tmp: Path, data: Path, lm_loss: float, model: str = "gpt",
+                                           run: str = "full") -> None:
     """``megatron-tree score`` on the torch_dist checkpoint Megatron-LM's pretrain() saved at iteration 2
-    (the weights iteration 3 ran with, before its update), over the samples iteration 3 read: each
-    microbatch's summed -log-prob equals the loss sum Megatron-LM's loop computed for it (recorded by
-    tests/lm_entry.py), and their mean over the step's targets is iteration 3's "lm loss"
+    (the weights iteration 3 ran with, before its update) of launch ``run``, over the samples iteration 3
+    read: each microbatch's summed -log-prob equals the loss sum Megatron-LM's loop computed for it
+    (recorded by tests/lm_entry.py), and their mean over the step's targets is iteration 3's "lm loss"
     (--calculate-per-token-loss, SFT), to float32 rounding. Planted fault: the iteration-4 checkpoint
-    (two updates later) misses it. A model built without --swiglu is refused, naming the tensor.
-    One process scores all three (a single rank in the subprocess, no spawn)."""
+    (two updates later) misses it. In float64, the training records of at least 9 tokens scored together
+    (tree packing, prompts shared) equal each scored alone (flat packing under a budget of 16 rows, which
+    no two of them fit in: one record per microbatch, the summary line says so) to 1e-10. Refused before
+    any rank computes, naming what differs: flags whose numerics differ from the checkpoint's args in two
+    arguments (--norm-epsilon, --rotary-percent); for GPT also a model built without --swiglu (named by
+    the args check) and the same layers as our hybrid stack (args agree; the tensor check names the
+    per-layer tensors the checkpoint lacks and its stacked ones the model lacks). One process scores them
+    all (a single rank in the subprocess, no spawn)."""
     import pyarrow.parquet as pq
 
     from megatron_tree.training.launch import _free_port
 
-    mbs = _microbatches(tmp, "full", 3)
+    mbs = _microbatches(tmp, run, 3)
     ids = sorted(i for m in mbs for i in m[0])
     assert len(ids) == 8 and len(set(ids)) == 8
     lines = data.read_text().splitlines()
     (tmp / "iter3.jsonl").write_text("".join(lines[i] + "\n" for i in ids))
+    long = [line for line in lines if len(json.loads(line)["tokens"]) >= 9][:12]
+    (tmp / "long.jsonl").write_text("".join(line + "\n" for line in long))
     ckpt = tmp / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    flags = SCORE_FLAGS[model]
 
-    def argv(load, out, flags=SCORE_GPT):
-        return ["score", *flags, "--load", str(load), "--data", str(tmp / "iter3.jsonl"), "--out", str(tmp / out),
-                "--max-tokens-per-mb", "128", "--quiet"]
+    def argv(load, out, flags=flags, records="iter3.jsonl", extra=("--max-tokens-per-mb", "128", "--quiet")):
+        return ["score", *flags, "--load", str(load), "--data", str(tmp / records), "--out", str(tmp / out), *extra]
 
-    no_swiglu = [f for f in SCORE_GPT if f != "--swiglu"]
-    runs = [argv(ckpt / "iter_0000002", "it2.parquet"), argv(ckpt / "iter_0000004", "it4.parquet"),
-            argv(ckpt / "iter_0000002", "bad.parquet", no_swiglu)]
+    it2 = ckpt / "iter_0000002"
+    runs = [argv(it2, "it2.parquet"), argv(ckpt / "iter_0000004", "it4.parquet"),
+            argv(it2, "tree64.parquet", records="long.jsonl", extra=("--dtype", "float64")),
+            argv(it2, "alone64.parquet", records="long.jsonl",
+                 extra=("--dtype", "float64", "--packing", "flat", "--max-tokens-per-mb", "16")),
+            argv(it2, "numerics.parquet", flags + ["--norm-epsilon", "1e-6", "--rotary-percent", "0.5"])]
+    expected = [0, 0, 0, 0, 2]
+    if model == "gpt":  # GeLU MLPs (the args name it); the same layers as a hybrid stack (keyed per layer)
+        runs += [argv(it2, "bad.parquet", [f for f in flags if f != "--swiglu"]),
+                 argv(it2, "bad_keys.parquet", flags[2:] + ["--hybrid-override-pattern", "*-*-"])]
+        expected += [2, 2]
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
     r = subprocess.run([sys.executable, "-c", _SCORE_SCRIPT, json.dumps(runs)], cwd=tmp, env=env, capture_output=True,
                        text=True, timeout=600)
     out = r.stdout + r.stderr
     rcs = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("MTREE_RC ")]
-    assert r.returncode == 0 and rcs == [[0, 0, 2]], out[-6000:]
-    # a checkpoint whose tensors are not the model's: refused, naming the tensor and both shapes
-    assert "the checkpoint's parameters do not match" in out and "--swiglu" in out, out[-3000:]
-    assert "decoder.layers.mlp.linear_fc1.weight: checkpoint [2, 128, 32], model [2, 64, 32]" in out, out[-3000:]
-    assert not (tmp / "bad.parquet").exists()
+    assert r.returncode == 0 and rcs == [expected], out[-6000:]
+    # numerics arguments that differ from the checkpoint's: both named, with the flag, nothing scored
+    assert "norm_epsilon: checkpoint 1e-05, flags 1e-06 (--norm-epsilon)" in out, out[-3000:]
+    assert "rotary_percent: checkpoint 1.0, flags 0.5 (--rotary-percent)" in out, out[-3000:]
+    assert not (tmp / "numerics.parquet").exists()
+    if model == "gpt":
+        assert "swiglu: checkpoint True, flags False (--swiglu)" in out, out[-3000:]
+        # args that agree, tensors that do not (stacked vs per-layer keys): the tensor check names them
+        assert "the checkpoint's parameters do not match" in out, out[-3000:]
+        lacks = next(line for line in out.splitlines() if line.startswith("  - not in the checkpoint: "))
+        holds = next(line for line in out.splitlines() if line.startswith("  - in the checkpoint, not in the model: "))
+        assert "decoder.layers.0.self_attention.linear_proj.weight" in lacks, lacks
+        assert "decoder.layers.mlp.linear_fc1.weight" in holds, holds
+        assert not (tmp / "bad.parquet").exists() and not (tmp / "bad_keys.parquet").exists()
+
+    def rows(name):
+        return pq.read_table(tmp / name).to_pylist()
 
     def nll(name):
-        rows = pq.read_table(tmp / name).to_pylist()
-        assert [row["record"] for row in rows] == list(range(len(ids)))
-        return ({i: -float(np.sum(row["logprobs"], dtype=np.float64)) for i, row in zip(ids, rows)},
-                {i: len(row["logprobs"]) for i, row in zip(ids, rows)})
+        got = rows(name)
+        assert [row["record"] for row in got] == list(range(len(ids)))
+        return ({i: -float(np.sum(row["logprobs"], dtype=np.float64)) for i, row in zip(ids, got)},
+                {i: len(row["logprobs"]) for i, row in zip(ids, got)})
 
     s2, n2 = nll("it2.parquet")
     for sample_ids, loss_sum, num_tokens in mbs:  # each microbatch of Megatron-LM's step
@@ -424,8 +462,20 @@ def _check_score_of_megatron_lm_checkpoint(tmp: Path, data: Path, lm_loss: float
     assert scored == pytest.approx(lm_loss, rel=1e-6), (scored, lm_loss)
     s4, n4 = nll("it4.parquet")  # planted fault: weights two updates later
     assert n4 == n2 and abs(sum(s4.values()) / sum(n4.values()) - lm_loss) > 1e-4 * lm_loss
-    print(f"\ngpt: iteration-3 lm loss {lm_loss!r}, score of iter_0000002 {scored!r} "
-          f"(iter_0000004: {sum(s4.values()) / sum(n4.values())!r})")
+    # together vs alone, float64
+    summaries = [line for line in out.splitlines() if line.startswith("megatron-tree score: ")]
+    assert len(summaries) == 2, summaries
+    assert f"{len(long)} microbatches (flat: " in summaries[1], summaries  # one record per microbatch
+    tree_rows, flat_tokens = map(int, re.search(r"\(tree: ([\d,]+) rows for ([\d,]+) tokens\)",
+                                                summaries[0]).group(1, 2))
+    assert tree_rows < flat_tokens, summaries  # prompts were shared
+    tree, alone = rows("tree64.parquet"), rows("alone64.parquet")
+    assert [row["record"] for row in tree] == [row["record"] for row in alone] == list(range(len(long)))
+    diff = max(float(np.abs(np.asarray(a[k]) - np.asarray(b[k])).max(initial=0.0))
+               for a, b in zip(tree, alone) for k in ("logprobs", "entropy"))
+    assert diff <= 1e-10 and sum(len(row["logprobs"]) for row in tree) > 0, diff
+    print(f"\n{model}: iteration-3 lm loss {lm_loss!r}, score of iter_0000002 {scored!r} "
+          f"(iter_0000004: {sum(s4.values()) / sum(n4.values())!r}); float64 together vs alone max |diff| {diff:.2e}")
 
 
 #: The fresh tree-CP run of each model (extra flags, ranks). GPT also under TP2 + SP: its weights are full
@@ -442,8 +492,9 @@ FRESH_CP = {"gpt": (["--context-parallel-size", "2"] + TP2_SP, 4), "hybrid": (["
 def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
     """Megatron-LM's pretrain() with our hooks on CPU ranks, three runs of one job:
 
-    * DP2, CP1: the reference (4 iterations, checkpoint at iteration 2); GPT: ``megatron-tree score`` of
-      that checkpoint reproduces iteration 3's loss (`_check_score_of_megatron_lm_checkpoint`);
+    * DP2, CP1: the reference (4 iterations, checkpoint at iteration 2); ``megatron-tree score`` of that
+      checkpoint reproduces iteration 3's loss, and scores records together as each alone
+      (`_check_score_of_megatron_lm_checkpoint`);
     * started afresh under tree CP2 (GPT: CP2 + TP2 + SP): the same model from the same seed, so the
       iteration-1 loss (before any update) equals CP1's to float32 rounding, and so do the next
       three steps, each reading the same samples as CP1 (each sample once per step and CP rank);
@@ -463,8 +514,7 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
     assert "iteration        4/       4" in out and "lm loss:" in out  # Megatron-LM's own log
     assert sorted(full_samples) == [1, 2, 3, 4] and all(set(c.values()) == {1} for c in full_samples.values())
     assert sum(len(c) for c in full_samples.values()) == 4 * 8  # --tree-global-batch-samples 8 per step
-    if model == "gpt":
-        _check_score_of_megatron_lm_checkpoint(tmp_path, data, full[3])
+    _check_score_of_megatron_lm_checkpoint(tmp_path, data, full[3], model)
 
     cp_flags, cp_ranks = FRESH_CP[model]
     cp_samples: dict = {}
@@ -524,11 +574,13 @@ def test_pretrain_tree_mtp_under_cp_equals_one_rank(model, tmp_path):
     2-4 after updates that carry the MTP gradients), and so does each depth's loss Megatron-LM logs; that
     logged value is the step's per-token mean, about ln(128) for this fresh model at iteration 1 (stock's
     mean of per-microbatch means read 1.2 for GPT here: the tree step's 8 samples fill one of the 4
-    microbatches, the 3 padding ones add 0)."""
+    microbatches, the 3 padding ones add 0). The one-rank run's iteration-2 checkpoint, MTP layers and
+    all, loads in ``megatron-tree score`` (`_check_score_of_megatron_lm_checkpoint`)."""
     script, model_args, depths, layout, ranks = MTP_MODELS[model]
     data = _write_data(tmp_path / "train.jsonl")
     args = COMMON + model_args + ["--tree-data-path", str(data), "--mtp-loss-scaling-factor", "0.3"]
-    rc, out1, one = _launch(tmp_path, "one", script, args, nproc=1)
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    rc, out1, one = _launch(tmp_path, "one", script, args + save, nproc=1)
     _check(rc, out1, "MTP run on one rank")
     rc, out4, cp = _launch(tmp_path, "cp", script, args + layout, nproc=ranks)
     _check(rc, out4, f"MTP run under {' '.join(layout)}")
@@ -541,6 +593,8 @@ def test_pretrain_tree_mtp_under_cp_equals_one_rank(model, tmp_path):
         for it in a:
             assert b[it] == pytest.approx(a[it], rel=2e-5), (k, it, a, b)
         assert abs(a[1] - np.log(128)) < 0.1, (k, a)
+    # the one-rank run's checkpoint (MTP layers included) in megatron-tree score
+    _check_score_of_megatron_lm_checkpoint(tmp_path, data, one[3], f"{model}_mtp", run="one")
     print(f"\n{model} MTP: one rank {one}, {' '.join(layout)} {cp}; mtp_1 {_logged(out1, 'mtp_1 loss')}")
 
 

@@ -170,7 +170,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
         position_embedding_type=getattr(args, "position_embedding_type", "rope"),
         rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=getattr(args, "rotary_base", 10000),
-        rope_scaling=bool(getattr(args, "use_rope_scaling", False)), vp_stage=vp_stage, **kw)
+        rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)), vp_stage=vp_stage, **kw)
 
 
 @_replaying

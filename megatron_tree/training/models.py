@@ -63,6 +63,9 @@ class ModelArgs:
     normalization: str = "RMSNorm"
     position_embedding_type: str = "rope"
     rotary_base: int = 10000
+    rotary_percent: float = 1.0  # GPTModel / MambaModel rotary (not MLA's, which builds its own from the config)
+    rope_scaling: bool = False  # Llama 3.x frequency scaling (GPTModel only)
+    rope_scaling_factor: float = 8.0
     extra: dict = field(default_factory=dict)  # more TransformerConfig fields
     linear_attention_freq: int = 2  # qwen3next: one standard attention layer every N layers
     mtp_pattern: str = "*-"  # mamba with extra["mtp_num_layers"] = K: each MTP depth's inner layers (0.19)
@@ -137,7 +140,7 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
     if margs.kind in ("mla", "dsa"):
         # MLA: K/V from a low-rank latent, query/key heads (qk_head_dim + qk_pos_emb_head_dim) wider
         # than value heads; every head has its own K (num_query_groups plays no part)
-        kw.update(MLA_DEFAULTS, num_query_groups=margs.num_attention_heads)
+        kw.update(MLA_DEFAULTS, num_query_groups=margs.num_attention_heads, rotary_base=margs.rotary_base)
         if margs.num_experts:  # DeepSeek-style: the first layer dense, MoE after it
             kw.update(moe_layer_freq=[0] + [1] * (margs.layers() - 1))
         if recompute == "selective":  # also MLA's own up-projection checkpoint (reuses the rotary table)
@@ -182,7 +185,8 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
     if margs.kind in ("gpt", "mla"):  # MLA: Megatron's block spec builds MLA layers from the config
         spec = get_tree_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=margs.normalization)
     elif margs.kind == "hybrid":
-        spec = get_tree_hybrid_stack_spec(margs.pattern, config, use_transformer_engine=False)
+        spec = get_tree_hybrid_stack_spec(margs.pattern, config, use_transformer_engine=False,
+                                          qk_layernorm=bool(config.qk_layernorm))
     elif margs.kind in ("qwen3next", "dsa"):
         from ..megatron.family_specs import get_tree_transformer_block_with_experimental_attention_variant_spec
 
@@ -216,7 +220,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
         model = TreeMambaModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
                                pre_process=pre, post_process=post, hybrid_override_pattern=pattern,
                                position_embedding_type=margs.position_embedding_type, rotary_base=margs.rotary_base,
-                               share_embeddings_and_output_weights=False)
+                               rotary_percent=margs.rotary_percent, share_embeddings_and_output_weights=False)
     else:
         raise ValueError(f"model kind must be gpt, hybrid, mla, dsa, mamba or qwen3next, got {margs.kind!r}")
     mtp_spec = None
@@ -229,8 +233,9 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
     if margs.kind != "mamba":
         model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
                              pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
-                             rotary_base=margs.rotary_base, share_embeddings_and_output_weights=False,
-                             mtp_block_spec=mtp_spec)
+                             rotary_base=margs.rotary_base, rotary_percent=margs.rotary_percent,
+                             rope_scaling=margs.rope_scaling, rope_scaling_factor=margs.rope_scaling_factor,
+                             share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec)
     if config.params_dtype == torch.float64:
         model.to(torch.float64)  # Megatron keeps Mamba's A_log / D in fp32 whatever params_dtype says
     return model

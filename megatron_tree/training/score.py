@@ -11,10 +11,17 @@ model. The model flags are ``megatron-tree train``'s (`trainer.add_model_args` /
 the same parameters: ``--swiglu``, ``--rotary-base``, ``--vocab-size`` = Megatron-LM's padded size;
 Megatron-LM ties the output layer to the embedding unless ``--untie-embeddings-and-output-weights``
 and has biases unless ``--disable-bias-linear``, our models never do) or one ``iter_XXXXXXX``
-directory. Only the model's sharded tensors are read: no optimizer (or its state) is built. The
-checkpoint's model tensors (names, global shapes; ``optimizer.*`` aside) must be exactly the model's
-(every stage's, gathered): anything else is a `CheckpointMismatch` naming each tensor, never a
-partial or silent load (`check_checkpoint_tensors`).
+directory. Only the model's sharded tensors are read: no optimizer (or its state) is built. Before
+any rank starts, the model flags must be those the checkpoint was trained with: a train checkpoint's
+recorded flags, or a Megatron-LM checkpoint's numerics arguments (its saved ``args``: norm epsilon,
+rotary percent / base / scaling, SwiGLU, biases, tying, qk norms, groups, widths, ...), every difference
+named in one error (`check_checkpoint_flags`, `megatron_lm_arg_differences`; the Megatron-LM names
+``--norm-epsilon``, ``--rotary-percent``, ``--use-rope-scaling``, ``--rope-scaling-factor``,
+``--qk-layernorm``, ``--kv-channels`` set them). The checkpoint's model tensors (names, global shapes;
+``optimizer.*`` aside) must be exactly what the model's sharded state dict writes, factories built
+(the stock Mamba-2 / GDN mixers' ``in_proj`` and ``conv1d`` sub-tensors), every stage's gathered:
+anything else is a `CheckpointMismatch` naming each tensor, never a partial or silent load
+(`check_checkpoint_tensors`).
 
 What a run does (every rank):
 
@@ -57,8 +64,8 @@ import torch.distributed as dist
 from .arguments import CP_PLANNERS, DEFAULT_PAD_MULTIPLE
 
 __all__ = ["add_score_args", "build_score_parser", "check_score_args", "load_score_records", "score", "run",
-           "resolve_checkpoint", "check_checkpoint_tensors", "CheckpointMismatch",
-           "SCORE_COLUMNS"]
+           "resolve_checkpoint", "check_checkpoint_flags", "check_checkpoint_tensors", "megatron_lm_arg_differences",
+           "score_mtp_tail", "CheckpointMismatch", "SCORE_COLUMNS"]
 
 SCORE_COLUMNS = ("record", "logprobs", "entropy")
 # Test-only fault switch (None in normal use): "occurrence_shift" writes every record's values one
@@ -179,17 +186,47 @@ def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
             raise ValueError(f"{sources[i] if sources else f'record {i}'}: record {i} has no routed_experts, but "
                              "--routing-replay replays every record's routes (it would be re-routed, not replayed)")
     if samples is not None:
+        tail = score_mtp_tail(args)
         lens = np.array([len(s) for s in samples], dtype=np.int64)
         if budget is None:
-            args.tree_max_tokens_per_mb = _default_budget(samples, args) if len(samples) else pad
-        elif len(lens) and int(lens.max()) > budget:
-            i = int(np.argmax(lens > budget))
+            args.tree_max_tokens_per_mb = (_default_budget(samples, args) if not tail else
+                                           _tail_budget(samples, tail, pad)) if len(samples) else pad
+        elif len(lens) and int(lens.max()) + tail > budget:
+            i = int(np.argmax(lens + tail > budget))
             where = sources[i] if sources else f"record {i}"
-            raise ValueError(f"{where}: record {i} has {int(lens[i])} tokens, more than --max-tokens-per-mb {budget}: "
-                             "a record must fit in one microbatch and scoring never truncates; raise "
+            rows = f" (and {tail} MTP tail rows: DSA in the MTP layers)" if tail else ""
+            raise ValueError(f"{where}: record {i} has {int(lens[i])} tokens{rows}, more than --max-tokens-per-mb "
+                             f"{budget}: a record must fit in one microbatch and scoring never truncates; raise "
                              "--max-tokens-per-mb")
     fill_model_defaults(args)
     return args
+
+
+def score_mtp_tail(args) -> int:
+    """Rows `tree.pack` appends after each record for the model's MTP layers (``mtp_tail``):
+    `megatron.mtp.mtp_tail_rows` of the config the flags build (DSA with an indexer loss in the MTP
+    layers: ``--mtp-num-layers``; else 0). They are never shared, never scored, and count against
+    the budget."""
+    from types import SimpleNamespace
+
+    from ..megatron.mtp import mtp_tail_rows
+    from .models import DSA_DEFAULTS
+
+    coeff = getattr(args, "dsa_indexer_loss_coeff", None)
+    return mtp_tail_rows(SimpleNamespace(
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
+        experimental_attention_variant=getattr(args, "experimental_attention_variant", None),
+        dsa_indexer_loss_coeff=DSA_DEFAULTS["dsa_indexer_loss_coeff"] if coeff is None else coeff))
+
+
+def _tail_budget(samples, tail: int, pad: int) -> int:
+    """The default budget with ``tail`` rows after every record: the longest record and the largest
+    tree, tails included, rounded up to the padding multiple."""
+    from ..tree.packing import PrefixPlan
+
+    toks = [np.asarray(s.tokens) for s in samples]
+    need = max(max(len(t) for t in toks) + tail, int(PrefixPlan(toks, mtp_tail=tail).tree_rows().max()))
+    return -(-need // pad) * pad
 
 
 # --------------------------------------------------------------------------------------------- checkpoint
@@ -230,38 +267,183 @@ def resolve_checkpoint(directory: str) -> str:
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
                 "hybrid_override_pattern", "tree_hybrid_pattern", "num_experts", "moe_ffn_hidden_size",
                 "moe_router_topk", "normalization", "model_family", "experimental_attention_variant",
-                "multi_latent_attention", "linear_attention_freq", "dsa_indexer_topk", "swiglu", "rotary_base")
+                "multi_latent_attention", "linear_attention_freq", "dsa_indexer_topk", "swiglu", "rotary_base",
+                "norm_epsilon", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "qk_layernorm",
+                "kv_channels", "mtp_num_layers")
+# what a checkpoint of a megatron-tree train that predates a flag was trained with (the flag's default)
+_FLAG_DEFAULTS = {"swiglu": False, "rotary_base": 10000, "norm_epsilon": 1e-5, "rotary_percent": 1.0,
+                  "use_rope_scaling": False, "rope_scaling_factor": 8.0, "qk_layernorm": False, "kv_channels": None,
+                  "mtp_num_layers": None}
+_ABSENT = object()
+
+
+def _lm_arg(ns, *names):
+    """The first of ``names`` that Megatron-LM's args ``ns`` has (0.19 keeps some under their
+    TransformerConfig names: ``--norm-epsilon`` is ``layernorm_epsilon``), else `_ABSENT`."""
+    for n in names:
+        if hasattr(ns, n):
+            return getattr(ns, n)
+    return _ABSENT
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return abs(float(a) - float(b)) <= 1e-12 * max(abs(float(a)), abs(float(b)))
+        except (TypeError, ValueError):
+            return False
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and tuple(a) == tuple(b)
+    return a == b
+
+
+def megatron_lm_arg_differences(ckpt_args, args) -> list:
+    """``["name: checkpoint X, flags Y (how to match)", ...]``: every numerics argument of a Megatron-LM
+    checkpoint (its saved ``args``, Megatron-LM's names) that differs from the model ``args`` (score's
+    model flags) build: the `models.make_config` TransformerConfig and `models.ModelArgs`, compared
+    where Megatron-LM's model reads the argument (``core_transformer_config_from_args`` copies it into
+    the config, or the model class takes it). An argument the checkpoint does not record is not compared.
+    "(--flag)" names the score flag that sets it; "(fixed ...)" one megatron-tree's models do not vary."""
+    import torch.nn.functional as F
+
+    from .models import make_config
+    from .trainer import _model_args
+
+    margs = _model_args(args)
+    config = make_config(margs)  # no process group needed: the numerics fields only
+    a = ckpt_args
+    mamba, mla = margs.kind == "mamba", bool(getattr(config, "multi_latent_attention", False))
+    pattern = margs.pattern if margs.kind in ("hybrid", "mamba") else ""
+    rows = []  # (Megatron-LM name, checkpoint value, ours, hint)
+
+    def add(name, ck, ours, flag=None, fixed="fixed in megatron-tree's models"):
+        if ck is not _ABSENT:
+            rows.append((name, ck, ours, flag or fixed))
+
+    gqa = _lm_arg(a, "group_query_attention")
+    heads = _lm_arg(a, "num_attention_heads")
+    add("hidden_size", _lm_arg(a, "hidden_size"), config.hidden_size, "--hidden-size")
+    add("num_attention_heads", heads, config.num_attention_heads, "--num-attention-heads")
+    add("padded_vocab_size", _lm_arg(a, "padded_vocab_size"), margs.vocab_size, "--vocab-size")
+    if gqa is not _ABSENT:
+        groups = _lm_arg(a, "num_query_groups") if gqa else heads
+        add("group_query_attention/num_query_groups", groups, config.num_query_groups, "--num-query-groups")
+    if not mla:
+        add("kv_channels", _lm_arg(a, "kv_channels"), config.kv_channels, "--kv-channels")
+    add("ffn_hidden_size", _lm_arg(a, "ffn_hidden_size"), config.ffn_hidden_size, "--ffn-hidden-size")
+    add("normalization", _lm_arg(a, "normalization"), config.normalization, "--normalization")
+    add("norm_epsilon", _lm_arg(a, "norm_epsilon", "layernorm_epsilon"), config.layernorm_epsilon, "--norm-epsilon")
+    add("apply_layernorm_1p", _lm_arg(a, "apply_layernorm_1p", "layernorm_zero_centered_gamma"),
+        bool(config.layernorm_zero_centered_gamma), fixed="fixed: megatron-tree's models have no zero-centered norms")
+    add("swiglu", _lm_arg(a, "swiglu"), bool(config.gated_linear_unit) and config.activation_func is F.silu, "--swiglu")
+    add("squared_relu", _lm_arg(a, "squared_relu"), False)
+    add("untie_embeddings_and_output_weights", _lm_arg(a, "untie_embeddings_and_output_weights"), True,
+        fixed="fixed: megatron-tree's models never tie the output layer to the embedding")
+    add("add_bias_linear", _lm_arg(a, "add_bias_linear"), bool(config.add_bias_linear),
+        fixed="fixed: megatron-tree's models have no linear biases")
+    add("add_qkv_bias", _lm_arg(a, "add_qkv_bias"), bool(config.add_qkv_bias),
+        fixed="fixed: megatron-tree's models have no linear biases")
+    if not mamba:  # MambaModel's attention has no query/key norms whatever the flag says
+        add("qk_layernorm", _lm_arg(a, "qk_layernorm"), bool(config.qk_layernorm), "--qk-layernorm")
+    add("qk_l2_norm", _lm_arg(a, "qk_l2_norm"), bool(getattr(config, "qk_l2_norm", False)))
+    add("attention_output_gate", _lm_arg(a, "attention_output_gate"),
+        bool(getattr(config, "attention_output_gate", False)))
+    add("softmax_type", _lm_arg(a, "softmax_type"), getattr(config, "softmax_type", "vanilla"))
+    window = _lm_arg(a, "window_size")
+    if window is not _ABSENT and window is not None:
+        add("window_size", window, config.window_size)
+    ck_pos = _lm_arg(a, "position_embedding_type")
+    add("position_embedding_type", ck_pos, margs.position_embedding_type)
+    if mla:  # MLA builds its own rotary (YaRN) from the config; GPTModel's rotary arguments do not reach it
+        add("rotary_base", _lm_arg(a, "rotary_base"), config.rotary_base, "--rotary-base")
+        for f in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                  "rotary_scaling_factor", "mscale", "mscale_all_dim"):
+            add(f, _lm_arg(a, f), getattr(config, f), fixed="fixed: megatron-tree's MLA shapes (models.MLA_DEFAULTS)")
+        if _lm_arg(a, "rope_type") not in (None, _ABSENT):
+            add("rope_type", _lm_arg(a, "rope_type"), config.rope_type)
+    elif ck_pos == "rope" and margs.position_embedding_type == "rope":
+        add("rotary_percent", _lm_arg(a, "rotary_percent"), margs.rotary_percent, "--rotary-percent")
+        add("rotary_base", _lm_arg(a, "rotary_base"), margs.rotary_base, "--rotary-base")
+        add("rotary_interleaved", _lm_arg(a, "rotary_interleaved"), bool(getattr(config, "rotary_interleaved", False)))
+        add("rotary_seq_len_interpolation_factor", _lm_arg(a, "rotary_seq_len_interpolation_factor"), None)
+        if not mamba:  # MambaModel takes no rope scaling
+            ck_scaling = _lm_arg(a, "use_rope_scaling")
+            add("use_rope_scaling", ck_scaling, margs.rope_scaling, "--use-rope-scaling")
+            if ck_scaling is True or margs.rope_scaling:
+                add("rope_scaling_factor", _lm_arg(a, "rope_scaling_factor"), margs.rope_scaling_factor,
+                    "--rope-scaling-factor")
+    ck_experts = _lm_arg(a, "num_experts")
+    if ck_experts not in (None, _ABSENT) or config.num_moe_experts:
+        add("num_experts", ck_experts, config.num_moe_experts, "--num-experts")
+        add("moe_ffn_hidden_size", _lm_arg(a, "moe_ffn_hidden_size"), config.moe_ffn_hidden_size,
+            "--moe-ffn-hidden-size")
+        add("moe_router_topk", _lm_arg(a, "moe_router_topk"), config.moe_router_topk, "--moe-router-topk")
+        for f in ("moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+                  "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size"):
+            add(f, _lm_arg(a, f), getattr(config, f, None))
+    if mamba or "M" in pattern:
+        for f in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+            add(f, _lm_arg(a, f), getattr(config, f),
+                fixed="fixed: megatron-tree's Mamba-2 shapes (models.make_config)")
+    if margs.kind == "qwen3next" or "G" in pattern:
+        for f in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                  "linear_num_value_heads"):
+            add(f, _lm_arg(a, f), getattr(config, f), fixed="fixed: megatron-tree's GDN shapes (models.make_config)")
+    return [f"{name}: checkpoint {ck!r}, flags {ours!r} ({hint})" for name, ck, ours, hint in rows
+            if not _same(ck, ours)]
 
 
 def check_checkpoint_flags(path: str, args) -> None:
-    """ValueError naming every model flag that differs from the ones a megatron-tree train checkpoint
-    recorded (``run_args``); nothing to check in a checkpoint without them (Megatron-LM's)."""
+    """ValueError naming every model flag that differs from what the checkpoint was trained with: the
+    flags a megatron-tree train checkpoint recorded (``run_args``), or the numerics arguments of a
+    Megatron-LM one (its ``args``; `megatron_lm_arg_differences`). `run` calls it before any rank starts."""
     from megatron.core import dist_checkpointing
 
     try:
         common = dist_checkpointing.load_common_state_dict(path)
-    except Exception:  # noqa: BLE001 - Megatron-LM / older layouts: the shape check below still applies
+    except Exception:  # noqa: BLE001 - no common state (a bare dist_checkpointing save): the tensor check still applies
         common = {}
-    run_args = common.get("run_args") if isinstance(common, dict) else None
+    common = common if isinstance(common, dict) else {}
+    run_args, lm_args = common.get("run_args"), common.get("args")
     if isinstance(run_args, dict):
-        bad = [f"--{k.replace('_', '-')}: checkpoint {run_args[k]!r}, here {getattr(args, k)!r}"
-               for k in _MODEL_FLAGS if k in run_args and getattr(args, k, None) != run_args[k]]
+        def recorded(k):
+            return run_args[k] if k in run_args else _FLAG_DEFAULTS.get(k, _ABSENT)
+
+        bad = [f"--{k.replace('_', '-')}: checkpoint {recorded(k)!r}, here {getattr(args, k, None)!r}"
+               for k in _MODEL_FLAGS if recorded(k) is not _ABSENT and not _same(getattr(args, k, None), recorded(k))
+               and not (k == "rope_scaling_factor" and not (getattr(args, "use_rope_scaling", False)
+                                                             or recorded("use_rope_scaling")))]
         if bad:
             raise ValueError(f"--load {path}: the model flags differ from those the checkpoint was trained with:\n  - "
                              + "\n  - ".join(bad))
+    elif lm_args is not None and hasattr(lm_args, "hidden_size"):
+        bad = megatron_lm_arg_differences(lm_args, args)
+        if bad:
+            raise ValueError(f"--load {path}: the Megatron-LM checkpoint's model arguments differ from the model the "
+                             "score flags build (pass the flag in parentheses with the checkpoint's value; 'fixed' "
+                             "ones megatron-tree's models do not build otherwise):\n  - " + "\n  - ".join(bad))
 
 
 def _model_tensor_shapes(sharded: dict) -> dict:
-    """``{key: global shape or None}`` of the sharded tensors (and factories: shape None) in ``sharded``."""
+    """``{key: global shape}`` of every tensor the model's sharded state dict writes to a checkpoint:
+    its ``ShardedTensor``s and what each ``ShardedTensorFactory`` builds (the stock Mamba-2 and Gated
+    DeltaNet mixers save ``in_proj.weight`` and ``conv1d.*`` as sub-tensors, e.g. ``in_proj.weight.z``,
+    ``conv1d.weight.query``, ``conv1d.bias.x``: those names, not the parameter's, are in a checkpoint).
+    Factories are built on the side (``build()``, views of the parameters); ``sharded`` is not changed."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     out = {}
-    for v in nested_values(sharded):
-        if isinstance(v, ShardedTensor):
-            out[v.key] = tuple(v.global_shape)
-        elif isinstance(v, ShardedTensorFactory):
-            out.setdefault(v.key, None)
+
+    def visit(values):
+        for v in values:
+            if isinstance(v, ShardedTensor):
+                out[v.key] = tuple(v.global_shape)
+            elif isinstance(v, ShardedTensorFactory):
+                built = v.build()
+                visit(nested_values(built) if isinstance(built, (dict, list)) else [built])
+
+    visit(nested_values(sharded))
     return out
 
 
@@ -282,7 +464,7 @@ def check_checkpoint_tensors(path: str, model_shapes: dict) -> None:
     missing = sorted(set(model_shapes) - set(stored))
     extra = sorted(set(stored) - set(model_shapes))
     shapes = sorted(f"{k}: checkpoint {list(stored[k])}, model {list(s)}" for k, s in model_shapes.items()
-                    if k in stored and s is not None and stored[k] != s)
+                    if k in stored and stored[k] != tuple(s))
     problems = ([f"not in the checkpoint: {', '.join(missing)}"] if missing else []) + \
                ([f"in the checkpoint, not in the model: {', '.join(extra)}"] if extra else []) + \
                [f"shape differs: {x}" for x in shapes]
@@ -397,8 +579,11 @@ def _score(args, samples, on_cpu: bool) -> dict:
 
     records = _records_for_scoring(samples, args.all_tokens)
     budget, pad = args.tree_max_tokens_per_mb, args.tree_pad_to_multiple_of
+    from ..megatron.mtp import mtp_tail_rows
+
     mbs = pack(records, budget, pad_to_multiple_of=pad, vocab_size=args.vocab_size,
-               share_prefixes=args.packing == "tree", route_aware=spec is not None, route_spec=spec)
+               share_prefixes=args.packing == "tree", route_aware=spec is not None, route_spec=spec,
+               mtp_tail=mtp_tail_rows(config))  # DSA in the MTP layers: each record's trailing MTP rows
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     per_rank = max(1, -(-len(mbs) // dp_size))
     mine = [mbs[i] for i in balance([microbatch_cost(mb) for mb in mbs], dp_size, per_rank)[dp_rank]] if mbs else []

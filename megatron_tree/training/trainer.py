@@ -158,6 +158,23 @@ def add_model_args(parser: argparse.ArgumentParser):
                         "flag. Default: GeLU MLPs")
     m.add_argument("--rotary-base", type=int, default=10000, help="base period of the rotary embeddings (Megatron-LM's "
                                                                   "flag and default)")
+    # numerics flags under Megatron-LM's names and defaults (a Megatron-LM checkpoint's args are compared
+    # with them by megatron-tree score: training/score.py, megatron_lm_arg_differences)
+    m.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm "
+                                                                    "(Megatron-LM's flag and default)")
+    m.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's dimensions that get rotary embeddings (Megatron-LM's flag and "
+                        "default)")
+    m.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x RoPE frequency scaling (Megatron-LM's flag; GPT-family rope models)")
+    m.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="with --use-rope-scaling: its factor (Megatron-LM's flag and default)")
+    m.add_argument("--qk-layernorm", action="store_true",
+                   help="norms on each attention head's query and key (Megatron-LM's flag; Qwen3-Next's attention "
+                        "layers have them whatever it says; not in MambaModel's attention)")
+    m.add_argument("--kv-channels", type=int, default=None,
+                   help="query/key/value head width (Megatron-LM's flag; default --hidden-size / "
+                        "--num-attention-heads)")
     m.add_argument("--model-family", choices=MODEL_FAMILIES, default="gpt",
                    help="gpt: GPTModel (our hybrid stack with --hybrid-override-pattern); mamba: Megatron's "
                         "MambaModel (Nemotron-H), layers from --hybrid-override-pattern letters M * - E")
@@ -265,7 +282,8 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
         errors.append("--save-interval needs --save DIR and a value >= 1")
     if args.max_restarts < 0:
         errors.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    elif args.max_restarts and not (args.save and args.load and os.path.abspath(args.save) == os.path.abspath(args.load)):
+    elif args.max_restarts and not (args.save and args.load
+                                    and os.path.abspath(args.save) == os.path.abspath(args.load)):
         errors.append("--max-restarts needs --save DIR and --load DIR on the same directory: a restart resumes from "
                       "the newest checkpoint there")
     if not args.synthetic_scale > 0:
@@ -342,6 +360,9 @@ def _family_errors(args) -> list:
             if not stock_dsa_mtp_runs():
                 errors.append("--experimental-attention-variant dsa with --mtp-num-layers needs megatron-core >= 0.19: "
                               "0.16's DSA inside an MTP layer indexes its indexer-loss tracker out of range")
+        if getattr(args, "rotary_percent", 1.0) != 1.0 or getattr(args, "use_rope_scaling", False):
+            errors.append(f"{what}: Multi-Latent Attention builds its own YaRN rotary over qk_pos_emb_head_dim; "
+                          "--rotary-percent and --use-rope-scaling do not apply to it")
     elif (args.dsa_indexer_topk is not None or args.dsa_indexer_loss_coeff is not None
           or args.dsa_indexer_use_sparse_loss):
         errors.append("--dsa-indexer-* options need --experimental-attention-variant dsa")
@@ -369,6 +390,11 @@ def _family_errors(args) -> list:
                           f"({len(pattern)}) for MambaModel")
         if gdn:
             errors.append("--experimental-attention-variant is a GPT-family option; MambaModel has no GDN layers")
+        for flag, on in (("--qk-layernorm", getattr(args, "qk_layernorm", False)),
+                         ("--use-rope-scaling", getattr(args, "use_rope_scaling", False))):
+            if on:
+                errors.append(f"{flag}: Megatron's MambaModel has no such option (its attention layers have no "
+                              "query/key norms, its rotary no frequency scaling)")
         if args.recompute_granularity == "full":
             errors.append("MambaModel has no full-layer recomputation in Megatron-Core 0.16.1: use "
                           "--recompute-granularity selective")
@@ -706,6 +732,13 @@ def _model_args(args):
     extra = {"bf16": True} if args.bf16 else {}
     if getattr(args, "swiglu", False):  # Megatron-LM's --swiglu: gated linear unit with SiLU
         extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    # Megatron-LM's numerics flags (TransformerConfig fields), set only where they leave the defaults
+    if getattr(args, "norm_epsilon", 1e-5) != 1e-5:
+        extra["layernorm_epsilon"] = args.norm_epsilon
+    if getattr(args, "qk_layernorm", False):
+        extra["qk_layernorm"] = True
+    if getattr(args, "kv_channels", None) is not None:
+        extra["kv_channels"] = args.kv_channels
     if args.model_family == "mamba":
         kind, pattern = "mamba", args.hybrid_override_pattern
     elif args.experimental_attention_variant == "dsa":
@@ -727,6 +760,8 @@ def _model_args(args):
         max_position=args.max_position_embeddings or args.tree_max_tokens_per_mb, num_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_router_topk=args.moe_router_topk,
         normalization=args.normalization, rotary_base=getattr(args, "rotary_base", 10000),
+        rotary_percent=getattr(args, "rotary_percent", 1.0), rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         extra=dict(extra, **_mtp_extra(args)), mtp_pattern=getattr(args, "mtp_pattern", None) or "*-")
 
 

@@ -422,7 +422,8 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
         raise ValueError("tree MTP with DSA IndexShare (dsa_indexer_topk_freq > 1) is not supported: an MTP layer "
                          "would reuse a decoder layer's top-k, made over other rows (set dsa_indexer_topk_freq 1)")
     have = 0 if psp.mtp_tail_index is None else int(psp.mtp_tail_index.max())
-    if psp.loss_map is not None and have < need:
+    # a padding microbatch (no sample, so no tail rows: a DP rank with nothing left to score) needs none
+    if psp.loss_map is not None and psp.loss_map.sample_index.numel() and have < need:
         raise ValueError(f"tree MTP: the MTP layers run DeepSeek sparse attention, whose indexer loss covers the "
                          f"{need} trailing positions stock's depth {need} adds after every sample, but the microbatch "
                          f"has {have} tail rows per sample: pack it with megatron_tree.tree.pack(..., mtp_tail={need})")

@@ -303,13 +303,9 @@ def _ranks_of(launcher: int) -> list:
         except OSError:
             return ""
 
-    def parent(pid):
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-
     tree = _process_tree(launcher)  # parents first: the server comes before the ranks it forked
     server = next(p for p in tree if "forkserver" in cmdline(p))
-    ranks = sorted(p for p in tree if p != server and _alive(p) and parent(p) == server)
+    ranks = sorted(p for p in _children().get(server, []) if _alive(p))
     assert len(ranks) == 2, [cmdline(p) for p in tree]
     return ranks
 
@@ -318,7 +314,6 @@ def _nonfinite_body(data, ckpt):
     """Rank 1's loss report of microbatch 0 made NaN in step 3; then (a fresh run) rank 0's reduced
     gradient of one parameter made Inf in step 2. Returns each run's error text per rank and the
     checkpoints written."""
-    import torch
     import torch.distributed as dist
 
     from megatron_tree.training import models
@@ -404,8 +399,8 @@ LM_ITERS = 14  # margin after each signal: a run never ends before one takes eff
 LM_SAVE_EVERY = 3
 
 
-def _process_tree(pid: int) -> list:
-    """``pid`` and all its descendants now (from /proc), parents first."""
+def _children() -> dict:
+    """{pid: [its child pids]} of every process now (from /proc)."""
     children: dict = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -415,6 +410,12 @@ def _process_tree(pid: int) -> list:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d))
+    return children
+
+
+def _process_tree(pid: int) -> list:
+    """``pid`` and all its descendants now (from /proc), parents first."""
+    children = _children()
     out, todo = [], [pid]
     while todo:
         p = todo.pop(0)

@@ -112,10 +112,24 @@ class TreeDotProductAttention(MegatronModule):
         sinks = None if self.softmax_offset is None else self.softmax_offset
         if self.config.context_parallel_size > 1:
             return self._forward_cp(query, key, value, packed_seq_params, sinks)
+        if getattr(packed_seq_params, "carry", None) is not None:
+            return self._forward_carry(query, key, value, packed_seq_params, sinks)
         if s != layout.num_rows:
             raise ValueError(f"sequence length {s} != tree layout rows {layout.num_rows}")
         out = tree_attention(query[:, 0], key[:, 0], value[:, 0], layout, softmax_scale=self.softmax_scale,
                              window=self.window, sinks=sinks, backend=self.backend)
+        return out.reshape(s, 1, -1)
+
+    def _forward_carry(self, query, key, value, psp, sinks):
+        """Carry: the own rows attend to own and carried K / V (`cp.execution.carry.carried_attention`)."""
+        from ..cp.execution.carry import carried_attention  # the executor sits below this package
+
+        view = psp.carry
+        s = query.shape[0]
+        if s != len(view.own):
+            raise ValueError(f"carry: the input covers {s} rows but the microbatch owns {len(view.own)}")
+        out = carried_attention(query[:, 0], key[:, 0], value[:, 0], psp.layout, view, ("attention", self.layer_number),
+                                softmax_scale=self.softmax_scale, window=self.window, sinks=sinks, backend=self.backend)
         return out.reshape(s, 1, -1)
 
     def _forward_cp(self, query, key, value, psp, sinks):

@@ -59,6 +59,7 @@ from megatron.core.transformer.spec_utils import build_module
 from ..compat import dsa as cdsa
 from ..ops.dsa import sparse_attention, tree_dsa_indexer_loss, tree_dsa_topk
 from .mla import _TREE_ROTARY
+from .carry import refuse_carry
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeDSAIndexer", "TreeDSAttention", "capture_selected", "capture_token", "capture_layer",
@@ -214,6 +215,7 @@ class TreeDSAttention(MegatronModule):
             raise ValueError("TreeDSAttention does not take an attention_bias")
         psp = packed_seq_params
         layout = get_tree_layout(psp)
+        refuse_carry(psp, type(self).__name__)
         s, b = query.shape[:2]
         if b != 1:
             raise ValueError(f"tree DSA expects micro-batch size 1 (the tree is the batch), got {b}")

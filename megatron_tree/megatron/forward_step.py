@@ -29,6 +29,7 @@ from ..cp import PlanCache
 from ..cp.planning.gdn_layout import plan_gdn_layout
 from ..cp.planning.lru import lru_get
 from ..cp.planning.planner import layout_key
+from .carry import CarryItem, carry_view, fill_loss, fill_output
 from .loss import tree_loss_func
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
@@ -153,6 +154,10 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
     entropies; the loss then reports their mean (``report["entropy"]``) and adds the bonus
     ``-entropy_coef * H`` per target (`tree_loss_func`)."""
     item = next(data_iterator)
+    if isinstance(item, CarryItem):
+        return _carry_forward_step(item, model, device=device, loss_type=loss_type, clip_eps=clip_eps,
+                                   clip_eps_high=clip_eps_high, kl_coef=kl_coef, return_entropy=return_entropy,
+                                   entropy_coef=entropy_coef)
     # (mb, plan), (mb, (plan, gdn_plan)), (mb, plan, gdn_plan) or a bare microbatch
     mb, plan = (item[0], item[1] if len(item) == 2 else tuple(item[1:])) if isinstance(item, tuple) else (item, None)
     dev = device if device is not None else next(model.parameters()).device
@@ -166,3 +171,24 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
 
         loss_func = partial(with_mtp_report, loss_func, psp)
     return out, loss_func
+
+
+def _carry_forward_step(item, model, *, device, loss_type, clip_eps, clip_eps_high, kl_coef, return_entropy,
+                        entropy_coef):
+    """One carry item (`megatron.carry`): fill (forward without autograd, state into the store; the
+    schedule backpropagates a zero), or run / restore (forward with autograd, the loss)."""
+    config = _unwrap(model).config
+    if config.context_parallel_size > 1 or config.pipeline_model_parallel_size > 1:
+        raise ValueError("carry (--tree-carry) does not run with context or pipeline parallelism yet")
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError("carry (--tree-carry) does not run with multi-token prediction yet")
+    dev = device if device is not None else next(model.parameters()).device
+    psp = tree_packed_seq_params(item.mb, dev, return_entropy=bool(return_entropy or entropy_coef))
+    psp = carry_view(psp, item.mb, item.phase, item.store)
+    if item.phase == "fill":
+        with torch.no_grad():
+            model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+        return fill_output(model), fill_loss
+    out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+    return out, partial(tree_loss_func, psp.loss_map, loss_type=loss_type, clip_eps=clip_eps,
+                        clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)

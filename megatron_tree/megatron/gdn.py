@@ -39,6 +39,7 @@ from megatron.core.utils import deprecate_inference_params
 from ..compat.mixers import fla_check_bypassed, stock_kwargs
 from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.gated_delta_rule import l2norm, tree_gated_delta_rule
+from .carry import refuse_carry
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeGatedDeltaNet", "tree_gdn_module_spec", "spec_provider", "l2norm"]
@@ -130,6 +131,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         if key_value_states is not None:
             raise ValueError(f"{who} is self-attention only (got key_value_states)")
         layout = get_tree_layout(packed_seq_params)
+        refuse_carry(packed_seq_params, type(self).__name__)
         _check_tree_input(hidden_states, who)
         tp = self.tp_size
 

@@ -49,6 +49,7 @@ from ..compat.mixers import mamba_conv_params, stock_kwargs
 from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.ssd import tree_ssd
 from .gdn import _check_rows, _check_tree_input, _require_cpu_shims, _wide, spec_provider
+from .carry import refuse_carry
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeMambaMixer", "tree_mamba_module_spec", "mamba_mixer_module"]
@@ -113,6 +114,7 @@ class _TreeMambaMixerImpl:
         if inference_context is not None:
             raise ValueError(f"{who} is a training module: inference over a tree is not supported")
         layout = get_tree_layout(packed_seq_params)
+        refuse_carry(packed_seq_params, type(self).__name__)
         _check_tree_input(hidden_states, who)
         if self.config.context_parallel_size > 1:
             return self._forward_cp(hidden_states, packed_seq_params)

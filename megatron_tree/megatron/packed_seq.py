@@ -54,6 +54,9 @@ class TreePackedSeqParams(PackedSeqParams):
                        for routing replay (``TreeMicrobatch.routes``, `megatron_tree.megatron.routing_replay`)
     return_entropy     True: the model's last stage returns ``(logprobs, entropy)``, both ``[M]`` per
                        occurrence (`vocab_parallel_logprobs_entropy`), instead of the log-probs alone
+    carry              `cp.execution.carry.CarryView` of a carry microbatch (`megatron.carry.carry_view`):
+                       the modules run on its own rows (``local_rows``) and read carried rows' state
+                       from the step's store; None otherwise
     in_island          True on the island view itself: ``cp_plan`` / ``local_rows`` / ``num_local_padding``
                        are then the GDN ownership's, ``loss_map`` is None, and ``attention_view`` is
                        the attention-ownership view it was made from
@@ -81,6 +84,7 @@ class TreePackedSeqParams(PackedSeqParams):
     return_entropy: bool = False
     routes: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     attention_view: Any = dataclasses.field(default=None, repr=False, compare=False)
+    carry: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.qkv_format is None:

@@ -66,6 +66,10 @@ class TreeMicrobatch:
     stats       `MicrobatchStats`
     sample_rows(sample_id) -> [L] int64 physical rows of that sample in path order; gathering any
     token-wise op output at these rows equals running the op on the sample alone (the test oracle).
+    With carry: the prefix of the sample's path inside this layout, for every id in ``carry.path_sample_ids``.
+    owned_rows  rows the microbatch computes (all rows without carry; carried rows excluded with it)
+    carry       `tree.carry.CarryInfo` (``pack(..., carry=True)``): the rows it reads from earlier
+                microbatches of the step and the rows later ones read from it; None otherwise
     routes      [N, moe_layers, topk] int64 expert choices of every physical row (routing replay), or
                 None: set by ``pack(..., route_aware=True)``, where rows are shared only where tokens
                 and routes agree, so ``routes[sample_rows(i)]`` is sample i's ``routed_experts``;
@@ -89,6 +93,13 @@ class TreeMicrobatch:
     routes: torch.Tensor | None = None
     _tail_rows: np.ndarray | None = None  # [n, K] each sample's MTP tail rows, in ``sample_ids`` order
     step_weight_by_depth: np.ndarray | None = None
+    carry: "object | None" = None  # `tree.carry.CarryInfo` of a ``pack(..., carry=True)`` microbatch
+    _path_ids: tuple[int, ...] | None = None  # carry: the samples ``sample_rows`` knows (else ``sample_ids``)
+
+    @property
+    def owned_rows(self) -> int:
+        """Rows this microbatch computes: every layout row but the carried ones (padding included)."""
+        return self.layout.num_rows - (0 if self.carry is None else len(self.carry.carried))
 
     @property
     def mtp_tail(self) -> int:
@@ -118,9 +129,10 @@ class TreeMicrobatch:
         return torch.from_numpy(self._path_rows[self._path_offsets[i]: self._path_offsets[i + 1]])
 
     def _slot(self, sample_id: int) -> int:
-        i = int(np.searchsorted(self.sample_ids, sample_id))
-        if i >= len(self.sample_ids) or self.sample_ids[i] != sample_id:
-            raise KeyError(f"sample {sample_id} is not in this microbatch (it holds {len(self.sample_ids)} samples)")
+        ids = self.sample_ids if self._path_ids is None else self._path_ids
+        i = int(np.searchsorted(ids, sample_id))
+        if i >= len(ids) or ids[i] != sample_id:
+            raise KeyError(f"sample {sample_id} is not in this microbatch (it holds {len(ids)} samples)")
         return i
 
     def row_sample_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +155,7 @@ class TreeMicrobatch:
         return TreeMicrobatch(self.layout.to(device), self.loss_map.to(device), self.sample_ids, self.stats,
                               self._path_rows, self._path_offsets,
                               None if self.routes is None else self.routes.to(device), self._tail_rows,
-                              self.step_weight_by_depth)
+                              self.step_weight_by_depth, self.carry, self._path_ids)
 
     def __repr__(self) -> str:
         s = self.stats

@@ -49,7 +49,7 @@ from .sample import Sample, as_sample, validate_sample
 def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int = 1, pad_id: int = 0,
          pad_to_budget: bool = False, vocab_size: int | None = None,
          share_prefixes: bool = True, route_aware: bool = False, route_spec=None,
-         mtp_tail: int = 0) -> list[TreeMicrobatch]:
+         mtp_tail: int = 0, carry: bool = False) -> list[TreeMicrobatch]:
     """Pack ``samples`` into prefix-shared microbatches of at most ``max_tokens_per_mb`` rows.
 
     samples            `Sample`s, dicts with Sample's fields, or bare token sequences
@@ -68,9 +68,14 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
                        token 0 in); needed where an MTP layer has a loss over every position (DeepSeek
                        sparse attention's indexer loss). They count against the budget; they are in
                        no loss map and no ``sample_rows`` (`TreeMicrobatch.tail_rows`)
+    carry              every row of the step computed by exactly one microbatch at any budget (`tree.carry`):
+                       a tree over the budget is cut into microbatches that read their ancestors' state from
+                       earlier ones (``mb.carry``, ``mb.owned_rows``); a sample may be longer than the budget.
+                       Needs ``share_prefixes``; not with ``route_aware`` or ``mtp_tail`` (refused)
 
     Every sample lands in exactly one microbatch. Raises ValueError naming the sample for an empty
-    sample, a sample longer than the budget, malformed fields, or (route_aware) missing routes.
+    sample, a sample longer than the budget (without ``carry``), malformed fields, or (route_aware)
+    missing routes.
     """
     if max_tokens_per_mb <= 0:
         raise ValueError(f"max_tokens_per_mb must be positive, got {max_tokens_per_mb}")
@@ -79,10 +84,14 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
                          f"pad_to_multiple_of={pad_to_multiple_of}")
     if mtp_tail < 0:
         raise ValueError(f"mtp_tail must be >= 0, got {mtp_tail}")
+    if carry and (route_aware or mtp_tail or not share_prefixes):
+        what = "route_aware" if route_aware else ("mtp_tail" if mtp_tail else "share_prefixes=False")
+        raise ValueError(f"pack(carry=True) does not support {what} yet: carried rows hold one state per row of "
+                         "the shared prefix forest")
     samples = [as_sample(s) for s in samples]
     for i, s in enumerate(samples):
-        validate_sample(i, s, max_tokens=max_tokens_per_mb, vocab_size=vocab_size, route_spec=route_spec,
-                        mtp_tail=mtp_tail)
+        validate_sample(i, s, max_tokens=None if carry else max_tokens_per_mb, vocab_size=vocab_size,
+                        route_spec=route_spec, mtp_tail=mtp_tail)
     if not samples:
         return []
     toks = [s.tokens.astype(np.int64, copy=False) for s in samples]
@@ -100,6 +109,11 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
         order, lcp = sort_and_lcp(toks)
     if not share_prefixes:
         lcp[:] = 0
+    if carry:
+        from .carry import pack_carry
+
+        return pack_carry(samples, toks, order, lcp, max_tokens_per_mb, pad_multiple=pad_to_multiple_of,
+                          pad_id=pad_id, pad_to_budget=pad_to_budget)
     lens = np.array([len(t) for t in toks], dtype=np.int64)[order] + mtp_tail  # a tail is never shared
     units, bins, bin_rows = _plan_bins(lens, lcp, max_tokens_per_mb)
     out = []

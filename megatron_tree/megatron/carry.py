@@ -1,0 +1,87 @@
+"""Carry microbatches through Megatron's schedules: the items, the views and the fill step.
+
+``carry_items(microbatches)`` turns one data-parallel rank's ``pack(..., carry=True)`` microbatches
+into the items of one optimizer step, in the order `cp.planning.carry.carry_phases` gives (fill or
+run in step order, then the restores in reverse), sharing one `CarryStore`; hand them to
+``get_forward_backward_func()`` with ``num_microbatches=len(items)`` and `tree_forward_step` does the
+rest. The store lives as long as the items: make new items (a new store) for every step.
+
+A carry view is the CP-style local view of the microbatch: the modules run on its own rows
+(``local_rows``; input ids and depths gathered there), the loss map indexes them, and the whole
+layout (carried rows included) stays visible, so the mixers place carried state by the layout's
+predicate. Layers that cannot read carried state refuse such a view (`refuse_carry`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cp.execution.carry import CarryStore, CarryView
+from ..cp.planning.carry import carry_phases
+from ..tree.loss_map import LossMap
+
+__all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "refuse_carry"]
+
+
+@dataclass(frozen=True, eq=False)
+class CarryItem:
+    """One schedule item of a carry step: a microbatch, its phase and the step's store."""
+
+    mb: object
+    phase: str
+    store: CarryStore
+
+    @property
+    def num_rows(self) -> int:
+        return self.mb.owned_rows
+
+
+def carry_items(microbatches: list, store: CarryStore | None = None) -> list[CarryItem]:
+    """The schedule items of one rank's carry microbatches (step order) for one optimizer step."""
+    store = CarryStore() if store is None else store
+    phases = carry_phases(list(microbatches))
+    return [CarryItem(microbatches[i], p, store) for i, p in phases]
+
+
+def carry_view(psp, mb, phase: str, store: CarryStore):
+    """The local view of ``psp`` (the whole microbatch's `TreePackedSeqParams`) for a carry phase."""
+    info = mb.carry
+    dev = psp.layout.device
+    own_np = info.own
+    own = torch.from_numpy(own_np).to(dev)
+    exp_pos = np.searchsorted(own_np, info.exported)
+    view = CarryView(phase=phase, store=store, index=info.index, own=own,
+                     carried=torch.from_numpy(info.carried).to(dev), carried_keys=info.keys[info.carried],
+                     carried_owner=np.asarray(info.carried_owner), exported=torch.from_numpy(exp_pos).to(dev),
+                     exported_keys=info.keys[info.exported])
+    lm = psp.loss_map
+    if lm is not None:  # every occurrence's source row is owned here (pack routes it to its owner)
+        lm = LossMap(**{f.name: getattr(lm, f.name) for f in dataclasses.fields(lm)})
+        object.__setattr__(lm, "source_rows", torch.searchsorted(own, lm.source_rows))
+    out = dataclasses.replace(psp, loss_map=lm, local_rows=own, num_local_padding=0, carry=view)
+    out.max_seqlen_q = out.max_seqlen_kv = psp.layout.num_rows
+    return out
+
+
+def fill_output(model) -> torch.Tensor:
+    """What a fill item hands the schedule: a zero that depends on one parameter, so Megatron's
+    backward of it runs (and adds zero) without the fill forward keeping any graph."""
+    p = next(model.parameters())
+    return p.reshape(-1)[:1].sum() * 0.0
+
+
+def fill_loss(output):
+    acc = torch.float64 if output.dtype == torch.float64 else torch.float32
+    zero = torch.zeros((), dtype=torch.int, device=output.device)
+    return output, zero, {"lm loss": torch.zeros(2, dtype=acc, device=output.device)}
+
+
+def refuse_carry(packed_seq_params, who: str) -> None:
+    """Stop with a clear error where a module cannot read carried rows' state yet."""
+    view = getattr(packed_seq_params, "carry", None)
+    if view is not None and (len(view.carried_keys) or len(view.exported_keys)):
+        raise ValueError(f"{who} does not carry state across microbatches yet (pack(..., carry=True) / --tree-carry): "
+                         "only attention layers do; pack this model without carry")

@@ -1,0 +1,323 @@
+"""Carry packing: every row of a step computed by exactly one microbatch, at any row budget.
+
+``pack(samples, budget, carry=True)`` lays the step's samples out as ONE prefix forest in DFS
+preorder (step-global rows ``0..R-1``: the rows per-step sharing would compute with no budget) and
+gives every row one *owner* microbatch:
+
+* a tree of at most ``budget`` rows is owned whole by one microbatch (first-fit-decreasing, as
+  split packing does);
+* a larger tree (or one path longer than the budget) is cut, in preorder, into chunks of exactly
+  ``budget`` rows, each a microbatch of its own, and a remainder that joins the bins of whole trees.
+
+A chunk ``[a, b)`` of the preorder *reads* the ancestors of its first row ``a`` that earlier chunks
+own: in a preorder every row of ``[a, b)`` whose ancestor lies before ``a`` is a descendant of that
+ancestor, so the rows a microbatch reads but does not compute ("carried rows") are always ONE root
+path, the ancestors of ``a``. Its layout holds ``carried path + owned rows`` in global preorder,
+which is again a preorder: visibility, depths and recurrences are the layout's unchanged, and the
+executors (`megatron_tree.cp.execution.carry`) fill the carried rows' layer state (K / V, recurrent
+states, conv tails) from the owners' forward instead of computing it.
+
+Order and groups: the full chunks come first (in preorder, so every owner precedes its readers), then
+the bins of whole trees and remainders (at most one remainder per bin). Microbatches linked by carry
+form a *group* (``CarryInfo.group``; -1: reads nothing and is read by nobody) that must run on one
+data-parallel rank, in order, within one optimizer step (`assign_carry_groups`).
+
+What each microbatch holds:
+
+* ``owned_rows``: rows it computes (its own real rows + padding; carried rows excluded);
+* its loss map: exactly the occurrences whose source row it owns (a sample's targets may be spread
+  over the microbatches that own its rows; with a step-wide token denominator the sum is per-sample
+  training's);
+* ``sample_ids``: the samples whose LAST row it owns, so every sample is in exactly one microbatch's
+  ``sample_ids`` (what consumed-sample counting reads); ``carry.path_sample_ids`` lists every sample
+  whose path crosses one of its owned rows, and ``sample_rows(i)`` is sample ``i``'s path prefix
+  inside this layout (carried rows included) for either kind.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import TreeLayout
+from .loss_map import LossMap
+from .microbatch import MicrobatchStats, TreeMicrobatch
+from .sample import Sample
+
+__all__ = ["CarryInfo", "pack_carry", "assign_carry_groups", "carry_summary"]
+
+
+@dataclass(frozen=True, eq=False)
+class CarryInfo:
+    """Where a carry microbatch's rows come from (numpy int64 arrays, host side).
+
+    index            position of the microbatch in the step (`pack`'s output order)
+    group            carry group id (-1: no carry in or out)
+    keys             [N] step-global preorder row of every layout row (-1 on padding)
+    carried          [C] layout rows it reads from earlier microbatches (ascending: one root path)
+    carried_owner    [C] index of the microbatch that owns each carried row
+    exported         [E] layout rows it owns that a later microbatch carries (ascending)
+    path_sample_ids  ids of the samples whose path crosses one of its owned rows
+    """
+
+    index: int
+    group: int
+    keys: np.ndarray
+    carried: np.ndarray
+    carried_owner: np.ndarray
+    exported: np.ndarray
+    path_sample_ids: tuple[int, ...]
+
+    @property
+    def reads_from(self) -> tuple[int, ...]:
+        return tuple(np.unique(self.carried_owner).tolist())
+
+    @property
+    def own(self) -> np.ndarray:
+        """[N - C] layout rows it computes (owned real rows, then padding), ascending."""
+        n = len(self.keys)
+        mask = np.ones(n, bool)
+        mask[self.carried] = False
+        return np.flatnonzero(mask)
+
+
+def _global_forest(toks: list, order: np.ndarray, lcp: np.ndarray, lens: np.ndarray):
+    """The step's forest in preorder: per-row parent, depth, token, and every sorted sample's path.
+
+    Returns ``(parent [R], depth [R], input_ids [R], paths (concatenated) [sum L], path_off [n+1],
+    tail_start [n+1])`` for the samples in sorted order (``lcp[j]``: LCP with sample ``j - 1``)."""
+    tails = lens - lcp
+    tail_start = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(tails, out=tail_start[1:])
+    R = int(tail_start[-1])
+    depth = np.repeat(lcp, tails) + (np.arange(R) - np.repeat(tail_start[:-1], tails))
+    parent = np.arange(R, dtype=np.int64) - 1
+    input_ids = np.concatenate([toks[i][l:] for i, l in zip(order.tolist(), lcp.tolist())]) if R else np.zeros(0, np.int64)
+    path_off = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=path_off[1:])
+    paths = np.empty(int(path_off[-1]), np.int64)
+    prev = np.empty(0, np.int64)
+    for j in range(len(lens)):  # once per sample: a path is the previous one's first lcp rows + its tail
+        l, a, b = int(lcp[j]), int(tail_start[j]), int(tail_start[j + 1])
+        if b > a:
+            parent[a] = prev[l - 1] if l else -1
+        cur = np.concatenate([prev[:l], np.arange(a, b, dtype=np.int64)])
+        paths[path_off[j]: path_off[j + 1]] = cur
+        prev = cur
+    return parent, depth, input_ids, paths, path_off, tail_start
+
+
+def _units(tail_start: np.ndarray, lcp: np.ndarray, budget: int):
+    """Ownership units of the global preorder: ``(start_row, stop_row, tree, is_chunk)``.
+
+    Trees of at most ``budget`` rows are one unit; a larger tree gives full chunks of ``budget``
+    rows (``is_chunk``) and a remainder (possibly none)."""
+    tree_first = np.flatnonzero(lcp == 0)
+    starts = tail_start[tree_first]
+    stops = np.append(starts[1:], tail_start[-1])
+    units = []
+    for t, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
+        if b - a <= budget:
+            units.append((a, b, t, False))
+            continue
+        full = (b - a) // budget
+        units += [(a + k * budget, a + (k + 1) * budget, t, True) for k in range(full)]
+        if a + full * budget < b:
+            units.append((a + full * budget, b, t, False))
+    return units, starts
+
+
+def _bins(units: list, tree_start: np.ndarray, budget: int) -> list[list[int]]:
+    """Full chunks alone (in preorder), then first-fit-decreasing of whole trees and remainders, at
+    most one remainder (a unit that reads carried rows) per bin."""
+    chunks = [[u] for u, (a, b, t, c) in enumerate(units) if c]
+    rest = [u for u, (a, b, t, c) in enumerate(units) if not c]
+    sizes = np.array([units[u][1] - units[u][0] for u in rest], np.int64)
+    order = np.lexsort((np.arange(len(rest)), -sizes))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    has_reader: list[bool] = []
+    for k in order.tolist():
+        u = rest[k]
+        a, b, t, _ = units[u]
+        reads = a != tree_start[t]
+        for i in range(len(bins)):
+            if free[i] >= b - a and not (reads and has_reader[i]):
+                bins[i].append(u)
+                free[i] -= b - a
+                has_reader[i] |= reads
+                break
+        else:
+            bins.append([u])
+            free.append(budget - (b - a))
+            has_reader.append(reads)
+    return chunks + [sorted(x) for x in bins]
+
+
+def pack_carry(samples: list[Sample], toks: list, order: np.ndarray, lcp: np.ndarray, budget: int, *,
+               pad_multiple: int, pad_id: int, pad_to_budget: bool) -> list[TreeMicrobatch]:
+    """The carry plan of `pack` (see the module docstring). ``order`` / ``lcp`` from `sort_and_lcp`
+    of the samples' tokens; every sample already validated (any length)."""
+    lens = np.array([len(toks[i]) for i in order], dtype=np.int64)
+    parent, depth, gids, paths, path_off, tail_start = _global_forest(toks, order, lcp, lens)
+    units, tree_start = _units(tail_start, lcp, budget)
+    bins = _bins(units, tree_start, budget)
+    R = int(tail_start[-1])
+    # ownership: the microbatch of every global row
+    owner = np.empty(R, np.int64)
+    for m, us in enumerate(bins):
+        for u in us:
+            owner[units[u][0]: units[u][1]] = m
+    group_of_tree: dict = {}
+    for a, b, t, c in units:
+        if c:
+            group_of_tree.setdefault(t, len(group_of_tree))
+    # rows each microbatch needs: its own ranges plus the ancestors of each range's first row
+    needed, carried_of = [], []
+    for us in bins:
+        own = np.concatenate([np.arange(units[u][0], units[u][1], dtype=np.int64) for u in us])
+        car = []
+        for u in us:
+            a, _, t, _ = units[u]
+            if a != tree_start[t]:
+                j = int(np.searchsorted(tail_start, a, side="right")) - 1  # the sorted sample whose tail holds a
+                car.append(paths[path_off[j]: path_off[j] + depth[a]])
+        car = np.sort(np.concatenate(car)) if car else np.zeros(0, np.int64)
+        carried_of.append(car)
+        needed.append(np.union1d(car, own))
+    read_anywhere = np.zeros(R, bool)
+    for car in carried_of:
+        read_anywhere[car] = True
+
+    # occurrences, in sorted-sample order (one vectorised pass per sample); routed to the owner of
+    # their source row
+    has = {f: any(getattr(samples[i], f) is not None for i in order.tolist())
+           for f in ("advantage", "old_logprobs", "ref_logprobs")}
+    cols: dict = {k: [] for k in ("sample", "pos", "src", "target", "weight", *[f for f in has if has[f]])}
+    for j, i in enumerate(order.tolist()):
+        s = samples[i]
+        t = np.flatnonzero(s.target_mask())
+        cols["sample"].append(np.full(t.shape, i, np.int64))
+        cols["pos"].append(t)
+        cols["src"].append(paths[path_off[j] + t - 1])
+        cols["target"].append(toks[i][t])
+        cols["weight"].append(s.per_token("weight", 1.0)[t])
+        for f in has:
+            if has[f]:  # NaN where a sample lacks the field: policy_loss names it if it is needed
+                cols[f].append(s.per_token(f, float("nan"))[t])
+    occ = {k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}
+    occ_src = occ["src"].astype(np.int64)
+    occ_mb = owner[occ_src]
+    last_row = paths[path_off[1:] - 1]
+    completes = owner[last_row]  # the microbatch owning each sorted sample's last row
+    path_owner = owner[paths]
+    path_sample = np.repeat(np.arange(len(lens)), lens)
+    touch = np.unique(path_owner * len(lens) + path_sample)
+    touch_mb, touch_sample = touch // len(lens), touch % len(lens)
+
+    out = []
+    for m, rows in enumerate(needed):
+        out.append(_carry_microbatch(
+            m, rows, carried_of[m], owner, parent, depth, gids, read_anywhere, order, paths, path_off,
+            lens, {k: v[occ_mb == m] for k, v in occ.items()}, np.flatnonzero(completes == m),
+            touch_sample[touch_mb == m], budget, pad_multiple, pad_id, pad_to_budget,
+            group=_group(bins[m], units, tree_start, group_of_tree)))
+    return out
+
+
+def _group(us: list, units: list, tree_start: np.ndarray, group_of_tree: dict) -> int:
+    for u in us:
+        a, _, t, c = units[u]
+        if c or a != tree_start[t]:
+            return group_of_tree[t]
+    return -1
+
+
+def _carry_microbatch(m, rows, carried, owner, parent, depth, gids, read_anywhere, sorted_ids, paths, path_off,
+                      lens, occ, complete, touching, budget, pad_multiple, pad_id, pad_to_budget, *,
+                      group) -> TreeMicrobatch:
+    n_real = len(rows)
+    n_own = n_real - len(carried)
+    n_pad = (budget - n_own) if pad_to_budget else (-n_own) % pad_multiple
+    lpar = np.searchsorted(rows, parent[rows])
+    lpar[parent[rows] < 0] = -1
+    idx = np.arange(n_real)
+    kids = np.bincount(lpar[lpar >= 0], minlength=n_real)
+    # a segment starts at a root, where the parent is not the previous row, or after a fork
+    starts = (lpar < 0) | (lpar != idx - 1) | np.concatenate([[True], kids[:-1] > 1])
+    cut = np.flatnonzero(starts)
+    seg_of_row = np.cumsum(starts) - 1
+    seg_parent = np.where(lpar[cut] >= 0, seg_of_row[np.maximum(lpar[cut], 0)], -1)
+    layout = TreeLayout.from_segments(np.diff(np.append(cut, n_real)), seg_parent, gids[rows],
+                                      num_padding=n_pad, pad_id=pad_id)
+    assert torch.equal(layout.position_ids[:n_real], torch.from_numpy(depth[rows]))
+
+    car_local = np.searchsorted(rows, carried)
+    is_own = np.ones(n_real, bool)
+    is_own[car_local] = False
+    exported = np.flatnonzero(is_own & read_anywhere[rows])
+    keys = np.concatenate([rows, np.full(n_pad, -1, np.int64)])
+
+    # loss map in ascending (caller's) sample id, then position
+    k = np.lexsort((occ["pos"], occ["sample"]))
+    i64 = lambda x: torch.from_numpy(np.ascontiguousarray(x[k]).astype(np.int64))
+    f64 = lambda f: torch.from_numpy(np.ascontiguousarray(occ[f][k]).astype(np.float64)) if f in occ else None
+    loss_map = LossMap(source_rows=torch.from_numpy(np.searchsorted(rows, occ["src"][k].astype(np.int64))),
+                       targets=i64(occ["target"]), sample_index=i64(occ["sample"]), positions=i64(occ["pos"]),
+                       weights=f64("weight"), advantages=f64("advantage"), old_logprobs=f64("old_logprobs"),
+                       ref_logprobs=f64("ref_logprobs"))
+
+    # sample paths inside this layout (a prefix of each path: rows are ancestor-closed)
+    path_ids = np.sort(sorted_ids[touching])
+    by_id = np.argsort(sorted_ids)
+    pr, po = [], [0]
+    for i in path_ids.tolist():
+        j = int(by_id[i])
+        p = paths[path_off[j]: path_off[j + 1]]
+        loc = np.searchsorted(rows, p)
+        inside = (loc < n_real) & (rows[np.minimum(loc, n_real - 1)] == p)
+        pr.append(loc[: int(np.argmin(inside)) if not inside.all() else len(p)])
+        po.append(po[-1] + len(pr[-1]))
+    done = np.sort(sorted_ids[complete])
+    flat = int(lens[by_id[done]].sum()) if len(done) else 0
+    stats = MicrobatchStats(num_samples=len(done), num_trees=int((lpar[~np.isin(idx, car_local)] < 0).sum()),
+                            num_segments=len(cut), num_targets=len(loss_map), flat_tokens=flat, tree_tokens=n_own,
+                            padding_tokens=n_pad, flat_attention_pairs=int((lens[by_id[done]] * (lens[by_id[done]] + 1)
+                                                                            // 2).sum()) if len(done) else 0,
+                            tree_attention_pairs=layout.visible_pairs(), max_tokens_per_mb=budget)
+    info = CarryInfo(index=m, group=group, keys=keys, carried=car_local.astype(np.int64),
+                     carried_owner=owner[carried], exported=exported.astype(np.int64),
+                     path_sample_ids=tuple(path_ids.tolist()))
+    return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=tuple(done.tolist()), stats=stats,
+                          _path_rows=np.concatenate(pr) if pr else np.zeros(0, np.int64),
+                          _path_offsets=np.asarray(po, np.int64), carry=info,
+                          _path_ids=tuple(path_ids.tolist()))
+
+
+def assign_carry_groups(microbatches: list, dp_size: int) -> list[list[int]]:
+    """Microbatch indices per data-parallel rank: a carry group never crosses ranks and keeps its
+    order; groups and free microbatches go to the rank with the fewest owned rows so far (largest
+    first). Every rank's list is in step order."""
+    units: dict = {}
+    for i, mb in enumerate(microbatches):
+        g = mb.carry.group if getattr(mb, "carry", None) is not None else -1
+        units.setdefault(("g", g) if g >= 0 else ("m", i), []).append(i)
+    load = np.zeros(dp_size, np.int64)
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    sizes = {k: sum(microbatches[i].owned_rows for i in v) for k, v in units.items()}
+    for k in sorted(units, key=lambda k: (-sizes[k], units[k][0])):
+        r = int(np.argmin(load))
+        ranks[r] += units[k]
+        load[r] += sizes[k]
+    return [sorted(x) for x in ranks]
+
+
+def carry_summary(microbatches: list, *, bytes_per_row: int = 0) -> dict:
+    """Rows computed, rows carried and (with ``bytes_per_row``: the carried state of one row over
+    every layer) the carry store's bytes of a carry plan."""
+    owned = sum(mb.owned_rows for mb in microbatches)
+    carried = sum(len(mb.carry.carried) for mb in microbatches if mb.carry is not None)
+    exported = sum(len(mb.carry.exported) for mb in microbatches if mb.carry is not None)
+    return {"rows_computed": owned, "carried_rows": carried, "stored_rows": exported,
+            "store_bytes": exported * bytes_per_row, "num_microbatches": len(microbatches)}

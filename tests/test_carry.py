@@ -1,0 +1,151 @@
+"""Carry (issue 25): every row of a step computed once, at any row budget.
+
+Planner: ``pack(..., carry=True)`` against the unlimited-budget pack of the same samples (rows
+computed, occurrences, tokens and depths of every carried row). Execution: a float64 GPT (window +
+learned sinks) trained through Megatron's schedule on carry items equals the same model on the
+whole trees (unlimited budget; itself equal to per-sample stock training, `megatron-tree verify`),
+in loss and every parameter gradient; planted faults (no gradient restoration, a gradient injected
+twice) fail.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dist import init_megatron, run_distributed
+from megatron_tree.tree import pack
+from megatron_tree.tree.carry import assign_carry_groups, carry_summary
+
+
+def _samples(seed: int = 0, groups: int = 3, long_path: int = 70):
+    """GRPO-like groups (a prompt + completions), one path longer than the budgets used, a duplicate
+    and a sample that is a prefix of another (forks inside carried rows)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(groups):
+        p = rng.integers(1, 100, size=int(rng.integers(20, 40))).tolist()
+        for _ in range(4):
+            out.append(p + rng.integers(1, 100, size=int(rng.integers(1, 15))).tolist())
+    out.append(out[0])  # a duplicate
+    out.append(out[5][:25])  # a prefix of another sample: it ends inside a carried path
+    out.append(rng.integers(1, 100, size=long_path).tolist())
+    return out
+
+
+@pytest.mark.parametrize("budget", [8, 16, 24])
+def test_carry_plan_computes_every_row_once(budget):
+    samples = _samples()
+    mbs = pack(samples, budget, carry=True, pad_to_multiple_of=4)
+    whole = pack(samples, 10 ** 6)
+    assert sum(mb.owned_rows - mb.stats.padding_tokens for mb in mbs) == sum(m.stats.tree_tokens for m in whole)
+    assert all(mb.owned_rows <= budget for mb in mbs) and all(mb.owned_rows % 4 == 0 for mb in mbs)
+    assert sorted(i for mb in mbs for i in mb.sample_ids) == list(range(len(samples)))
+    assert max(len(mb.carry.carried) for mb in mbs) > budget  # a chain of 3+ microbatches
+    # every occurrence once, predicted from a row of the same token path
+    got, want = [], []
+    for mb in mbs:
+        mb.layout.validate()
+        lm = mb.loss_map
+        for s, p, t, r in zip(lm.sample_index.tolist(), lm.positions.tolist(), lm.targets.tolist(), lm.source_rows.tolist()):
+            assert r in set(mb.carry.own.tolist())
+            got.append((s, p, t))
+            assert int(mb.layout.position_ids[r]) == p - 1 and int(mb.layout.input_ids[r]) == samples[s][p - 1]
+    for mb in whole:
+        lm = mb.loss_map
+        want += list(zip(lm.sample_index.tolist(), lm.positions.tolist(), lm.targets.tolist()))
+    assert sorted(got) == sorted(want)
+    # carried rows: one root path per reading unit, owned by an earlier microbatch, same token and depth there
+    by_key = {}
+    for mb in mbs:
+        for r in mb.carry.own.tolist():
+            k = int(mb.carry.keys[r])
+            if k >= 0:
+                by_key[k] = (mb.carry.index, int(mb.layout.input_ids[r]), int(mb.layout.position_ids[r]))
+    for mb in mbs:
+        c = mb.carry
+        for r, o in zip(c.carried.tolist(), c.carried_owner.tolist()):
+            owner, tok, depth = by_key[int(c.keys[r])]
+            assert owner == o < c.index
+            assert (tok, depth) == (int(mb.layout.input_ids[r]), int(mb.layout.position_ids[r]))
+    # each sample's path inside every microbatch it crosses is a prefix of its tokens
+    for mb in mbs:
+        for i in mb.carry.path_sample_ids:
+            rows = mb.sample_rows(i)
+            assert mb.layout.input_ids[rows].tolist() == samples[i][: len(rows)]
+    s = carry_summary(mbs, bytes_per_row=10)
+    assert s["rows_computed"] == sum(mb.owned_rows for mb in mbs) and s["store_bytes"] == 10 * s["stored_rows"]
+
+
+def test_carry_groups_stay_on_one_rank():
+    mbs = pack(_samples(), 16, carry=True)
+    ranks = assign_carry_groups(mbs, 2)
+    assert sorted(i for r in ranks for i in r) == list(range(len(mbs)))
+    for r in ranks:
+        have = {mbs[i].carry.index for i in r}
+        for i in r:
+            assert set(mbs[i].carry.reads_from) <= have
+
+
+def test_without_carry_a_long_sample_is_refused_and_carry_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="sample 0"):
+        pack([list(range(1, 40))], 16)
+    with pytest.raises(ValueError, match="mtp_tail"):
+        pack([list(range(1, 40))], 16, carry=True, mtp_tail=1)
+
+
+def _train_body(cases):
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.cp.execution import carry as carry_exec
+    from megatron_tree.megatron.carry import carry_items
+    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals
+    from megatron_tree.training.models import wrap_ddp
+
+    out = []
+    samples = _samples(1)
+    for case in cases:
+        res = {}
+        for side in ("carry", "whole"):
+            init_megatron(seed=7)
+            torch.set_default_dtype(torch.float64)
+            margs = ModelArgs(kind="gpt", num_layers=2, window_size=case.get("window"), sinks=case.get("sinks", False))
+            config = make_config(margs, dtype=torch.float64, recompute=case.get("recompute", "none"))
+            ddp = wrap_ddp(build_model(config, margs), config)
+            carry_exec._FAULT = case.get("fault") if side == "carry" else None
+            if side == "carry":
+                items = carry_items(pack(samples, case["budget"], carry=True, pad_to_multiple_of=4))
+                reports = forward_backward(ddp, items, loss_type="sft")
+            else:
+                reports = forward_backward(ddp, pack(samples, 10 ** 6, pad_to_multiple_of=4), loss_type="sft")
+            carry_exec._FAULT = None
+            res[side] = dict(loss=report_totals(reports).clone(),
+                             grads={n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()})
+            ps.destroy_model_parallel()
+            torch.set_default_dtype(torch.float32)
+        a, b = res["carry"], res["whole"]
+        err = max(float((a["grads"][n] - g).abs().max() / g.abs().max().clamp(min=1e-30)) for n, g in b["grads"].items())
+        out.append(dict(loss=float(abs(a["loss"][0] / a["loss"][1] - b["loss"][0] / b["loss"][1])),
+                        tokens=(float(a["loss"][1]), float(b["loss"][1])), grads=err))
+    return out
+
+
+CASES = [dict(budget=12), dict(budget=16, window=9, sinks=True), dict(budget=12, recompute="full"),
+         dict(budget=12, recompute="selective"), dict(budget=12, fault="detach"), dict(budget=12, fault="twice")]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_distributed(_train_body, 1, CASES, timeout=600)[0]
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_carry_training_equals_whole_trees(trained, k):
+    r = trained[k]
+    assert r["tokens"][0] == r["tokens"][1]
+    assert r["loss"] < 1e-12 and r["grads"] < 1e-10, (CASES[k], r)
+
+
+@pytest.mark.parametrize("k", [4, 5])
+def test_planted_carry_faults_fail(trained, k):
+    assert trained[k]["grads"] > 1e-3, (CASES[k], trained[k])

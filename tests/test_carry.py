@@ -109,7 +109,10 @@ def _train_body(cases):
         for side in ("carry", "whole"):
             init_megatron(seed=7)
             torch.set_default_dtype(torch.float64)
-            margs = ModelArgs(kind="gpt", num_layers=2, window_size=case.get("window"), sinks=case.get("sinks", False))
+            margs = ModelArgs(kind=case.get("kind", "gpt"), num_layers=2, window_size=case.get("window"),
+                              sinks=case.get("sinks", False))
+            if "pattern" in case:
+                margs.pattern = case["pattern"]
             config = make_config(margs, dtype=torch.float64, recompute=case.get("recompute", "none"))
             ddp = wrap_ddp(build_model(config, margs), config)
             carry_exec._FAULT = case.get("fault") if side == "carry" else None
@@ -131,7 +134,11 @@ def _train_body(cases):
 
 
 CASES = [dict(budget=12), dict(budget=16, window=9, sinks=True), dict(budget=12, recompute="full"),
-         dict(budget=12, recompute="selective"), dict(budget=12, fault="detach"), dict(budget=12, fault="twice")]
+         dict(budget=12, recompute="selective"), dict(budget=12, kind="hybrid", pattern="G*G-"),
+         dict(budget=8, kind="hybrid", pattern="GG", recompute="full"),
+         dict(budget=12, fault="detach"), dict(budget=12, fault="twice"),
+         dict(budget=12, kind="hybrid", pattern="GG", fault="detach")]
+FAULTS = [k for k, c in enumerate(CASES) if "fault" in c]
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +146,16 @@ def trained():
     return run_distributed(_train_body, 1, CASES, timeout=600)[0]
 
 
-@pytest.mark.parametrize("k", range(4))
+@pytest.mark.parametrize("k", [k for k in range(len(CASES)) if k not in FAULTS])
 def test_carry_training_equals_whole_trees(trained, k):
     r = trained[k]
     assert r["tokens"][0] == r["tokens"][1]
-    assert r["loss"] < 1e-12 and r["grads"] < 1e-10, (CASES[k], r)
+    # verify's float64 tolerance (1e-9): GDN's decay gradients (A_log, dt_bias) are sums with heavy
+    # cancellation, and a recurrence cut at a microbatch boundary chunks differently (2e-10 measured);
+    # attention-only models agree to ~1e-15
+    assert r["loss"] < 1e-12 and r["grads"] < 1e-9, (CASES[k], r)
 
 
-@pytest.mark.parametrize("k", [4, 5])
+@pytest.mark.parametrize("k", FAULTS)
 def test_planted_carry_faults_fail(trained, k):
     assert trained[k]["grads"] > 1e-3, (CASES[k], trained[k])

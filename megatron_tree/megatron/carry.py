@@ -56,7 +56,9 @@ def carry_view(psp, mb, phase: str, store: CarryStore):
     view = CarryView(phase=phase, store=store, index=info.index, own=own,
                      carried=torch.from_numpy(info.carried).to(dev), carried_keys=info.keys[info.carried],
                      carried_owner=np.asarray(info.carried_owner), exported=torch.from_numpy(exp_pos).to(dev),
-                     exported_keys=info.keys[info.exported])
+                     exported_keys=info.keys[info.exported],
+                     state_rows=torch.from_numpy(np.searchsorted(own_np, info.state_rows)).to(dev),
+                     state_keys=info.keys[info.state_rows])
     lm = psp.loss_map
     if lm is not None:  # every occurrence's source row is owned here (pack routes it to its owner)
         lm = LossMap(**{f.name: getattr(lm, f.name) for f in dataclasses.fields(lm)})
@@ -84,4 +86,4 @@ def refuse_carry(packed_seq_params, who: str) -> None:
     view = getattr(packed_seq_params, "carry", None)
     if view is not None and (len(view.carried_keys) or len(view.exported_keys)):
         raise ValueError(f"{who} does not carry state across microbatches yet (pack(..., carry=True) / --tree-carry): "
-                         "only attention layers do; pack this model without carry")
+                         "attention and Gated DeltaNet layers do; pack this model without carry")

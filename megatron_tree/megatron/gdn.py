@@ -39,7 +39,6 @@ from megatron.core.utils import deprecate_inference_params
 from ..compat.mixers import fla_check_bypassed, stock_kwargs
 from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.gated_delta_rule import l2norm, tree_gated_delta_rule
-from .carry import refuse_carry
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeGatedDeltaNet", "tree_gdn_module_spec", "spec_provider", "l2norm"]
@@ -131,7 +130,6 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         if key_value_states is not None:
             raise ValueError(f"{who} is self-attention only (got key_value_states)")
         layout = get_tree_layout(packed_seq_params)
-        refuse_carry(packed_seq_params, type(self).__name__)
         _check_tree_input(hidden_states, who)
         tp = self.tp_size
 
@@ -139,11 +137,26 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         qkvzba = qkvzba.squeeze(1)
         N = qkvzba.shape[0]
         context_parallel = self.config.context_parallel_size > 1
-        if not context_parallel:
+        carry = getattr(packed_seq_params, "carry", None)
+        if carry is not None and not context_parallel:
+            if N != len(carry.own):
+                raise ValueError(f"{who}: carry: the input covers {N} rows but the microbatch owns {len(carry.own)}")
+        elif not context_parallel:
             _check_rows(N, layout, who, self.sp_size)
         qkv, gate, beta, alpha = torch.split(
             qkvzba, [(2 * self.qk_dim + self.v_dim) // tp, self.v_dim // tp, self.num_value_heads // tp,
                      self.num_value_heads // tp], dim=-1)
+        if carry is not None:  # own rows only: conv halos and states continue carried rows (the step's store)
+            from ..cp.execution.carry import carried_gdn  # the executor sits below this package
+
+            g = -self.A_log.exp() * F.softplus(_wide(alpha) + self.dt_bias)
+            core = carried_gdn(qkv, g, beta.sigmoid(), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                               packed_seq_params.layout, carry, ("gdn", self.layer_number),
+                               num_k_heads=self.num_key_heads // tp, head_k_dim=self.key_head_dim,
+                               head_v_dim=self.value_head_dim, activation="silu" if self.act_fn is F.silu else self.act_fn,
+                               qk_l2norm=self.use_qk_l2norm)
+            out = self._tree_gated_norm(core, gate.reshape(N, -1, self.value_head_dim))
+            return self.out_proj(out.reshape(N, 1, -1))
         if context_parallel:  # this rank's rows only: conv halos and states cross ranks in megatron_tree.cp
             core = self._core_cp(qkv, beta, alpha, packed_seq_params, who)
             out = self._tree_gated_norm(core, gate.reshape(N, -1, self.value_head_dim))

@@ -58,6 +58,8 @@ class CarryInfo:
     carried          [C] layout rows it reads from earlier microbatches (ascending: one root path)
     carried_owner    [C] index of the microbatch that owns each carried row
     exported         [E] layout rows it owns that a later microbatch carries (ascending)
+    state_rows       [P] the exported rows a later microbatch's own row hangs off: recurrent layers
+                     export their state after these (ascending)
     path_sample_ids  ids of the samples whose path crosses one of its owned rows
     """
 
@@ -67,6 +69,7 @@ class CarryInfo:
     carried: np.ndarray
     carried_owner: np.ndarray
     exported: np.ndarray
+    state_rows: np.ndarray
     path_sample_ids: tuple[int, ...]
 
     @property
@@ -187,8 +190,11 @@ def pack_carry(samples: list[Sample], toks: list, order: np.ndarray, lcp: np.nda
         carried_of.append(car)
         needed.append(np.union1d(car, own))
     read_anywhere = np.zeros(R, bool)
-    for car in carried_of:
+    state_point = np.zeros(R, bool)  # rows whose recurrent state after them a later microbatch starts from
+    for m, (car, rows) in enumerate(zip(carried_of, needed)):
         read_anywhere[car] = True
+        par = parent[rows]
+        state_point[par[(par >= 0) & (owner[rows] == m) & (owner[np.maximum(par, 0)] != m)]] = True
 
     # occurrences, in sorted-sample order (one vectorised pass per sample); routed to the owner of
     # their source row
@@ -219,7 +225,7 @@ def pack_carry(samples: list[Sample], toks: list, order: np.ndarray, lcp: np.nda
     out = []
     for m, rows in enumerate(needed):
         out.append(_carry_microbatch(
-            m, rows, carried_of[m], owner, parent, depth, gids, read_anywhere, order, paths, path_off,
+            m, rows, carried_of[m], owner, parent, depth, gids, read_anywhere, state_point, order, paths, path_off,
             lens, {k: v[occ_mb == m] for k, v in occ.items()}, np.flatnonzero(completes == m),
             touch_sample[touch_mb == m], budget, pad_multiple, pad_id, pad_to_budget,
             group=_group(bins[m], units, tree_start, group_of_tree)))
@@ -234,7 +240,8 @@ def _group(us: list, units: list, tree_start: np.ndarray, group_of_tree: dict) -
     return -1
 
 
-def _carry_microbatch(m, rows, carried, owner, parent, depth, gids, read_anywhere, sorted_ids, paths, path_off,
+def _carry_microbatch(m, rows, carried, owner, parent, depth, gids, read_anywhere, state_point, sorted_ids, paths,
+                      path_off,
                       lens, occ, complete, touching, budget, pad_multiple, pad_id, pad_to_budget, *,
                       group) -> TreeMicrobatch:
     n_real = len(rows)
@@ -257,6 +264,7 @@ def _carry_microbatch(m, rows, carried, owner, parent, depth, gids, read_anywher
     is_own = np.ones(n_real, bool)
     is_own[car_local] = False
     exported = np.flatnonzero(is_own & read_anywhere[rows])
+    state_rows = np.flatnonzero(is_own & state_point[rows])
     keys = np.concatenate([rows, np.full(n_pad, -1, np.int64)])
 
     # loss map in ascending (caller's) sample id, then position
@@ -288,6 +296,7 @@ def _carry_microbatch(m, rows, carried, owner, parent, depth, gids, read_anywher
                             tree_attention_pairs=layout.visible_pairs(), max_tokens_per_mb=budget)
     info = CarryInfo(index=m, group=group, keys=keys, carried=car_local.astype(np.int64),
                      carried_owner=owner[carried], exported=exported.astype(np.int64),
+                     state_rows=state_rows.astype(np.int64),
                      path_sample_ids=tuple(path_ids.tolist()))
     return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=tuple(done.tolist()), stats=stats,
                           _path_rows=np.concatenate(pr) if pr else np.zeros(0, np.int64),

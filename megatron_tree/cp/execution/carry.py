@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 from ...ops.attention import apply_sinks, merge_attention, tree_attention_partial
+from ...ops.causal_conv1d import tree_causal_conv1d
+from ...ops.gated_delta_rule import gated_delta_rule_forest, l2norm
 
-__all__ = ["CarryStore", "CarryView", "inject_gradient", "carried_attention"]
+__all__ = ["CarryStore", "CarryView", "inject_gradient", "carried_attention", "carried_gdn"]
 
 #: TEST-ONLY fault switch (tests/test_carry.py): "detach" (readers' gradients are dropped: no restoration),
 #: "twice" (the accumulated gradient is injected twice). None in real use.
@@ -119,6 +121,36 @@ class _Inject(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
+class _Tie(torch.autograd.Function):
+    """``y`` unchanged; backward hands ``x`` (a tensor nothing downstream uses, e.g. a final state)
+    the accumulated gradient of its rows, so it flows back through ``x``'s graph."""
+
+    @staticmethod
+    def forward(ctx, y, x, rows, store, key, owner, t):
+        ctx.rows, ctx.store, ctx.key, ctx.owner, ctx.t = rows, store, key, owner, t
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, dtype, device = ctx.x_meta
+        gx = torch.zeros(shape, dtype=dtype, device=device)
+        acc = ctx.store.accumulated(ctx.key, ctx.owner, ctx.t)
+        if acc is not None:
+            gx.index_add_(0, ctx.rows.to(device), acc.to(dtype))
+            if _FAULT == "twice":
+                gx.index_add_(0, ctx.rows.to(device), acc.to(dtype))
+        return g, gx, None, None, None, None, None
+
+
+def tie_gradient(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, store: CarryStore, key, owner: int,
+                 t: int) -> torch.Tensor:
+    """``y`` unchanged; in backward ``x`` [P, ...] receives the accumulated gradient of state ``t``
+    of layer ``key`` of microbatch ``owner`` on its rows ``rows``. For exported state that no later
+    op of the owner reads (a recurrence's final state): ``y`` must reach the loss."""
+    return _Tie.apply(y, x, rows, store, key, owner, t)
+
+
 def inject_gradient(x: torch.Tensor, rows: torch.Tensor, store: CarryStore, key, owner: int, t: int) -> torch.Tensor:
     """Identity on ``x`` [n, ...]; backward adds the accumulated gradient of state ``t`` of layer
     ``key`` of microbatch ``owner`` to the rows ``rows`` [E] of ``x`` (its exported rows)."""
@@ -147,24 +179,32 @@ class CarryView:
     carried_owner: np.ndarray
     exported: torch.Tensor
     exported_keys: np.ndarray
-    _cache: dict = field(default_factory=dict, repr=False)
+    state_rows: torch.Tensor  # [P] positions in ``own`` of the rows whose recurrent state is exported
+    state_keys: np.ndarray
 
-    def state(self, key, values: list) -> list:
+    def state(self, key, values: list, positions=None, keys=None) -> list:
         """Own rows' state tensors ``values`` ([n, ...] each) of layer ``key``, through the phase:
-        stored (fill) or given the readers' gradient (restore); unchanged otherwise."""
-        if not len(self.exported_keys):
+        the rows ``positions`` (default: the exported rows) stored under ``keys`` (fill) or given the
+        readers' gradient (restore); unchanged otherwise."""
+        positions = self.exported if positions is None else positions
+        keys = self.exported_keys if keys is None else keys
+        if not len(keys):
             return values
         if self.phase == "fill":
-            self.store.put(key, self.index, self.exported_keys, [v[self.exported] for v in values])
+            self.store.put(key, self.index, keys, [v[positions] for v in values])
         elif self.phase == "restore":
-            values = [inject_gradient(v, self.exported, self.store, key, self.index, t) for t, v in enumerate(values)]
+            values = [inject_gradient(v, positions, self.store, key, self.index, t) for t, v in enumerate(values)]
         return values
 
-    def carried_state(self, key) -> list | None:
-        """The carried rows' state of layer ``key`` ([C, ...] each), or None when nothing is carried."""
-        if not len(self.carried_keys):
+    def carried_state(self, key, rows=None) -> list | None:
+        """The state of layer ``key`` of carried rows ``rows`` (positions in ``carried``; default all),
+        [len, ...] each, or None when there are none."""
+        keys, owners = self.carried_keys, self.carried_owner
+        if rows is not None:
+            keys, owners = keys[rows], owners[rows]
+        if not len(keys):
             return None
-        return self.store.read(key, self.carried_owner, self.carried_keys)
+        return self.store.read(key, owners, keys)
 
 
 def carried_attention(q, k, v, layout, view: CarryView, key, *, softmax_scale, window=None, sinks=None,
@@ -187,4 +227,79 @@ def carried_attention(q, k, v, layout, view: CarryView, key, *, softmax_scale, w
         o, lse = merge_attention(o, lse, o2, lse2)
     if sinks is not None:
         o, lse = apply_sinks(o, lse, sinks)
+    return o
+
+
+def _own_forest(layout, view: CarryView):
+    """The own rows as a forest for `gated_delta_rule_forest` (positions 0..n-1 in ``view.own``).
+
+    A segment ends at a fork, before a row whose parent is not the previous row, and after every
+    exported state row (its final state is what later microbatches start from). A segment whose
+    parent row is carried is a root starting from that row's stored state. Returns ``(seg_start,
+    seg_len, seg_parent, initial_index, parents_in_carried, final_segments)`` (numpy), where
+    ``parents_in_carried`` are positions in ``view.carried`` of the distinct carried parents."""
+    own = view.own.cpu().numpy()
+    n = len(own)
+    pos_of = np.full(layout.num_rows, -1, np.int64)
+    pos_of[own] = np.arange(n)
+    pp = layout.path_prev.cpu().numpy()[own]
+    ppos = np.where(pp >= 0, pos_of[np.maximum(pp, 0)], -1)
+    kids = np.bincount(ppos[ppos >= 0], minlength=n)
+    is_state = np.zeros(n, bool)
+    is_state[view.state_rows.cpu().numpy()] = True
+    prev = np.arange(n) - 1
+    start = (ppos != prev) | np.concatenate([[True], (kids[:-1] > 1) | is_state[:-1]])
+    seg_start = np.flatnonzero(start)
+    seg_len = np.diff(np.append(seg_start, n))
+    seg_of = np.cumsum(start) - 1
+    first_parent = ppos[seg_start]
+    seg_parent = np.where(first_parent >= 0, seg_of[np.maximum(first_parent, 0)], -1)
+    carried_np = view.carried.cpu().numpy()
+    cparent = pp[seg_start]
+    from_carried = (cparent >= 0) & (first_parent < 0)
+    uniq = np.unique(cparent[from_carried])
+    initial_index = np.full(len(seg_start), -1, np.int64)
+    initial_index[from_carried] = np.searchsorted(uniq, cparent[from_carried])
+    return (seg_start, seg_len, seg_parent, initial_index, np.searchsorted(carried_np, uniq),
+            seg_of[view.state_rows.cpu().numpy()])
+
+
+def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, key, *, num_k_heads: int,
+                head_k_dim: int, head_v_dim: int, activation="silu", qk_l2norm: bool = True, scale=None):
+    """Gated DeltaNet (conv + recurrence) of the own rows, continuing carried rows' state.
+
+    qkv [n, 2*H*K + HV*V] pre-conv channels of ``view.own``; g, beta [n, HV]; conv_weight [C, W].
+    The conv reads carried rows' pre-conv channels from the store (the whole layout is convolved,
+    carried rows from the store, so the halo follows the root path across the cut); the recurrence
+    runs the own rows as a forest whose roots under a carried row start from that row's stored state.
+    Returns o [n, HV, V], equal to the whole-tree layer at those rows (torch reference path)."""
+    n, H, K, V = qkv.shape[0], int(num_k_heads), int(head_k_dim), int(head_v_dim)
+    HV = int(g.shape[1])
+    (qkv,) = view.state((key, "conv"), [qkv])
+    full = qkv.new_zeros((layout.num_rows, qkv.shape[1]))
+    full = full.index_copy(0, view.own, qkv)
+    carried = view.carried_state((key, "conv"))
+    if carried is not None:
+        full = full.index_copy(0, view.carried, carried[0].to(qkv.dtype))
+    silu = activation == "silu"
+    conv = tree_causal_conv1d(full, conv_weight, conv_bias, layout, activation="silu" if silu else None)[view.own]
+    if not silu and activation is not None:
+        conv = activation(conv)
+    q, k, v = torch.split(conv, [H * K, H * K, HV * V], dim=-1)
+    q, k, v = q.reshape(n, H, K), k.reshape(n, H, K), v.reshape(n, HV, V)
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    seg_start, seg_len, seg_parent, init_index, parents, final_segs = _own_forest(layout, view)
+    init = None
+    if len(parents):
+        (init,) = view.carried_state((key, "state"), parents)
+    o, final = gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, initial_state=init,
+                                       initial_index=init_index if init is not None else None,
+                                       final_segments=final_segs, scale=scale)
+    if len(view.state_keys):  # the final states feed no later op here: restore ties their gradient to o
+        rows = torch.arange(len(view.state_keys), device=final.device)
+        if view.phase == "fill":
+            view.state((key, "state"), [final], positions=rows, keys=view.state_keys)
+        elif view.phase == "restore":
+            o = tie_gradient(o, final, rows, view.store, (key, "state"), view.index, 0)
     return o

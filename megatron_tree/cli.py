@@ -21,6 +21,8 @@ def cmd_stats(args) -> int:
 
     samples, what = _load_samples(args)
     budget = args.max_tokens_per_mb or default_budget(samples)
+    if args.carry:
+        return _carry_report(samples, what, budget, args.pad_to_multiple_of)
     mbs = pack(samples, budget, pad_to_multiple_of=args.pad_to_multiple_of)
     tot = summarize(mbs)
     saved = 1 - tot["tree_attention_pairs"] / max(tot["flat_attention_pairs"], 1)
@@ -52,6 +54,42 @@ def cmd_stats(args) -> int:
         big = max(mbs, key=lambda m: m.stats.flat_tokens)
         plot_microbatch_tree(big, args.plot)
         print(f"tree plot of the largest microbatch written to {args.plot}")
+    return 0
+
+
+def _carry_report(samples, what: str, budget: int, pad: int) -> int:
+    """``stats --carry``: rows computed per step with carry, beside today's split packing and the
+    unlimited budget (every row once), and what carry reads and stores."""
+    from .tree import pack, summarize
+    from .tree.carry import carry_summary
+
+    flat = sum(len(getattr(s, "tokens", s)) for s in samples)
+    unlimited = summarize(pack(samples, 1 << 62))["tree_tokens"]
+    longest = max(len(getattr(s, "tokens", s)) for s in samples)
+    split = summarize(pack(samples, budget, pad_to_multiple_of=pad)) if longest <= budget else None
+    mbs = pack(samples, budget, pad_to_multiple_of=pad, carry=True)
+    c = carry_summary(mbs)
+    real = sum(mb.owned_rows - mb.stats.padding_tokens for mb in mbs)
+    assert real == unlimited  # carry computes every row of the step once
+    chains = max((len(mb.carry.reads_from) for mb in mbs), default=0)
+    rows = [("source", what), ("samples", f"{len(samples):,}"), ("flat tokens", f"{flat:,}"),
+            ("max tokens per microbatch", f"{budget:,}"),
+            ("rows, unlimited budget", f"{unlimited:,} ({flat / max(unlimited, 1):.2f}x fewer than flat)"),
+            ("rows, split packing", "refused: a sample is longer than the budget" if split is None else
+             f"{split['tree_tokens']:,} ({flat / max(split['tree_tokens'], 1):.2f}x; "
+             f"{(flat - split['tree_tokens']) / max(flat - unlimited, 1):.0%} of the sharing) in "
+             f"{split['num_microbatches']} microbatches"),
+            ("rows, carry", f"{real:,} ({flat / max(real, 1):.2f}x; 100% of the sharing) in {len(mbs)} microbatches"),
+            ("carried rows read", f"{c['carried_rows']:,}"),
+            ("rows stored for later microbatches", f"{c['stored_rows']:,}"),
+            ("microbatches that fill + restore", f"{sum(len(mb.carry.exported) > 0 for mb in mbs)} "
+                                                 "(one extra forward each, no saved activations)"),
+            ("longest carry chain (microbatches read)", f"{chains}")]
+    w = max(len(k) for k, _ in rows)
+    print("megatron-tree carry report")
+    print("-" * (w + 24))
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
     return 0
 
 
@@ -161,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--seed", type=int, default=0)
     st.add_argument("--scale", type=float, default=1.0, help="shrink preset lengths by this factor")
     st.add_argument("--plot", default=None, help="write a PNG of the largest microbatch's tree")
+    st.add_argument("--carry", action="store_true",
+                    help="plan carry (every row once per step: pack(..., carry=True)) and report rows computed beside "
+                         "split packing and the unlimited budget")
     st.set_defaults(func=cmd_stats)
     vf = sub.add_parser("verify", help="tree-packed vs per-sample training of a tiny model: logits, loss, grads, step")
     vf.add_argument("--model", choices=["gpt", "hybrid", "mla", "dsa", "mamba", "qwen3next"], default="gpt",

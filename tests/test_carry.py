@@ -107,7 +107,7 @@ def _train_body(cases):
     for case in cases:
         res = {}
         for side in ("carry", "whole"):
-            init_megatron(seed=7)
+            init_megatron(seed=7, kernels=True)
             torch.set_default_dtype(torch.float64)
             margs = ModelArgs(kind=case.get("kind", "gpt"), num_layers=2, window_size=case.get("window"),
                               sinks=case.get("sinks", False))
@@ -118,7 +118,13 @@ def _train_body(cases):
             carry_exec._FAULT = case.get("fault") if side == "carry" else None
             if side == "carry":
                 items = carry_items(pack(samples, case["budget"], carry=True, pad_to_multiple_of=4))
-                reports = forward_backward(ddp, items, loss_type="sft")
+                try:
+                    reports = forward_backward(ddp, items, loss_type="sft")
+                except ValueError as e:  # a layer kind that refuses carry
+                    out.append(dict(error=str(e)))
+                    ps.destroy_model_parallel()
+                    torch.set_default_dtype(torch.float32)
+                    break
             else:
                 reports = forward_backward(ddp, pack(samples, 10 ** 6, pad_to_multiple_of=4), loss_type="sft")
             carry_exec._FAULT = None
@@ -126,6 +132,8 @@ def _train_body(cases):
                              grads={n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()})
             ps.destroy_model_parallel()
             torch.set_default_dtype(torch.float32)
+        if "carry" not in res:
+            continue
         a, b = res["carry"], res["whole"]
         err = max(float((a["grads"][n] - g).abs().max() / g.abs().max().clamp(min=1e-30)) for n, g in b["grads"].items())
         out.append(dict(loss=float(abs(a["loss"][0] / a["loss"][1] - b["loss"][0] / b["loss"][1])),
@@ -137,7 +145,8 @@ CASES = [dict(budget=12), dict(budget=16, window=9, sinks=True), dict(budget=12,
          dict(budget=12, recompute="selective"), dict(budget=12, kind="hybrid", pattern="G*G-"),
          dict(budget=8, kind="hybrid", pattern="GG", recompute="full"),
          dict(budget=12, fault="detach"), dict(budget=12, fault="twice"),
-         dict(budget=12, kind="hybrid", pattern="GG", fault="detach")]
+         dict(budget=12, kind="hybrid", pattern="GG", fault="detach"), dict(budget=12, kind="hybrid", pattern="M*")]
+REFUSED = [len(CASES) - 1]
 FAULTS = [k for k, c in enumerate(CASES) if "fault" in c]
 
 
@@ -146,7 +155,7 @@ def trained():
     return run_distributed(_train_body, 1, CASES, timeout=600)[0]
 
 
-@pytest.mark.parametrize("k", [k for k in range(len(CASES)) if k not in FAULTS])
+@pytest.mark.parametrize("k", [k for k in range(len(CASES)) if k not in FAULTS + REFUSED])
 def test_carry_training_equals_whole_trees(trained, k):
     r = trained[k]
     assert r["tokens"][0] == r["tokens"][1]
@@ -159,3 +168,7 @@ def test_carry_training_equals_whole_trees(trained, k):
 @pytest.mark.parametrize("k", FAULTS)
 def test_planted_carry_faults_fail(trained, k):
     assert trained[k]["grads"] > 1e-3, (CASES[k], trained[k])
+
+
+def test_mamba_refuses_carry_clearly(trained):
+    assert "TreeMambaMixer does not carry state across microbatches yet" in trained[REFUSED[0]]["error"]

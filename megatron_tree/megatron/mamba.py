@@ -48,8 +48,8 @@ from megatron.core.utils import deprecate_inference_params
 from ..compat.mixers import mamba_conv_params, stock_kwargs
 from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.ssd import tree_ssd
-from .gdn import _check_rows, _check_tree_input, _require_cpu_shims, _wide, spec_provider
 from .carry import refuse_carry
+from .gdn import _check_rows, _check_tree_input, _require_cpu_shims, _wide, spec_provider
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeMambaMixer", "tree_mamba_module_spec", "mamba_mixer_module"]

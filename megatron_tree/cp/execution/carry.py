@@ -19,7 +19,7 @@ is freed with `CarryStore.clear` at the end of the step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -172,3 +172,30 @@ def test_planted_carry_faults_fail(trained, k):
 
 def test_mamba_refuses_carry_clearly(trained):
     assert "TreeMambaMixer does not carry state across microbatches yet" in trained[REFUSED[0]]["error"]
+
+
+def test_data_pipeline_with_carry_shards_groups_and_equalises_items():
+    from megatron_tree.data.pipeline import TreeDataPipeline
+    from megatron_tree.megatron.carry import carry_items
+
+    samples = _samples(2) * 2  # two windows
+    steps = []
+    for rank in (0, 1):
+        pipe = TreeDataPipeline(samples, max_tokens_per_mb=16, global_batch_samples=len(samples) // 2, dp_rank=rank,
+                                dp_size=2, carry=True, num_epochs=1, pad_to_multiple_of=4)
+        steps.append(list(pipe))
+    for s0, s1 in zip(*steps):
+        assert s0.sample_ids == s1.sample_ids
+        assert sorted(s0.rank_sample_ids + s1.rank_sample_ids) == sorted(s0.sample_ids)  # every sample once
+        n0, n1 = len(carry_items(s0.microbatches)), len(carry_items(s1.microbatches))
+        assert n0 == n1  # the same number of schedule items on every rank
+        for s in (s0, s1):
+            real = [mb for mb in s.microbatches if mb.carry is not None]
+            have = {mb.carry.index for mb in real}
+            assert all(set(mb.carry.reads_from) <= have for mb in real)
+            for mb in real:  # dataset ids, for the loss map and the carried paths alike
+                assert set(mb.loss_map.sample_index.tolist()) <= set(s.sample_ids)
+                assert set(mb.carry.path_sample_ids) <= set(s.sample_ids)
+                for i in mb.carry.path_sample_ids:
+                    assert mb.layout.input_ids[mb.sample_rows(i)].tolist() == list(samples[i][: len(mb.sample_rows(i))])
+        assert s0.num_samples_with_targets == len(s0.sample_ids)

@@ -271,6 +271,33 @@ def _part_replay():
     return res
 
 
+def _part_carry(rank, oracle):
+    """``build_microbatches(..., carry=True)`` at a budget below the longest rollout and the shared
+    trees, DP 2: every row once, chains on one rank, outputs and gradients equal unpacked stock."""
+    import torch.distributed as dist
+
+    from megatron_tree import rl
+    from megatron_tree.training.models import wrap_ddp
+
+    toks, masks, adv, old, ref = _rollouts()
+    tree, cfg = _tree_model(1, oracle["state"])
+    ddp = wrap_ddp(tree, cfg)
+    batch = rl.RolloutBatch.from_lists(toks, loss_mask=masks, advantages=adv, old_logprobs=old, ref_logprobs=ref)
+    mbs = rl.build_microbatches(batch, 8, dp_rank=rank, dp_size=2, carry=True)
+    ddp.zero_grad_buffer()
+    out = rl.forward_backward(ddp, mbs, loss="grpo", clip_eps=CLIP, kl_coef=KL, entropy_coef=ENT)
+    tree_grads = _grads(ddp)
+    items = sum(1 + (mb.carry is not None and len(mb.carry.exported) > 0) for mb in mbs.microbatches)
+    res = dict(ids=mbs.rollout_ids.tolist(), items=items, owned=[mb.owned_rows for mb in mbs.microbatches],
+               carried=sum(len(mb.carry.carried) for mb in mbs.microbatches if mb.carry is not None),
+               grads={n: (tree_grads[n], g) for n, g in oracle["grpo"].items()})
+    for name, k in (("logprobs", 1), ("entropy", 2), ("loss", 3)):
+        got = out.per_rollout(name)
+        res[name] = [(torch.as_tensor(got[i]), oracle["rows"][i][k]) for i in mbs.rollout_ids.tolist()]
+    dist.barrier()
+    return res
+
+
 def _body():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -282,14 +309,14 @@ def _body():
     oracle = _oracle()
     res = {}
     parts = (("dp", lambda: _part_dp(rank, oracle)), ("cp", lambda: _part_cp(oracle)), ("pp", lambda: _part_pp(oracle)),
-             ("replay", _part_replay))
+             ("replay", _part_replay), ("carry", lambda: _part_carry(rank, oracle)))
     for name, fn in parts:
         try:
             res[name] = fn()
         except Exception:  # noqa: BLE001 - reported by the tests of that part
             res[name] = {"error": traceback.format_exc()}
         ps.destroy_model_parallel()
-        if name != "replay":
+        if name != "carry":
             ps.initialize_model_parallel(context_parallel_size=2 if name == "dp" else 1,
                                          pipeline_model_parallel_size=2 if name == "cp" else 1)
             model_parallel_cuda_manual_seed(1234)
@@ -374,3 +401,16 @@ def test_bad_rollouts_are_named():
                                     loss_mask=torch.tensor([[1, 0, 1]]))
     with pytest.raises(ValueError, match=r"rollout 1: loss_mask\[0\] is set"):
         rl.RolloutBatch.from_lists([[1, 2], [3, 4]], loss_mask=[[False, True], [True, True]])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_carry_outputs_and_gradients_equal_unpacked_stock(results, rank):
+    a, b = _part(results, 0, "carry"), _part(results, 1, "carry")
+    assert sorted(a["ids"] + b["ids"]) == list(range(7)) and a["items"] == b["items"]
+    assert max(a["owned"] + b["owned"]) <= 8 and a["carried"] + b["carried"] > 40  # the 40-token rollout is cut
+    r = (a, b)[rank]
+    for name in ("logprobs", "entropy", "loss"):
+        for got, want in r[name]:
+            torch.testing.assert_close(got, want, **F64)
+    for n, (g_tree, g_stock) in r["grads"].items():
+        torch.testing.assert_close(g_tree, g_stock, **GRAD, msg=lambda m: f"grad of {n}: {m}")

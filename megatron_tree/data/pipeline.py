@@ -244,6 +244,10 @@ class TreeDataPipeline:
     mtp_tail              K MTP tail rows after every sample (``pack(..., mtp_tail=K)``: a model whose MTP
                           layers run DSA with an indexer loss, `megatron.mtp.mtp_tail_rows`); they count
                           against ``max_tokens_per_mb``
+    carry                 pack with ``carry=True`` (`tree.carry`: every row once per step at any budget, samples
+                          longer than the budget allowed); a carry group stays on one DP rank, in step order,
+                          and every rank gets the same number of schedule items (`megatron.carry.carry_items`:
+                          an exporting microbatch counts twice), topped up with padding microbatches
 
     Iterate it (``for step in pipe``) to get `TreeStep`s from the current state; `build_step`
     builds any step directly. `state_dict` / `load_state_dict` resume; `timing` reports production
@@ -259,7 +263,7 @@ class TreeDataPipeline:
                  share_prefixes: bool = True, lookahead: int = 0,
                  plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None,
                  read_report: ReadReport | None = None, route_aware: bool = False, route_spec=None,
-                 mtp_tail: int = 0):
+                 mtp_tail: int = 0, carry: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         if global_batch_samples < 1:
@@ -295,6 +299,9 @@ class TreeDataPipeline:
         self.plan_fn = plan_fn
         self.route_aware, self.route_spec = bool(route_aware), route_spec
         self.mtp_tail = int(mtp_tail)
+        self.carry = bool(carry)
+        if self.carry and (route_aware or mtp_tail or not share_prefixes):
+            raise ValueError("carry packing does not run with route-aware packing, MTP tail rows or flat packing yet")
         self._float_fields = self._validate(vocab_size)
         self._group_code, self._num_groups = self._group_codes()
         self._fingerprint = self._dataset_fingerprint()
@@ -334,7 +341,8 @@ class TreeDataPipeline:
     def _validate(self, vocab_size) -> tuple[str, ...]:
         """Validate every sample once; returns the optional loss-map fields the run carries."""
         for i, s in enumerate(self.samples):
-            validate_sample(i, s, max_tokens=self.max_tokens_per_mb, vocab_size=vocab_size, where=self._where(i),
+            validate_sample(i, s, max_tokens=None if self.carry else self.max_tokens_per_mb, vocab_size=vocab_size,
+                            where=self._where(i),
                             route_spec=self.route_spec, mtp_tail=self.mtp_tail)
         self._route_shape = None
         if self.route_aware:
@@ -428,7 +436,7 @@ class TreeDataPipeline:
                 for mb in pack([self.samples[i] for i in window.tolist()], budget,
                                pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
                                pad_to_budget=self.pad_to_budget, share_prefixes=self.share_prefixes,
-                               route_aware=self.route_aware, mtp_tail=self.mtp_tail)]
+                               route_aware=self.route_aware, mtp_tail=self.mtp_tail, carry=self.carry)]
 
     def _slots_makespan(self, rows: Sequence[int]) -> float:
         """Slowest rank's rows when microbatches of ``rows`` are balanced (inf if they cannot fit)."""
@@ -450,7 +458,7 @@ class TreeDataPipeline:
         """
         B = self.max_tokens_per_mb
         # budgets are priced with the sharing packer's rows, so flat packing keeps the full budget
-        if not self.balance_budget or self.pad_to_budget or self.dp_size == 1 or not self.share_prefixes:
+        if not self.balance_budget or self.pad_to_budget or self.dp_size == 1 or not self.share_prefixes or self.carry:
             return B
         m = self.pad_to_multiple_of
         plan = PrefixPlan([self.samples[i].tokens.astype(np.int64, copy=False) for i in window.tolist()],
@@ -486,6 +494,8 @@ class TreeDataPipeline:
         pad_mb = self._pad_mb
         mbs = self._pack(window, self._choose_budget(window))
         costs = [float(self.cost_fn(mb)) for mb in mbs]
+        if self.carry:
+            return self._build_carry(state, window, mbs, costs, t0)
         per_rank = self.microbatches_per_rank or max(1, -(-len(mbs) // self.dp_size))
         if len(mbs) > per_rank * self.dp_size:
             raise ValueError(f"epoch {state['epoch']} step {state['epoch_step']}: {len(mbs)} microbatches do not fit "
@@ -500,6 +510,31 @@ class TreeDataPipeline:
                  for mb in [mbs[i] for i in mine] + [pad_mb] * (per_rank - len(mine))]
         pack_s = time.perf_counter() - t0
 
+        return self._step(state, window, mbs, mine, local, per_rank - len(mine), rank_costs, by_depth, pack_s)
+
+    def _build_carry(self, state: dict, window: np.ndarray, mbs: list, costs: list, t0: float) -> TreeStep:
+        """Carry: groups stay on one rank in step order (`assign_carry_groups`); every rank then runs the
+        same number of schedule items (an exporting microbatch is a fill and a restore), padding
+        microbatches making up the difference."""
+        from ..tree.carry import assign_carry_groups
+
+        assign = assign_carry_groups(mbs, self.dp_size)
+        items = [sum(1 + (len(mbs[i].carry.exported) > 0) for i in a) for a in assign]
+        per_rank_items = max(items)
+        if self.microbatches_per_rank is not None and per_rank_items > self.microbatches_per_rank:
+            raise ValueError(f"epoch {state['epoch']} step {state['epoch_step']}: carry needs {per_rank_items} schedule "
+                             f"items on a rank but microbatches_per_rank={self.microbatches_per_rank}")
+        per_rank_items = self.microbatches_per_rank or per_rank_items
+        pad_mb = self._pad_mb
+        pad_cost = float(self.cost_fn(pad_mb))
+        rank_costs = tuple(sum(costs[i] for i in a) + pad_cost * (per_rank_items - n) for a, n in zip(assign, items))
+        mine = assign[self.dp_rank]
+        by_depth = _weight_by_depth(mbs)
+        pad = per_rank_items - items[self.dp_rank]
+        local = [dataclasses.replace(mb, step_weight_by_depth=by_depth) for mb in [mbs[i] for i in mine] + [pad_mb] * pad]
+        return self._step(state, window, mbs, mine, local, pad, rank_costs, by_depth, time.perf_counter() - t0)
+
+    def _step(self, state, window, mbs, mine, local, num_padding, rank_costs, by_depth, pack_s) -> TreeStep:
         plans, plan_s = None, 0.0
         if self.plan_fn is not None:
             t1 = time.perf_counter()
@@ -507,12 +542,13 @@ class TreeDataPipeline:
             plan_s = time.perf_counter() - t1
 
         tot = lambda xs, k: int(sum(getattr(mb.stats, k) for mb in xs))
-        with_targets = sum(len(np.unique(mb.loss_map.sample_index.numpy())) for mb in mbs)
-        after = self._normalise(dict(state, cursor=start + len(window), epoch_step=state["epoch_step"] + 1,
+        # unique over the step: with carry one sample's targets may lie in several microbatches
+        with_targets = len(np.unique(np.concatenate([mb.loss_map.sample_index.numpy() for mb in mbs] + [np.zeros(0, int)])))
+        after = self._normalise(dict(state, cursor=state["cursor"] + len(window), epoch_step=state["epoch_step"] + 1,
                                      global_step=state["global_step"] + 1))
         return TreeStep(
             epoch=state["epoch"], step=state["epoch_step"], global_step=state["global_step"], dp_rank=self.dp_rank,
-            microbatches=local, num_padding_microbatches=per_rank - len(mine), plans=plans,
+            microbatches=local, num_padding_microbatches=num_padding, plans=plans,
             sample_ids=tuple(window.tolist()),
             rank_sample_ids=tuple(sorted(i for k in mine for i in mbs[k].sample_ids)),
             num_targets=tot(mbs, "num_targets"), num_samples=len(window), num_samples_with_targets=with_targets,
@@ -527,7 +563,11 @@ class TreeDataPipeline:
         # dataset ids stay ascending (TreeMicrobatch.sample_rows relies on that).
         # numpy, not torch indexing: this runs in the lookahead thread, away from torch's thread pool.
         lm = dataclasses.replace(mb.loss_map, sample_index=torch.from_numpy(window[mb.loss_map.sample_index.numpy()]))
-        return dataclasses.replace(mb, loss_map=lm, sample_ids=tuple(window[list(mb.sample_ids)].tolist()))
+        extra = {}
+        if mb.carry is not None:  # the samples whose paths it holds, too
+            ids = tuple(window[list(mb._path_ids)].tolist())
+            extra = dict(_path_ids=ids, carry=dataclasses.replace(mb.carry, path_sample_ids=ids))
+        return dataclasses.replace(mb, loss_map=lm, sample_ids=tuple(window[list(mb.sample_ids)].tolist()), **extra)
 
     # ------------------------------------------------------------------ iteration
     def _produce(self, state: dict) -> Iterator[TreeStep]:

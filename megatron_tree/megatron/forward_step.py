@@ -33,7 +33,7 @@ from .carry import CarryItem, carry_view, fill_loss, fill_output
 from .loss import tree_loss_func
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
-__all__ = ["tree_forward_step", "context_parallel_params", "check_same_plan", "gdn_island_plan", "uses_gdn_islands",
+__all__ = ["tree_forward_step", "carry_forward", "context_parallel_params", "check_same_plan", "gdn_island_plan", "uses_gdn_islands",
            "island_plan_fn"]
 
 # Plans made here (microbatches that arrive without one), shared by the pipeline stages of a process.
@@ -154,6 +154,8 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
     entropies; the loss then reports their mean (``report["entropy"]``) and adds the bonus
     ``-entropy_coef * H`` per target (`tree_loss_func`)."""
     item = next(data_iterator)
+    if isinstance(item, CarryItem) and item.mb.carry is None:
+        item = item.mb  # a padding microbatch of a carry step runs as usual
     if isinstance(item, CarryItem):
         return _carry_forward_step(item, model, device=device, loss_type=loss_type, clip_eps=clip_eps,
                                    clip_eps_high=clip_eps_high, kl_coef=kl_coef, return_entropy=return_entropy,
@@ -175,20 +177,26 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
 
 def _carry_forward_step(item, model, *, device, loss_type, clip_eps, clip_eps_high, kl_coef, return_entropy,
                         entropy_coef):
-    """One carry item (`megatron.carry`): fill (forward without autograd, state into the store; the
-    schedule backpropagates a zero), or run / restore (forward with autograd, the loss)."""
+    make_loss = lambda loss_map: partial(tree_loss_func, loss_map, loss_type=loss_type, clip_eps=clip_eps,
+                                         clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
+    return carry_forward(item, model, make_loss, device=device, return_entropy=bool(return_entropy or entropy_coef))
+
+
+def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool = False):
+    """One carry item (`megatron.carry`) through ``model``: fill (forward without autograd, state
+    into the store; the schedule backpropagates a zero), or run / restore (forward with autograd and
+    ``make_loss(loss_map)`` as the loss function). Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
     if config.context_parallel_size > 1 or config.pipeline_model_parallel_size > 1:
         raise ValueError("carry (--tree-carry) does not run with context or pipeline parallelism yet")
     if getattr(config, "mtp_num_layers", None):
         raise ValueError("carry (--tree-carry) does not run with multi-token prediction yet")
     dev = device if device is not None else next(model.parameters()).device
-    psp = tree_packed_seq_params(item.mb, dev, return_entropy=bool(return_entropy or entropy_coef))
+    psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)
     psp = carry_view(psp, item.mb, item.phase, item.store)
     if item.phase == "fill":
         with torch.no_grad():
             model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
         return fill_output(model), fill_loss
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
-    return out, partial(tree_loss_func, psp.loss_map, loss_type=loss_type, clip_eps=clip_eps,
-                        clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
+    return out, make_loss(psp.loss_map)

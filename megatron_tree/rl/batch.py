@@ -145,6 +145,7 @@ class RankMicrobatches:
     microbatches: list
     rollout_ids: np.ndarray
     max_tokens_per_mb: int
+    carry: bool = False  # ``build_microbatches(..., carry=True)``: `forward_backward` runs carry items
 
     def __len__(self) -> int:
         return len(self.microbatches)
@@ -155,8 +156,12 @@ def _renumber(mb, ids: np.ndarray):
     (ascending, so the loss map's order and ``sample_ids``' order are kept)."""
     lm = mb.loss_map
     idx = torch.as_tensor(ids, dtype=torch.int64)
+    extra = {}
+    if getattr(mb, "carry", None) is not None:
+        paths = tuple(int(ids[i]) for i in mb._path_ids)
+        extra = dict(_path_ids=paths, carry=dataclasses.replace(mb.carry, path_sample_ids=paths))
     return dataclasses.replace(mb, loss_map=dataclasses.replace(lm, sample_index=idx[lm.sample_index]),
-                               sample_ids=tuple(int(ids[i]) for i in mb.sample_ids))
+                               sample_ids=tuple(int(ids[i]) for i in mb.sample_ids), **extra)
 
 
 def _dp_group():
@@ -172,7 +177,7 @@ def _dp_group():
 
 def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: int = 0, dp_size: int = 1,
                        pad_to_multiple_of: int = 8, share_prefixes: bool = True, vocab_size: Optional[int] = None,
-                       equalize: bool = True, route_spec=None) -> RankMicrobatches:
+                       equalize: bool = True, route_spec=None, carry: bool = False) -> RankMicrobatches:
     """Pack ``batch`` into prefix-tree microbatches of at most ``max_tokens_per_mb`` rows and keep DP
     rank ``dp_rank``'s share.
 
@@ -189,6 +194,11 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
     where tokens and routes agree and each microbatch carries its rows' routes (``route_spec``, a
     `tree.routes.RouteSpec`, checks them against the model); the model must be built with
     ``moe_enable_routing_replay=True`` and `megatron.routing_replay.install_routing_replay` applied.
+
+    ``carry``: every row of the batch computed once at this budget (``pack(..., carry=True)``, `tree.carry`):
+    a rollout longer than the budget is cut into microbatches that read its earlier rows' layer state
+    instead of running alone; the microbatches linked by carry stay on one DP rank, and `forward_backward`
+    runs them as carry items (fill / run / restore, `megatron.carry`). Equalized by schedule items.
     """
     from ..data.sharding import balance, microbatch_cost
     from ..tree import pack, padding_microbatch
@@ -209,6 +219,8 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
             raise ValueError(f"rollout {missing[0]}: has no routed_experts while others do: routing replay needs the "
                              "routes of every rollout (one without would be re-routed, not replayed)")
     kw = dict(pad_to_multiple_of=pad, vocab_size=vocab_size, route_aware=routed, route_spec=route_spec)
+    if carry:
+        return _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw)
     normal, long = np.flatnonzero(lens <= budget), np.flatnonzero(lens > budget)
     mbs = []
     if len(normal):
@@ -231,6 +243,27 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
              for _ in range(count - len(mine))]
     ids = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
     return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=ids, max_tokens_per_mb=budget)
+
+
+def _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw) -> RankMicrobatches:
+    from ..tree import pack, padding_microbatch
+    from ..tree.carry import assign_carry_groups
+
+    ids = np.arange(len(batch.samples))
+    mbs = [_renumber(mb, ids) for mb in pack(batch.samples, budget, carry=True, **kw)] if len(ids) else []
+    mine = [mbs[j] for j in assign_carry_groups(mbs, dp_size)[dp_rank]] if mbs else []
+    count = max(sum(1 + (len(mb.carry.exported) > 0) for mb in mine), 1)  # schedule items (`carry_items`)
+    group = _dp_group() if equalize else None
+    if group is not None and dist.get_world_size(group) > 1:
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        c = torch.tensor([count], dtype=torch.int64, device=dev)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
+        count = int(c)
+    have = sum(1 + (len(mb.carry.exported) > 0) for mb in mine)
+    mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
+             for _ in range(count - have)]
+    done = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
+    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=done, max_tokens_per_mb=budget, carry=True)
 
 
 # --------------------------------------------------------------------------------------------- loss
@@ -267,10 +300,16 @@ def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs):
 
 
 def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss_kwargs):
-    from ..megatron.forward_step import context_parallel_params
+    from ..megatron.carry import CarryItem
+    from ..megatron.forward_step import carry_forward, context_parallel_params
     from ..megatron.packed_seq import tree_packed_seq_params
 
     mb = next(data_iterator)
+    if isinstance(mb, CarryItem):
+        if mb.mb.carry is not None:
+            return carry_forward(mb, model, lambda lm: partial(_loss_func, lm, loss=loss, loss_fn=loss_fn,
+                                                               loss_kwargs=loss_kwargs), return_entropy=True)
+        mb = mb.mb  # a padding microbatch
     dev = next(model.parameters()).device
     psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True), model, strategy=cp_strategy)
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
@@ -314,6 +353,10 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
 
         for c in chunks:  # no route left over from an earlier forward whose backward never ran
             reset_routing_replay(c)
+    if getattr(microbatches, "carry", False):  # fill / run, then the restores, one store (`megatron.carry`)
+        from ..megatron.carry import carry_items
+
+        mbs = carry_items(list(mbs))
     data = [iter(list(mbs)) for _ in chunks] if len(chunks) > 1 else iter(list(mbs))
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         reports = get_forward_backward_func()(

@@ -90,6 +90,12 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tree-flat-packing", action="store_true",
                    help="Baseline for comparisons: pack every sample as its own chain (no prefix shared), "
                         "with the same steps, budget and loss; the losses equal tree packing's up to rounding.")
+    g.add_argument("--tree-carry", action="store_true",
+                   help="Every row of a step computed once at any --tree-max-tokens-per-mb: a tree (or one path) over "
+                        "the budget is cut into microbatches that read their ancestors' layer state (K/V, Gated "
+                        "DeltaNet state) from earlier microbatches of the step, with the gradient restored to them "
+                        "(one extra forward of each microbatch others read). Attention and GDN layers; not yet with "
+                        "Mamba, MLA/DSA, MTP, routing replay, TP/CP/PP.")
     g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
                    help="Hybrid layer pattern, one letter per layer: M Mamba-2, G Gated DeltaNet, "
                         "* attention, - MLP, E MoE ('|' marks pipeline stages and is ignored). "
@@ -196,6 +202,21 @@ def validate_tree_args(args) -> argparse.Namespace:
         errors.append("--tree-routing-replay needs MoE layers (--num-experts, or 'E' in the hybrid pattern)")
     if _get(args, "tree_routing_replay") and _get(args, "tree_flat_packing"):
         errors.append("--tree-routing-replay packs route-aware prefix trees: drop --tree-flat-packing")
+
+    if _get(args, "tree_carry"):
+        for flag, name in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                           ("context_parallel_size", "--context-parallel-size"),
+                           ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+            if int(_get(args, flag, 1) or 1) > 1:
+                errors.append(f"--tree-carry does not run with {name} > 1 yet")
+        if _get(args, "mtp_num_layers"):
+            errors.append("--tree-carry does not run with --mtp-num-layers yet")
+        if _get(args, "tree_routing_replay") or _get(args, "tree_flat_packing"):
+            errors.append("--tree-carry does not run with --tree-routing-replay or --tree-flat-packing yet")
+        pattern = (_get(args, "tree_hybrid_pattern") or "") + (_get(args, "hybrid_override_pattern") or "")
+        if "M" in pattern or _get(args, "multi_latent_attention") or _get(args, "experimental_attention_variant"):
+            errors.append("--tree-carry carries attention and Gated DeltaNet state only: not yet Mamba layers ('M'), "
+                          "MLA or DSA")
 
     # -- parallelism
     if _get(args, "num_experts") and _get(args, "moe_token_dispatcher_type") == "allgather":

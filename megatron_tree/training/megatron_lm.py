@@ -438,6 +438,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, ar
     timers = _timers()
     if timers is not None:
         timers("batch-generator", log_level=2).start()
+    if getattr(args, "tree_carry", False):
+        return _carry_forward_step(data_iterator, model, args, timers)
     psp = get_batch(data_iterator, device=next(model.parameters()).device)
     # under CP each rank keeps its owned rows of the plan --tree-cp-planner makes (the same on every rank)
     psp = context_parallel_params(psp, model, strategy=args.tree_cp_planner)
@@ -451,6 +453,32 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, ar
                            check_for_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
 
 
+def _carry_forward_step(data_iterator, model, args, timers):
+    """``--tree-carry``: the next carry item (fill, run or restore; `megatron.carry`) of this rank's
+    step. One process reads its own items: carry runs without tensor, context or pipeline parallelism
+    here (refused by `arguments.validate_tree_args`)."""
+    from ..megatron.carry import CarryItem
+    from ..megatron.forward_step import carry_forward
+
+    item = next(data_iterator)
+    if not isinstance(item, CarryItem):
+        raise ValueError("--tree-carry: the data iterator must yield carry items (MicrobatchStream(carry=True))")
+    if timers is not None:
+        timers("batch-generator").stop()
+    make_loss = lambda loss_map: partial(
+        loss_func, loss_map, loss_type=args.tree_loss, clip_eps=args.tree_clip_eps,
+        clip_eps_high=args.tree_clip_eps_high, kl_coef=args.tree_kl_coef,
+        entropy_coef=float(getattr(args, "tree_entropy_coef", 0.0) or 0.0),
+        check_for_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
+    if item.mb.carry is None:  # a padding microbatch of the step
+        from ..megatron.packed_seq import tree_packed_seq_params
+
+        psp = tree_packed_seq_params(item.mb, next(model.parameters()).device, return_entropy=True)
+        out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+        return out, make_loss(psp.loss_map)
+    return carry_forward(item, model, make_loss, return_entropy=True)
+
+
 # -------------------------------------------------------------------------------------------- data
 class MicrobatchStream:
     """Iterator over a `TreeDataPipeline`'s microbatches, step after step (what Megatron-LM's
@@ -460,8 +488,8 @@ class MicrobatchStream:
     being consumed (its statistics: tree_token_ratio, num_targets, ...).
     """
 
-    def __init__(self, pipeline, name: str = "train"):
-        self.pipeline, self.name = pipeline, name
+    def __init__(self, pipeline, name: str = "train", *, carry: bool = False):
+        self.pipeline, self.name, self.carry = pipeline, name, carry
         self.step = None
         self._steps = None
         self._pending: deque = deque()
@@ -479,7 +507,12 @@ class MicrobatchStream:
                 raise ValueError(f"{self.name} data: {e}. With Megatron-LM: microbatches per rank = "
                                  "--global-batch-size / data-parallel size; raise it, or "
                                  "--tree-max-tokens-per-mb, or lower --tree-global-batch-samples") from e
-            self._pending.extend(self.step.microbatches)
+            if self.carry:  # fill / run, then restores, sharing the step's store (`megatron.carry`)
+                from ..megatron.carry import carry_items
+
+                self._pending.extend(carry_items(self.step.microbatches))
+            else:
+                self._pending.extend(self.step.microbatches)
         return self._pending.popleft()
 
     def close(self) -> None:
@@ -549,7 +582,7 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
         seed=int(getattr(args, "seed", 0) or 0), num_epochs=None, shuffle=shuffle,
         pad_to_multiple_of=args.tree_pad_to_multiple_of, microbatches_per_rank=per_rank,
         lookahead=args.tree_lookahead, share_prefixes=not getattr(args, "tree_flat_packing", False),
-        mtp_tail=mtp_tail_rows(args), **_route_kwargs(args))
+        mtp_tail=mtp_tail_rows(args), carry=bool(getattr(args, "tree_carry", False)), **_route_kwargs(args))
     _skip_steps(pipe, start_step)
     return pipe
 
@@ -582,11 +615,11 @@ def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage
     dp_rank, dp_size = _data_parallel()
     start = int(getattr(args, "iteration", 0) or 0)
     train = MicrobatchStream(build_pipeline(args.tree_data_path, args, dp_rank=dp_rank, dp_size=dp_size,
-                                            start_step=start), "train")
+                                            start_step=start), "train", carry=bool(getattr(args, "tree_carry", False)))
     valid = None
     if getattr(args, "tree_valid_data_path", None):
         valid = MicrobatchStream(build_pipeline(args.tree_valid_data_path, args, dp_rank=dp_rank, dp_size=dp_size,
-                                                shuffle=False), "valid")
+                                                shuffle=False), "valid", carry=bool(getattr(args, "tree_carry", False)))
     p = train.pipeline
     _print_rank_0(f"> tree data: {len(p.samples)} training samples, {p.global_batch_samples} per step in "
                   f"{p.microbatches_per_rank} microbatches/rank x {dp_size} DP ranks, budget {p.max_tokens_per_mb} "

@@ -1,11 +1,12 @@
 """Carry (issue 25): every row of a step computed once, at any row budget.
 
 Planner: ``pack(..., carry=True)`` against the unlimited-budget pack of the same samples (rows
-computed, occurrences, tokens and depths of every carried row). Execution: a float64 GPT (window +
-learned sinks) trained through Megatron's schedule on carry items equals the same model on the
-whole trees (unlimited budget; itself equal to per-sample stock training, `megatron-tree verify`),
-in loss and every parameter gradient; planted faults (no gradient restoration, a gradient injected
-twice) fail.
+computed, occurrences, tokens and depths of every carried row). Execution: float64 models trained
+through Megatron's schedule on carry items (GPT with window + learned sinks, hybrids with Gated
+DeltaNet and Mamba-2 layers, MambaModel with MoE, MLA; recompute none / selective / full) equal the
+same model on the whole trees (unlimited budget; itself equal to per-sample stock training,
+`megatron-tree verify`), in loss and every parameter gradient; planted faults (no gradient
+restoration, a gradient injected twice) fail; DSA refuses clearly.
 """
 from __future__ import annotations
 
@@ -145,8 +146,10 @@ CASES = [dict(budget=12), dict(budget=16, window=9, sinks=True), dict(budget=12,
          dict(budget=12, recompute="selective"), dict(budget=12, kind="hybrid", pattern="G*G-"),
          dict(budget=8, kind="hybrid", pattern="GG", recompute="full"),
          dict(budget=12, fault="detach"), dict(budget=12, fault="twice"),
-         dict(budget=12, kind="hybrid", pattern="GG", fault="detach"), dict(budget=12, kind="hybrid", pattern="M*")]
-REFUSED = [len(CASES) - 1]
+         dict(budget=12, kind="hybrid", pattern="GG", fault="detach"), dict(budget=12, kind="dsa"),
+         dict(budget=12, kind="hybrid", pattern="M*G-"), dict(budget=8, kind="mamba", pattern="MM*E", recompute="selective"),
+         dict(budget=12, kind="mla"), dict(budget=12, kind="hybrid", pattern="MM", fault="twice")]
+REFUSED = [9]
 FAULTS = [k for k, c in enumerate(CASES) if "fault" in c]
 
 
@@ -170,8 +173,8 @@ def test_planted_carry_faults_fail(trained, k):
     assert trained[k]["grads"] > 1e-3, (CASES[k], trained[k])
 
 
-def test_mamba_refuses_carry_clearly(trained):
-    assert "TreeMambaMixer does not carry state across microbatches yet" in trained[REFUSED[0]]["error"]
+def test_dsa_refuses_carry_clearly(trained):
+    assert "TreeDSAttention does not carry state across microbatches yet" in trained[REFUSED[0]]["error"]
 
 
 def test_data_pipeline_with_carry_shards_groups_and_equalises_items():

@@ -239,3 +239,32 @@ def test_tree_ssd_mamba_backend_matches_torch():
     torch.testing.assert_close(outs["mamba"][0], outs["torch"][0], atol=1e-2 * scale, rtol=1e-2)
     for name, a, b in zip("x dt A B C D".split(), outs["mamba"][1], outs["torch"][1]):
         torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max(), rtol=2e-2, msg=name)
+
+
+def test_tree_ssd_initial_and_final_states_continue_a_cut_chain():
+    """A chain cut in two: the second part from the first part's final state (``final_segments``,
+    ``initial_state`` / ``initial_index``) equals the whole chain, in value and in every gradient;
+    two roots may start from one state (carry's forks under a carried row)."""
+    H, P, G, S, n1, n2 = 4, 3, 2, 5, 11, 9
+    x, dt, A, B, C, _ = _tree_inputs(n1 + n2, H, P, G, S, seed=3)
+    ins = [t.detach().clone().requires_grad_(True) for t in (x, dt, A, B, C)]
+    whole = tree_ssd(*ins, TreeLayout.from_segments([n1 + n2], [-1]), backend="torch", chunk_size=4)
+    w = torch.randn_like(whole)
+    (whole * w).sum().backward()
+    want = [t.grad.clone() for t in ins]
+    for t in ins:
+        t.grad = None
+    xs, dts, _, Bs, Cs = ins
+    a = slice(0, n1)
+    y1, fin = tree_ssd(xs[a], dts[a], ins[2], Bs[a], Cs[a], TreeLayout.from_segments([n1], [-1]), backend="torch",
+                       chunk_size=4, final_segments=[0])
+    b = slice(n1, n1 + n2)
+    # the second part twice, as two roots that start from the same state
+    cat = lambda t: torch.cat([t[b], t[b]])
+    y2 = tree_ssd(cat(xs), cat(dts), ins[2], cat(Bs), cat(Cs), TreeLayout.from_segments([n2, n2], [-1, -1]),
+                  backend="torch", chunk_size=4, initial_state=fin, initial_index=[0, 0])
+    torch.testing.assert_close(torch.cat([y1, y2[:n2]]), whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(y2[n2:], y2[:n2], rtol=0, atol=0)
+    (torch.cat([y1, 0.5 * y2[:n2] + 0.5 * y2[n2:]]) * w).sum().backward()
+    for t, g in zip(ins, want):
+        torch.testing.assert_close(t.grad, g, rtol=0, atol=1e-11)

@@ -86,4 +86,4 @@ def refuse_carry(packed_seq_params, who: str) -> None:
     view = getattr(packed_seq_params, "carry", None)
     if view is not None and (len(view.carried_keys) or len(view.exported_keys)):
         raise ValueError(f"{who} does not carry state across microbatches yet (pack(..., carry=True) / --tree-carry): "
-                         "attention and Gated DeltaNet layers do; pack this model without carry")
+                         "attention (MLA included), Gated DeltaNet and Mamba-2 layers do; pack this model without carry")

@@ -37,6 +37,7 @@ so importing the module itself never fails.
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from typing import Optional
 
 import torch
@@ -48,7 +49,6 @@ from megatron.core.utils import deprecate_inference_params
 from ..compat.mixers import mamba_conv_params, stock_kwargs
 from ..ops.causal_conv1d import tree_causal_conv1d
 from ..ops.ssd import tree_ssd
-from .carry import refuse_carry
 from .gdn import _check_rows, _check_tree_input, _require_cpu_shims, _wide, spec_provider
 from .packed_seq import get_tree_layout
 
@@ -114,7 +114,6 @@ class _TreeMambaMixerImpl:
         if inference_context is not None:
             raise ValueError(f"{who} is a training module: inference over a tree is not supported")
         layout = get_tree_layout(packed_seq_params)
-        refuse_carry(packed_seq_params, type(self).__name__)
         _check_tree_input(hidden_states, who)
         if self.config.context_parallel_size > 1:
             return self._forward_cp(hidden_states, packed_seq_params)
@@ -125,12 +124,22 @@ class _TreeMambaMixerImpl:
         zxBCdt, _ = self.in_proj(hidden_states)
         zxBCdt = zxBCdt.squeeze(1)
         N = zxBCdt.shape[0]
-        _check_rows(N, layout, who, self.pg_collection.tp.size() if self.config.sequence_parallel else 1)
+        carry = getattr(packed_seq_params, "carry", None)
+        if carry is None:
+            _check_rows(N, layout, who, self.pg_collection.tp.size() if self.config.sequence_parallel else 1)
+        elif N != len(carry.own):
+            raise ValueError(f"{who}: carry: the input covers {N} rows but the microbatch owns {len(carry.own)}")
         z, xBC, dt = torch.split(zxBCdt, [d_inner, d_inner + 2 * G * S, H], dim=-1)
 
         # Halos follow the root path, so a child segment continues its parent's tail, never a sibling's.
-        xBC = tree_causal_conv1d(xBC, cp.get_conv1d_weight().squeeze(1), cp.get_conv1d_bias(), layout,
-                                 activation="silu")
+        if carry is not None:  # own rows only: halos and states continue carried rows (the step's store)
+            from ..cp.execution.carry import carried_conv  # the executor sits below this package
+
+            xBC = carried_conv(xBC, cp.get_conv1d_weight().squeeze(1), cp.get_conv1d_bias(), layout, carry,
+                               ("mamba", self.layer_number), activation="silu")
+        else:
+            xBC = tree_causal_conv1d(xBC, cp.get_conv1d_weight().squeeze(1), cp.get_conv1d_bias(), layout,
+                                     activation="silu")
         x, B, C = torch.split(xBC, [d_inner, G * S, G * S], dim=-1)
         x = x.reshape(N, H, P)
         B = B.reshape(N, G, S)
@@ -141,11 +150,18 @@ class _TreeMambaMixerImpl:
         A = -torch.exp(_wide(cp.get_A_log()))
         dt = F.softplus(dt.to(cdt) + _wide(cp.get_dt_bias()).to(cdt))
         D = cp.get_D()
+        if carry is not None:
+            from ..cp.execution.carry import carried_mamba_ssd
+
+            ssd = partial(carried_mamba_ssd, layout=layout, view=carry, key=("mamba", self.layer_number),
+                          backend=self.backend, chunk_size=self.chunk_size)
+        else:
+            ssd = partial(tree_ssd, layout=layout, backend=self.backend, chunk_size=self.chunk_size)
         if self.D_has_hdim:
-            y = tree_ssd(x, dt, A, B, C, layout, backend=self.backend, chunk_size=self.chunk_size)
+            y = ssd(x, dt, A, B, C)
             y = (y.to(cdt) + x.to(cdt) * D.to(cdt).reshape(H, P)).to(x.dtype)
         else:
-            y = tree_ssd(x, dt, A, B, C, layout, D=D, backend=self.backend, chunk_size=self.chunk_size)
+            y = ssd(x, dt, A, B, C, D=D)
         y = y.reshape(N, d_inner)
 
         if self.rmsnorm:

@@ -16,6 +16,7 @@ Backends: ``"torch"`` (chunked SSD below, exact in float64, runs everywhere) and
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -249,7 +250,7 @@ def _check_tree(x, dt, A, B, C, D, layout):
 
 
 def tree_ssd(x, dt, A, B, C, layout: TreeLayout, *, D=None, backend: str = "auto",
-             chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+             chunk_size: int = CHUNK_SIZE, initial_state=None, initial_index=None, final_segments=None):
     """Mamba-2 SSD over a prefix forest, token-major.
 
     x [N,H,P], dt [N,H] (already positive: after bias and softplus), A [H] (negative),
@@ -263,6 +264,12 @@ def tree_ssd(x, dt, A, B, C, layout: TreeLayout, *, D=None, backend: str = "auto
 
     Segments of a level are grouped by length (next power of two) and each group runs as one batch
     ``[n_segments, T_group, ...]`` padded with dt = 0 steps, so padding never exceeds 2x per group.
+
+    ``initial_state`` [b,H,P,S] with ``initial_index`` [num_segments] (host ints): a root segment ``s`` with
+    ``initial_index[s] >= 0`` starts from ``initial_state[initial_index[s]]`` instead of zero (the
+    state a previous computation ended with; carry). ``final_segments`` [F]: then returns
+    ``(y, final [F,H,P,S])``, the state after each of those segments (float32 for half inputs).
+    Both differentiable.
     """
     _check_tree(x, dt, A, B, C, D, layout)
     name = select_backend("tree_ssd", backend, x, _GPU_BACKENDS)
@@ -272,7 +279,19 @@ def tree_ssd(x, dt, A, B, C, layout: TreeLayout, *, D=None, backend: str = "auto
     cdt = _compute_dtype(x.dtype)
     layout = layout.to(x.device) if layout.device != x.device else layout
     if N == 0:  # an empty shard still returns a result attached to every input's graph
-        return x.new_zeros(0, H, P) + 0 * (dt.sum() + A.sum() + B.sum() + C.sum())
+        y0 = x.new_zeros(0, H, P) + 0 * (dt.sum() + A.sum() + B.sum() + C.sum())
+        return y0 if final_segments is None else (y0, x.new_zeros(0, H, P, B.shape[2], dtype=cdt))
+    idx0 = None
+    if initial_state is not None:
+        idx0 = torch.as_tensor(np.asarray(initial_index, dtype=np.int64), device=x.device)
+        if idx0.shape != (layout.num_segments,):
+            raise ValueError(f"initial_index must have shape [{layout.num_segments}]; got {tuple(idx0.shape)}")
+        init_ext = torch.cat([initial_state.to(cdt), initial_state.new_zeros((1,) + tuple(initial_state.shape[1:]),
+                                                                             dtype=cdt)])
+        idx0 = torch.where(idx0 >= 0, idx0, initial_state.shape[0])
+    want = None if final_segments is None else torch.as_tensor(np.asarray(final_segments, dtype=np.int64),
+                                                               device=x.device)
+    got_segs, got_states = [], []
 
     # Padded steps (row index N) get dt = 0 from a sentinel row: no decay, no input, so the state
     # passes through unchanged. x, B and C there are read from any real row (dt = 0 cancels them,
@@ -285,6 +304,8 @@ def tree_ssd(x, dt, A, B, C, layout: TreeLayout, *, D=None, backend: str = "auto
     for depth, level in enumerate(level_schedule(layout, include_padding=False)):
         segs, parent, lengths, rows = level.segments, level.parent, level.lengths, level.rows
         init_all = None if depth == 0 else prev_final[slot[parent]]
+        if depth == 0 and idx0 is not None:
+            init_all = init_ext[idx0[segs]]
         finals, order = [], []
         for idx in _length_buckets(lengths):
             T = int(lengths[idx].max().item())
@@ -301,6 +322,10 @@ def tree_ssd(x, dt, A, B, C, layout: TreeLayout, *, D=None, backend: str = "auto
         order = torch.cat(order)
         slot[segs[order]] = torch.arange(order.numel(), device=x.device)
         prev_final = torch.cat(finals)
+        if want is not None:
+            hit = torch.isin(segs[order], want)
+            got_segs.append(segs[order][hit])
+            got_states.append(prev_final[hit])
 
     if layout.num_padding:
         # A padding row is a one-step sequence from a zero state: y = dt (C.B) x.
@@ -312,4 +337,12 @@ def tree_ssd(x, dt, A, B, C, layout: TreeLayout, *, D=None, backend: str = "auto
     y = torch.zeros(N, H, P, dtype=cdt, device=x.device).index_copy(0, torch.cat(out_rows), torch.cat(out_vals))
     if D is not None:
         y = y + x.to(cdt) * _skip_weight(D, cdt)
-    return y.to(x.dtype)
+    if want is None:
+        return y.to(x.dtype)
+    segs_all = torch.cat(got_segs) if got_segs else want.new_zeros(0)
+    states = torch.cat(got_states) if got_states else y.new_zeros((0, H, P, B.shape[2]))
+    pos = torch.full((layout.num_segments,), -1, dtype=torch.long, device=x.device)
+    pos[segs_all] = torch.arange(segs_all.numel(), device=x.device)
+    if (pos[want] < 0).any():
+        raise ValueError("final_segments must name real (non-padding) segments")
+    return y.to(x.dtype), states[pos[want]]

@@ -94,8 +94,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Every row of a step computed once at any --tree-max-tokens-per-mb: a tree (or one path) over "
                         "the budget is cut into microbatches that read their ancestors' layer state (K/V, Gated "
                         "DeltaNet state) from earlier microbatches of the step, with the gradient restored to them "
-                        "(one extra forward of each microbatch others read). Attention and GDN layers; not yet with "
-                        "Mamba, MLA/DSA, MTP, routing replay, TP/CP/PP.")
+                        "(one extra forward of each microbatch others read). Attention (MLA too), Gated DeltaNet and "
+                        "Mamba-2 layers; not yet DSA, MTP, routing replay, TP/CP/PP.")
     g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
                    help="Hybrid layer pattern, one letter per layer: M Mamba-2, G Gated DeltaNet, "
                         "* attention, - MLP, E MoE ('|' marks pipeline stages and is ignored). "
@@ -213,10 +213,9 @@ def validate_tree_args(args) -> argparse.Namespace:
             errors.append("--tree-carry does not run with --mtp-num-layers yet")
         if _get(args, "tree_routing_replay") or _get(args, "tree_flat_packing"):
             errors.append("--tree-carry does not run with --tree-routing-replay or --tree-flat-packing yet")
-        pattern = (_get(args, "tree_hybrid_pattern") or "") + (_get(args, "hybrid_override_pattern") or "")
-        if "M" in pattern or _get(args, "multi_latent_attention") or _get(args, "experimental_attention_variant"):
-            errors.append("--tree-carry carries attention and Gated DeltaNet state only: not yet Mamba layers ('M'), "
-                          "MLA or DSA")
+        if _get(args, "experimental_attention_variant") == "dsa":
+            errors.append("--tree-carry carries attention (MLA included), Gated DeltaNet and Mamba-2 state: not yet "
+                          "DeepSeek sparse attention")
 
     # -- parallelism
     if _get(args, "num_experts") and _get(args, "moe_token_dispatcher_type") == "allgather":

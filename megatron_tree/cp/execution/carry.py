@@ -27,8 +27,11 @@ import torch
 from ...ops.attention import apply_sinks, merge_attention, tree_attention_partial
 from ...ops.causal_conv1d import tree_causal_conv1d
 from ...ops.gated_delta_rule import gated_delta_rule_forest, l2norm
+from ...ops.ssd import tree_ssd
+from ...tree.layout import TreeLayout
 
-__all__ = ["CarryStore", "CarryView", "inject_gradient", "carried_attention", "carried_gdn"]
+__all__ = ["CarryStore", "CarryView", "inject_gradient", "tie_gradient", "carried_attention", "carried_gdn",
+           "carried_conv", "carried_mamba_ssd"]
 
 #: TEST-ONLY fault switch (tests/test_carry.py): "detach" (readers' gradients are dropped: no restoration),
 #: "twice" (the accumulated gradient is injected twice). None in real use.
@@ -264,6 +267,55 @@ def _own_forest(layout, view: CarryView):
             seg_of[view.state_rows.cpu().numpy()])
 
 
+def carried_conv(x, weight, bias, layout, view: CarryView, key, *, activation="silu") -> torch.Tensor:
+    """The tree causal conv of the own rows' pre-conv channels ``x`` [n, C], whose halo reaches into
+    carried rows: their pre-conv channels come from the store (stored for every exported row), the
+    whole layout is convolved and the own rows returned ([n, C], ``activation`` applied)."""
+    (x,) = view.state((key, "conv"), [x])
+    full = x.new_zeros((layout.num_rows, x.shape[1])).index_copy(0, view.own, x)
+    carried = view.carried_state((key, "conv"))
+    if carried is not None:
+        full = full.index_copy(0, view.carried, carried[0].to(x.dtype))
+    silu = activation == "silu"
+    out = tree_causal_conv1d(full, weight, bias, layout, activation="silu" if silu else None)[view.own]
+    if not silu and activation is not None:
+        out = activation(out)
+    return out
+
+
+def _export_states(o, final, view: CarryView, key):
+    """Fill: store the final states after the state rows; restore: tie their gradient to ``o``."""
+    if len(view.state_keys):  # the final states feed no later op here: restore ties their gradient to o
+        rows = torch.arange(len(view.state_keys), device=final.device)
+        if view.phase == "fill":
+            view.state((key, "state"), [final], positions=rows, keys=view.state_keys)
+        elif view.phase == "restore":
+            o = tie_gradient(o, final, rows, view.store, (key, "state"), view.index, 0)
+    return o
+
+
+def carried_mamba_ssd(x, dt, A, B, C, layout, view: CarryView, key, *, D=None, backend: str = "auto",
+                      chunk_size: int = 128):
+    """Mamba-2 SSD of the own rows (x [n,H,P], dt [n,H], B/C [n,G,S]; `ops.ssd.tree_ssd`'s conventions),
+    continuing carried rows' state: the own rows form a layout of their own (segments end at the state
+    rows) whose roots under a carried row start from its stored state. Returns y [n,H,P]."""
+    seg_start, seg_len, seg_parent, init_index, parents, final_segs = _own_forest(layout, view)
+    n_pad = layout.num_padding
+    real = int(np.searchsorted(seg_start, x.shape[0] - n_pad))  # segments of real rows; padding rows follow
+    own_layout = TreeLayout.from_segments(seg_len[:real], seg_parent[:real], num_padding=n_pad).to(x.device)
+    init = None
+    if len(parents):
+        (init,) = view.carried_state((key, "state"), parents)
+    idx = np.concatenate([init_index[:real], np.full(n_pad, -1, np.int64)])
+    out = tree_ssd(x, dt, A, B, C, own_layout, D=D, backend=backend, chunk_size=chunk_size,
+                   initial_state=init, initial_index=idx if init is not None else None,
+                   final_segments=final_segs if len(view.state_keys) else None)
+    if not len(view.state_keys):
+        return out
+    y, final = out
+    return _export_states(y, final, view, key)
+
+
 def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, key, *, num_k_heads: int,
                 head_k_dim: int, head_v_dim: int, activation="silu", qk_l2norm: bool = True, scale=None):
     """Gated DeltaNet (conv + recurrence) of the own rows, continuing carried rows' state.
@@ -275,16 +327,7 @@ def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, k
     Returns o [n, HV, V], equal to the whole-tree layer at those rows (torch reference path)."""
     n, H, K, V = qkv.shape[0], int(num_k_heads), int(head_k_dim), int(head_v_dim)
     HV = int(g.shape[1])
-    (qkv,) = view.state((key, "conv"), [qkv])
-    full = qkv.new_zeros((layout.num_rows, qkv.shape[1]))
-    full = full.index_copy(0, view.own, qkv)
-    carried = view.carried_state((key, "conv"))
-    if carried is not None:
-        full = full.index_copy(0, view.carried, carried[0].to(qkv.dtype))
-    silu = activation == "silu"
-    conv = tree_causal_conv1d(full, conv_weight, conv_bias, layout, activation="silu" if silu else None)[view.own]
-    if not silu and activation is not None:
-        conv = activation(conv)
+    conv = carried_conv(qkv, conv_weight, conv_bias, layout, view, key, activation=activation)
     q, k, v = torch.split(conv, [H * K, H * K, HV * V], dim=-1)
     q, k, v = q.reshape(n, H, K), k.reshape(n, H, K), v.reshape(n, HV, V)
     if qk_l2norm:
@@ -296,10 +339,4 @@ def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, k
     o, final = gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, initial_state=init,
                                        initial_index=init_index if init is not None else None,
                                        final_segments=final_segs, scale=scale)
-    if len(view.state_keys):  # the final states feed no later op here: restore ties their gradient to o
-        rows = torch.arange(len(view.state_keys), device=final.device)
-        if view.phase == "fill":
-            view.state((key, "state"), [final], positions=rows, keys=view.state_keys)
-        elif view.phase == "restore":
-            o = tie_gradient(o, final, rows, view.store, (key, "state"), view.index, 0)
-    return o
+    return _export_states(o, final, view, key)

@@ -21,7 +21,7 @@ def cmd_stats(args) -> int:
 
     samples, what = _load_samples(args)
     budget = args.max_tokens_per_mb or default_budget(samples)
-    if args.carry:
+    if getattr(args, "carry", False):  # cmd_demo calls this with its own namespace
         return _carry_report(samples, what, budget, args.pad_to_multiple_of)
     mbs = pack(samples, budget, pad_to_multiple_of=args.pad_to_multiple_of)
     tot = summarize(mbs)
@@ -166,6 +166,7 @@ def cmd_verify(args) -> int:
     cfg.mtp_num_layers = args.mtp_num_layers
     cfg.mtp_pattern = args.mtp_pattern
     cfg.routing_replay = args.routing_replay
+    cfg.carry = args.carry
     out = run_verify(cfg)
     print(format_report(cfg, out))
     return 0 if out["passed"] else 1
@@ -240,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rollout routing replay: samples carry MoE routes that disagree on shared prefixes; the tree "
                          "side packs route-aware and replays per row, the per-sample side replays through stock "
                          "RouterReplay (dense models get 4 experts in every layer)")
+    vf.add_argument("--carry", action="store_true",
+                    help="the tree side packs with carry (every row once per step at --max-tokens-per-mb: trees and "
+                         "paths over it are cut into microbatches that read their ancestors' layer state, with the "
+                         "gradient restored) and trains through fill / run / restore items")
     vf.add_argument("--mtp-num-layers", type=int, default=0,
                     help="multi-token prediction depths (--model gpt, mla, dsa, qwen3next; mamba and dsa need "
                          "megatron-core >= 0.19): the per-sample side is stock MTP (Megatron's "

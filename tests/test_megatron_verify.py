@@ -35,6 +35,13 @@ WS1 = [
     both(VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", fault="zero_state")),
     VerifyConfig(model="hybrid", pattern="G-", dtype="float64", fault="zero_state"),
     VerifyConfig(model="hybrid", pattern="M-", dtype="float64", fault="zero_state"),
+    # carry (issue 25): budget 16 < the longest sample (19) and every tree, so paths are cut into chains of
+    # 3+ microbatches and forks hang off carried rows; the planted carry faults must fail
+    both(VerifyConfig(model="gpt", window=9, sinks=True, budget=16, carry=True)),
+    both(VerifyConfig(model="hybrid", pattern="MG*-*E", budget=16, carry=True, recompute="selective")),
+    VerifyConfig(model="mla", budget=16, carry=True, loss="grpo"),
+    VerifyConfig(model="gpt", budget=16, carry=True, recompute="full", fault="carry_stale"),
+    VerifyConfig(model="hybrid", pattern="MG*-", budget=16, carry=True, fault="carry_detach"),
 ]
 
 WS2 = [
@@ -61,6 +68,9 @@ WS2 = [
     # GDN layout islands (on by default under CP): "GG-G" and "GM" run on the island ownership, rows move
     # only at the two attention boundaries (zigzag: the small batch's balanced plan equals the island plan)
     both(VerifyConfig(model="hybrid", pattern="GG-G*GM", cp=2, cp_strategy="zigzag", dtype="float64")),
+    # carry under TP + SP and over two DP ranks (a carry group stays on one rank)
+    both(VerifyConfig(model="hybrid", pattern="MG*-", tp=2, sp=True, budget=16, carry=True)),
+    VerifyConfig(model="qwen3next", dp=2, budget=16, carry=True, recompute="full"),
 ]
 
 WS4 = [

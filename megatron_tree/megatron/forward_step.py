@@ -182,10 +182,11 @@ def _carry_forward_step(item, model, *, device, loss_type, clip_eps, clip_eps_hi
     return carry_forward(item, model, make_loss, device=device, return_entropy=bool(return_entropy or entropy_coef))
 
 
-def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool = False):
+def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool = False, logits: bool = False):
     """One carry item (`megatron.carry`) through ``model``: fill (forward without autograd, state
     into the store; the schedule backpropagates a zero), or run / restore (forward with autograd and
-    ``make_loss(loss_map)`` as the loss function). Returns ``(output, loss_func)`` for the schedule."""
+    ``make_loss(loss_map)`` as the loss function). ``logits``: the model returns its own rows' logits
+    (no loss map). Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
     if config.context_parallel_size > 1 or config.pipeline_model_parallel_size > 1:
         raise ValueError("carry (--tree-carry) does not run with context or pipeline parallelism yet")
@@ -194,9 +195,12 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
     dev = device if device is not None else next(model.parameters()).device
     psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)
     psp = carry_view(psp, item.mb, item.phase, item.store)
+    loss_map = psp.loss_map
+    if logits:
+        psp.loss_map = None
     if item.phase == "fill":
         with torch.no_grad():
             model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
         return fill_output(model), fill_loss
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
-    return out, make_loss(psp.loss_map)
+    return out, make_loss(loss_map)

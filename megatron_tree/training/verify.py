@@ -63,9 +63,13 @@ DSA_FAULTS = ("dsa_tie_order", "dsa_loss_weight")
 BF16_FAULTS = ("dsa_bf16_grad_sum",)
 # faults of routing replay runs only (routing_replay=True): the tree side's routes read one row off
 REPLAY_FAULTS = ("route_row_shift", "route_recompute_stale")
-ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
+# faults of carry runs only (carry=True), planted in the carry executor (`cp.execution.carry._FAULT`): the
+# readers' gradient dropped (a detached carry), the store changed after a reader read it (what a
+# recomputation would then re-read), the accumulated gradient injected twice
+CARRY_FAULTS = ("carry_detach", "carry_stale", "carry_twice")
+ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
-MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS
+MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS
 # faults of MTP runs (mtp_num_layers >= 1), planted in megatron.mtp for the tree side (`verify_mtp`)
 ALL_FAULTS += MTP_FAULTS
 MODEL_FAULTS += MTP_FAULTS
@@ -127,6 +131,9 @@ class VerifyConfig:
     mtp_num_layers: int = 0
     # model "mamba" with MTP (megatron-core >= 0.19's HybridModel): the inner layers of every MTP depth
     mtp_pattern: str = "*-"
+    # carry (`tree.carry`): the tree side packs with carry=True (every row once per step at ``budget``;
+    # trees over it cut into microbatches that read their ancestors' state) and runs carry items
+    carry: bool = False
 
     @property
     def world_size(self) -> int:
@@ -331,10 +338,28 @@ def _plant_nan(ddp, store: list, mine: list) -> None:
 
 
 def _logits_step(store, cp_strategy, data_iterator, model):
-    from ..megatron.forward_step import context_parallel_params
+    from ..megatron.carry import CarryItem
+    from ..megatron.forward_step import carry_forward, context_parallel_params
     from ..megatron.packed_seq import tree_packed_seq_params
 
     item = next(data_iterator)
+    if isinstance(item, CarryItem):
+        if item.mb.carry is None:
+            item = item.mb  # a padding microbatch
+        else:  # this microbatch's own rows: logits keyed by their step-global rows
+            keys = item.mb.carry.keys[item.mb.carry.own]
+
+            def carry_logits(loss_map):
+                def loss_func(output):
+                    store.append((keys, output.detach()[0].to(torch.float64 if output.dtype == torch.float64
+                                                              else torch.float32).cpu()))
+                    return output.sum() * 0, {}
+                return loss_func
+
+            out, loss_func = carry_forward(item, model, carry_logits, logits=True)
+            if item.phase == "fill":
+                return out, lambda output: (output.sum() * 0, {})
+            return out, loss_func
     mb, plan = item if isinstance(item, tuple) else (item, None)
     psp = context_parallel_params(tree_packed_seq_params(mb, next(model.parameters()).device), model, plan=plan,
                                   strategy=cp_strategy)
@@ -600,15 +625,24 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         samples = verify_routes(samples, *route_shape, margs.num_experts, cfg.seed)
     # DSA in the MTP layers: every sample's K trailing MTP positions as tail rows
     tail = mtp_tail_rows(probe)
-    mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay, mtp_tail=tail)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = mbs[dpr::dp]
+    if cfg.carry:
+        from ..tree.carry import assign_carry_groups
+
+        mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, carry=True)
+        ranks = assign_carry_groups(mbs, dp)
+        mine = [mbs[i] for i in ranks[dpr]]
+    else:
+        mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay, mtp_tail=tail)
+        mine = mbs[dpr::dp]
     if not mine:
         raise ValueError(f"only {len(mbs)} microbatches for {dp} DP ranks: raise --families")
     tree_mbs = [inject_fault(mb, cfg.fault) for mb in mine]
     pad = cfg.tp if cfg.sp else 1  # sequence parallelism splits rows evenly over TP ranks
     # the per-sample side is stock MTP at CP 1 (it rolls token 0 in itself), the tree MTP code under CP
-    flat_mbs = [pack([samples[i]], cfg.budget, pad_to_multiple_of=pad, mtp_tail=tail if cfg.cp > 1 else 0)[0]
+    # carry: a sample may be longer than the budget; the per-sample side runs it whole
+    flat_budget = max(cfg.budget, -(-max(len(s) for s in samples) // 8) * 8) if cfg.carry else cfg.budget
+    flat_mbs = [pack([samples[i]], flat_budget, pad_to_multiple_of=pad, mtp_tail=tail if cfg.cp > 1 else 0)[0]
                 for mb in mine for i in mb.sample_ids]
     # Every DP rank runs the same number of microbatches (MoE all-to-alls run once per microbatch
     # on every expert-parallel rank): top up with zero-loss padding microbatches.
@@ -623,7 +657,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # ~sqrt(#samples) more microbatches than the tree side has (5.9x on GDN's A_log at 34 samples),
     # an effect of the microbatch count, not of the tree. The float64 reference stays per sample.
     packed_mbs = [_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay) for mb in mine] if bf16 else None
-    tree_mbs += [filler] * (n_tree - len(tree_mbs))
+    if cfg.carry:  # the same number of schedule items on every DP rank (an exporting microbatch is two)
+        count = lambda rank_mbs: sum(1 + (len(mbs[i].carry.exported) > 0) for i in rank_mbs)
+        tree_mbs += [filler] * (max(count(r) for r in ranks) - count(ranks[dpr]))
+    else:
+        tree_mbs += [filler] * (n_tree - len(tree_mbs))
     # routing replay, per-sample side: each sample's own routes (then valid ones on its padding rows),
     # fed to stock RouterReplay (`_stock_replay`), never read from the tree side's packing
     flat_routes = ([_sample_routes(samples[i], fm.num_rows) for fm, i in
@@ -696,6 +734,13 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # model "dsa": the per-sample side is stock DSAttention; under tree CP it is our DSA on one CP rank
     # per sample (single-owner plan, as for every model), itself checked against stock by the CP=1 runs
     stock_flat = dsa and cfg.cp == 1
+    if cfg.carry:
+        from ..megatron.carry import CarryItem, carry_items
+
+        carry_mbs = list(tree_mbs)
+        tree_mbs = carry_items(carry_mbs)
+        # a fresh store per pass (the logits pass, the training step): the items again, from the microbatches
+        carry_again = lambda batch: carry_items(carry_mbs) if batch and isinstance(batch[0], CarryItem) else batch
     sides = [("tree", tree_mbs, dtype), ("flat", packed_mbs if bf16 else flat_mbs, dtype)]
     if bf16:  # the reference: per-sample training in float64 from the same initial weights
         sides.append(("ref", flat_mbs, torch.float64))
@@ -728,6 +773,12 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                 install_routing_replay(ddp.module)
         if side == "tree":
             plant_model_fault(ddp.module, cfg.fault)
+            if cfg.carry:
+                from ..cp.execution import carry as carry_exec
+
+                carry_exec._FAULT = {"carry_detach": "detach", "carry_stale": "stale",
+                                     "carry_twice": "twice"}.get(cfg.fault)
+                batch = carry_again(batch)
         store: list = []
         logits_step = partial(_logits_step, store, cfg.cp_strategy)
         get_forward_backward_func()(forward_step_func=wrap(logits_step) if wrap else logits_step,
@@ -744,7 +795,13 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
                 dsa_oracle.dsa_module().DSAIndexerLossLoggingHelper.tracker.clear()
                 selected = stack.enter_context(dsa_oracle.capture_stock_selected() if stock else capture_selected())
+            if cfg.carry and side == "tree":
+                batch = carry_again(batch)
             reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap)
+        if cfg.carry:
+            from ..cp.execution import carry as carry_exec
+
+            carry_exec._FAULT = None
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
             tot = tot.double()
@@ -777,6 +834,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     def sample_logits(side):
         """[(sample name, [L, V/tp] logits at the sample's rows in path order)], in the order of ``mine``."""
         logits = runs[side]["logits"]
+        if side == "tree" and cfg.carry:  # every row's logits come from its owner: gather by step-global row
+            by_key = {int(k): row for item in logits if isinstance(item, tuple)  # padding microbatches: none
+                      for k, row in zip(item[0].tolist(), item[1]) if k >= 0}
+            return [(f"sample {i}", torch.stack([by_key[int(k)] for k in mb.carry.keys[mb.sample_rows(i).numpy()]]))
+                    for mb in mine for i in mb.sample_ids]
         if side == "tree":
             return [(f"sample {i}", logits[j][mb.sample_rows(i)]) for j, mb in enumerate(mine) for i in mb.sample_ids]
         if side not in per_sample:  # flat-packed: microbatch j holds mine[j]'s samples as 0, 1, ...
@@ -850,6 +912,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         result["loss_value"] = float(lf)
         result["num_tokens_tree"], result["num_tokens_flat"] = int(t["loss"][1]), int(f["loss"][1])
     stats = [mb.stats for mb in mine]
+    if cfg.carry:
+        result["carry_microbatches"] = len(mine)
+        result["carried_rows"] = sum(len(mb.carry.carried) for mb in mine)
+        result["longest_sample"] = max(len(s) for s in samples)
     result["tree_rows"] = sum(s.tree_tokens for s in stats)
     result["flat_rows"] = sum(s.flat_tokens for s in stats)
     result["num_samples"] = sum(s.num_samples for s in stats)
@@ -969,6 +1035,14 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.routing_replay and cfg.dtype == "bfloat16":
             raise ValueError("verify --routing-replay runs in float64 / float32 (an expert choice is discrete: "
                              "bf16's judge compares against float64 per-sample training)")
+        if cfg.fault in CARRY_FAULTS and not cfg.carry:
+            raise ValueError(f"fault {cfg.fault} plants a bug in carry: it needs carry=True (--carry)")
+        if cfg.carry:
+            bad = [what for what, on in (("--cp", cfg.cp > 1), ("--pp", cfg.pp > 1), ("--mtp-num-layers", cfg.mtp_num_layers),
+                                         ("--routing-replay", cfg.routing_replay), ("--model dsa", cfg.model == "dsa"),
+                                         ("--inject-fault nan", cfg.fault == "nan")) if on]
+            if bad:
+                raise ValueError(f"verify --carry does not run with {', '.join(bad)} yet")
         if cfg.fault in REPLAY_FAULTS and not cfg.routing_replay:
             raise ValueError(f"fault {cfg.fault} plants a bug in routing replay: it needs routing_replay=True "
                              "(--routing-replay)")
@@ -1023,8 +1097,11 @@ def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
     out["loss_value"] = last[0]["loss_value"] if last else float("nan")
     # ranks of one DP group hold the same samples: count each DP rank once (TP/PP/CP replicas share them)
     rep = cfg.tp * cfg.pp * cfg.cp
-    for k in ("num_samples", "tree_rows", "flat_rows"):
-        out[k] = sum(r[k] for r in per_rank) // rep
+    for k in ("num_samples", "tree_rows", "flat_rows", "carry_microbatches", "carried_rows"):
+        if all(k in r for r in per_rank):
+            out[k] = sum(r[k] for r in per_rank) // rep
+    if all("longest_sample" in r for r in per_rank):
+        out["longest_sample"] = max(r["longest_sample"] for r in per_rank)
     return out
 
 
@@ -1039,9 +1116,14 @@ def format_report(cfg: VerifyConfig, out: dict) -> str:
         layout += f" gdn_cp_mode={cfg.gdn_cp_mode}"
     if cfg.routing_replay:
         layout += " routing_replay"
+    if cfg.carry:
+        layout += f" carry(budget={cfg.budget})"
     lines = [f"megatron-tree verify: {layout}",
              f"batch: {out['num_samples']} samples, {out['flat_rows']} flat rows -> {out['tree_rows']} tree rows; "
              f"loss {out['loss_value']:.6f}"]
+    if cfg.carry and out.get("carry_microbatches"):
+        lines.append(f"carry: {out['carry_microbatches']} microbatches of <= {cfg.budget} owned rows, "
+                     f"{out['carried_rows']} carried rows read, {out['longest_sample']} tokens in the longest sample")
     if cfg.dtype == "bfloat16":
         lines.append(f"||side - ref|| / ||ref|| against per-sample float64 training from the same "
                      f"initial weights; "

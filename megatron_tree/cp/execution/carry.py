@@ -33,8 +33,10 @@ from ...tree.layout import TreeLayout
 __all__ = ["CarryStore", "CarryView", "inject_gradient", "tie_gradient", "carried_attention", "carried_gdn",
            "carried_conv", "carried_mamba_ssd"]
 
-#: TEST-ONLY fault switch (tests/test_carry.py): "detach" (readers' gradients are dropped: no restoration),
-#: "twice" (the accumulated gradient is injected twice). None in real use.
+#: TEST-ONLY fault switch (tests/test_carry.py, verify --inject-fault carry_*): "detach" (readers' gradients
+#: are dropped: no restoration), "twice" (the accumulated gradient is injected twice), "stale" (every
+#: read perturbs the stored state afterwards, as a later microbatch overwriting the store would: a
+#: recomputation then re-reads other values than its first pass). None in real use.
 _FAULT: str | None = None
 
 
@@ -74,7 +76,10 @@ class CarryStore:
         out = []
         for t in range(len(per_owner[0][0].values)):
             vals = [e.values[t][pos.to(e.values[t].device)] for e, pos in per_owner]
-            leaf = torch.cat(vals)[where.to(vals[0].device)].detach()
+            leaf = torch.cat(vals)[where.to(vals[0].device)].detach()  # a new tensor: cat + gather
+            if _FAULT == "stale":
+                for e, _ in per_owner:
+                    e.values[t].mul_(1.001)
             if torch.is_grad_enabled():
                 leaf.requires_grad_(True)
                 leaf.register_hook(self._accumulate_hook(per_owner, where, t, [len(p) for p in parts]))

@@ -99,7 +99,8 @@ def _train_body(cases):
     from megatron.core import parallel_state as ps
 
     from megatron_tree.cp.execution import carry as carry_exec
-    from megatron_tree.megatron.carry import carry_items
+    from megatron_tree.cp.planning.carry import carry_store_bytes
+    from megatron_tree.megatron.carry import carry_geometry, carry_items
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals
     from megatron_tree.training.models import wrap_ddp
 
@@ -121,6 +122,9 @@ def _train_body(cases):
                 items = carry_items(pack(samples, case["budget"], carry=True, pad_to_multiple_of=4))
                 try:
                     reports = forward_backward(ddp, items, loss_type="sft")
+                    res["store"] = (items[0].store.nbytes(),
+                                    sum(carry_store_bytes([it.mb for it in items if it.phase == "fill"],
+                                                          carry_geometry(ddp.module))))
                 except ValueError as e:  # a layer kind that refuses carry
                     out.append(dict(error=str(e)))
                     ps.destroy_model_parallel()
@@ -138,7 +142,7 @@ def _train_body(cases):
         a, b = res["carry"], res["whole"]
         err = max(float((a["grads"][n] - g).abs().max() / g.abs().max().clamp(min=1e-30)) for n, g in b["grads"].items())
         out.append(dict(loss=float(abs(a["loss"][0] / a["loss"][1] - b["loss"][0] / b["loss"][1])),
-                        tokens=(float(a["loss"][1]), float(b["loss"][1])), grads=err))
+                        tokens=(float(a["loss"][1]), float(b["loss"][1])), grads=err, store=res["store"]))
     return out
 
 
@@ -167,6 +171,8 @@ def test_carry_training_equals_whole_trees(trained, k):
     # cancellation, and a recurrence cut at a microbatch boundary chunks differently (2e-10 measured);
     # attention-only models agree to ~1e-15
     assert r["loss"] < 1e-12 and r["grads"] < 1e-9, (CASES[k], r)
+    measured, predicted = r["store"]
+    assert measured > 0 and measured == predicted, r  # the plan's store bytes, exactly (`carry_store_bytes`)
 
 
 @pytest.mark.parametrize("k", FAULTS)
@@ -180,7 +186,8 @@ def test_dsa_refuses_carry_clearly(trained):
 
 def test_data_pipeline_with_carry_shards_groups_and_equalises_items():
     from megatron_tree.data.pipeline import TreeDataPipeline
-    from megatron_tree.megatron.carry import carry_items
+    from megatron_tree.cp.planning.carry import carry_store_bytes
+    from megatron_tree.megatron.carry import carry_geometry, carry_items
 
     samples = _samples(2) * 2  # two windows
     steps = []

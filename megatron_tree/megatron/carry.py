@@ -23,7 +23,7 @@ from ..cp.execution.carry import CarryStore, CarryView
 from ..cp.planning.carry import carry_phases
 from ..tree.loss_map import LossMap
 
-__all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "refuse_carry"]
+__all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "refuse_carry", "carry_geometry"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,3 +87,38 @@ def refuse_carry(packed_seq_params, who: str) -> None:
     if view is not None and (len(view.carried_keys) or len(view.exported_keys)):
         raise ValueError(f"{who} does not carry state across microbatches yet (pack(..., carry=True) / --tree-carry): "
                          "attention (MLA included), Gated DeltaNet and Mamba-2 layers do; pack this model without carry")
+
+
+def carry_geometry(model):
+    """The `cp.planning.carry.CarryGeometry` of ``model`` (this process's modules: one TP rank's heads,
+    one pipeline stage's layers), for predicting the carry store (`carry_store_bytes`).
+
+    Attention stores K and V per head group (MLA: its per-head K and V); GDN its pre-conv channels and
+    state; Mamba-2 its pre-conv ``x | B | C`` and state. Element sizes follow the parameters' dtype
+    (states fp32, float64 in a float64 model)."""
+    from ..cp.planning.carry import CarryGeometry
+    from .attention import TreeDotProductAttention
+    from .gdn import TreeGatedDeltaNet
+
+    pattern, kv, gdn, mamba = [], None, None, None
+    for m in model.modules():
+        if isinstance(m, TreeDotProductAttention):
+            pattern.append("*")
+            heads = m.num_query_groups_per_partition
+            if getattr(m.config, "multi_latent_attention", False):
+                heads = m.num_heads_per_partition  # MLA's core attention gets K / V per head
+            if m.k_channels != m.v_channels:  # K and V widths differ (MLA): count their mean width twice
+                kv = (heads, (m.k_channels + m.v_channels) / 2)
+            else:
+                kv = (heads, m.k_channels)
+        elif isinstance(m, TreeGatedDeltaNet):
+            pattern.append("G")
+            tp = m.tp_size
+            gdn = (m.num_key_heads // tp, m.num_value_heads // tp, m.key_head_dim, m.value_head_dim)
+        elif type(m).__name__ == "TreeMambaMixer":
+            pattern.append("M")
+            mamba = (m.nheads_local_tp, m.headdim, m.ngroups_local_tp, m.d_state)
+    dtype = next(model.parameters()).dtype
+    act = torch.finfo(dtype).bits // 8
+    kw = {k: v for k, v in (("kv", kv), ("gdn", gdn), ("mamba", mamba)) if v is not None}
+    return CarryGeometry("".join(pattern), act_bytes=act, state_bytes=8 if dtype == torch.float64 else 4, **kw)

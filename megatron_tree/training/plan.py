@@ -78,6 +78,16 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--hidden-size", type=int, default=2048, help="hidden width moved at GDN island boundaries")
     parser.add_argument("--gdn-layers-per-island", type=int, default=3, metavar="N",
                         help="consecutive GDN layers between attention layers (default 3)")
+    parser.add_argument("--carry", action="store_true",
+                        help="plan carry instead (pack(..., carry=True) at --max-tokens-per-mb): per microbatch and per "
+                             "DP rank the rows computed, carried rows read, rows and states stored and the carry "
+                             "store's bytes for --pattern / --kv / --gdn-heads / --mamba-dims")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks the carry plan is spread over (default 1)")
+    parser.add_argument("--pattern", default="*-" * 16, metavar="LETTERS",
+                        help="--carry: the model's layers (* attention, G GDN, M Mamba-2, - MLP, E MoE; default 16 x '*-')")
+    parser.add_argument("--kv", type=lambda t: _shape(t, 2, "--kv"), default=(8, 128), metavar="HEADS,DIM",
+                        help="--carry: attention key/value heads and head dim of one TP rank (default 8,128)")
+    parser.add_argument("--act-bytes", type=int, default=2, help="--carry: bytes per activation element (default 2)")
     parser.add_argument("--gdn-cost", default=None, metavar="gpu|cpu|FILE.json",
                         help="GDN cost model: GPU defaults, the shipped CPU fit (tools/bench_cp_gdn.py --calibrate) or "
                              "a JSON; default: gpu with CUDA, else cpu")
@@ -150,6 +160,11 @@ def run_plan(argv_or_args=None) -> int:
             raise ValueError(f"{what}: no samples")
         toks = [s.tokens for s in samples]
         budget = args.max_tokens_per_mb
+        if getattr(args, "carry", False):
+            if budget is None:
+                raise ValueError("--carry needs --max-tokens-per-mb (the budget the trees are cut at)")
+            print(carry_plan_report(samples, what, budget, args))
+            return 0
         if budget is None:
             budget = max(int(PrefixPlan(toks).tree_rows().max()), max(len(t) for t in toks))
         mbs = pack(samples, budget)
@@ -190,6 +205,39 @@ def run_plan(argv_or_args=None) -> int:
         out = plot_plan(mb.layout, plan, args.plot, window=args.window)
         print(f"plot of CP{cp} ({plan.strategy}) written to {out}" if out else "matplotlib missing: no plot")
     return 0
+
+
+def carry_plan_report(samples, what: str, budget: int, args) -> str:
+    """``plan --carry``: the carry plan's microbatches in schedule order per DP rank, with the carry
+    store's bytes (`cp.planning.carry.carry_store_bytes`)."""
+    from ..cp.planning.carry import CarryGeometry, carry_phases, carry_store_bytes
+    from ..tree import pack, summarize
+    from ..tree.carry import assign_carry_groups
+
+    geom = CarryGeometry(args.pattern, kv=tuple(args.kv), gdn=tuple(args.gdn_heads[:4]), mamba=tuple(args.mamba_dims),
+                         act_bytes=args.act_bytes)
+    mbs = pack(samples, budget, carry=True)
+    unlimited = summarize(pack(samples, 1 << 62))["tree_tokens"]
+    store = carry_store_bytes(mbs, geom)
+    lines = [f"carry plan: {what}", f"{len(samples)} samples -> {len(mbs)} microbatches of <= {budget:,} owned rows; "
+             f"rows computed {sum(mb.owned_rows for mb in mbs):,} (unlimited budget: {unlimited:,}); "
+             f"{geom.row_bytes():,} B stored per carried row, {geom.state_row_bytes():,} B per state row "
+             f"(pattern {args.pattern})",
+             f"{'rank':>4} {'item':>4} {'mb':>4} {'phase':>7} {'group':>5} {'owned':>7} {'carried':>8} {'stored':>7} "
+             f"{'states':>6} {'store MiB':>9}"]
+    for r, idx in enumerate(assign_carry_groups(mbs, max(1, args.dp))):
+        rank = [mbs[i] for i in idx]
+        total = 0
+        for k, (j, phase) in enumerate(carry_phases(rank)):
+            mb = rank[j]
+            c = mb.carry
+            if phase == "fill":
+                total += store[c.index]
+            lines.append(f"{r:>4} {k:>4} {c.index:>4} {phase:>7} {c.group:>5} {mb.owned_rows:>7,} {len(c.carried):>8,} "
+                         f"{len(c.exported):>7,} {len(c.state_rows):>6,} {store[c.index] / 2**20:>9.2f}")
+        lines.append(f"rank {r}: {len(rank)} microbatches, {len(carry_phases(rank))} schedule items, "
+                     f"{sum(mb.owned_rows for mb in rank):,} rows computed, carry store peak {total / 2**20:,.2f} MiB")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ backward too.
 """
 from __future__ import annotations
 
-__all__ = ["carry_phases", "PHASES"]
+from dataclasses import dataclass
+
+__all__ = ["carry_phases", "PHASES", "CarryGeometry", "carry_store_bytes"]
 
 PHASES = ("fill", "run", "restore")
 
@@ -41,3 +43,53 @@ def carry_phases(microbatches: list) -> list[tuple[int, str]]:
                              "does not run: a carry group must stay on one data-parallel rank "
                              "(megatron_tree.tree.carry.assign_carry_groups)")
     return order + restores[::-1]
+
+
+@dataclass(frozen=True)
+class CarryGeometry:
+    """What one process stores per carried row and per state row, by layer kind (one TP rank's heads).
+
+    pattern      one letter per layer: ``*`` attention (K and V of every exported row), ``G`` Gated
+                 DeltaNet (pre-conv channels of every exported row, one recurrent state per state row),
+                 ``M`` Mamba-2 (the same); other letters (``-`` MLP, ``E`` MoE) store nothing
+    kv           (key/value heads, head dim) of attention
+    gdn          (key heads, value heads, key dim, value dim) of GDN
+    mamba        (heads, head dim, groups, state dim) of Mamba-2
+    act_bytes    bytes of an activation element (2 for bf16, 8 for a float64 model)
+    state_bytes  bytes of a recurrent-state element (4: states are kept in fp32; 8 in float64)
+    """
+
+    pattern: str
+    kv: tuple = (8, 128)
+    gdn: tuple = (16, 32, 128, 128)
+    mamba: tuple = (64, 64, 8, 128)
+    act_bytes: int = 2
+    state_bytes: int = 4
+
+    def row_bytes(self) -> int:
+        """Stored bytes of one exported row over every layer."""
+        hk, d = self.kv
+        H, HV, K, V = self.gdn
+        mh, mp, mg, ms = self.mamba
+        per = {"*": 2 * hk * d, "G": 2 * H * K + HV * V, "M": mh * mp + 2 * mg * ms}
+        return int(self.act_bytes * sum(per.get(c, 0) for c in self.pattern))
+
+    def state_row_bytes(self) -> int:
+        """Stored bytes of one state row over every layer (the recurrent states after it)."""
+        H, HV, K, V = self.gdn
+        mh, mp, mg, ms = self.mamba
+        per = {"G": HV * K * V, "M": mh * mp * ms}
+        return self.state_bytes * sum(per.get(c, 0) for c in self.pattern)
+
+
+def carry_store_bytes(microbatches: list, geometry: CarryGeometry) -> list[int]:
+    """Bytes each microbatch writes into the step's carry store (its fill), in order; the store holds
+    their sum from the last fill until the step ends."""
+    out = []
+    for mb in microbatches:
+        info = getattr(mb, "carry", None)
+        if info is None:
+            out.append(0)
+            continue
+        out.append(len(info.exported) * geometry.row_bytes() + len(info.state_rows) * geometry.state_row_bytes())
+    return out

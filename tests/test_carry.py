@@ -186,8 +186,7 @@ def test_dsa_refuses_carry_clearly(trained):
 
 def test_data_pipeline_with_carry_shards_groups_and_equalises_items():
     from megatron_tree.data.pipeline import TreeDataPipeline
-    from megatron_tree.cp.planning.carry import carry_store_bytes
-    from megatron_tree.megatron.carry import carry_geometry, carry_items
+    from megatron_tree.megatron.carry import carry_items
 
     samples = _samples(2) * 2  # two windows
     steps = []
@@ -210,3 +209,13 @@ def test_data_pipeline_with_carry_shards_groups_and_equalises_items():
                 for i in mb.carry.path_sample_ids:
                     assert mb.layout.input_ids[mb.sample_rows(i)].tolist() == list(samples[i][: len(mb.sample_rows(i))])
         assert s0.num_samples_with_targets == len(s0.sample_ids)
+
+
+def test_plan_carry_cli_reports_every_rank(capsys):
+    from megatron_tree.training.plan import run_plan
+
+    assert run_plan(["--preset", "long_8k_16x8k", "--scale", "0.05", "--max-tokens-per-mb", "256", "--carry",
+                     "--dp", "2", "--pattern", "*G-M"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0:" in out and "rank 1:" in out and "restore" in out and "fill" in out
+    assert "(pattern *G-M)" in out

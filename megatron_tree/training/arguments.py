@@ -95,7 +95,7 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the budget is cut into microbatches that read their ancestors' layer state (K/V, Gated "
                         "DeltaNet state) from earlier microbatches of the step, with the gradient restored to them "
                         "(one extra forward of each microbatch others read). Attention (MLA too), Gated DeltaNet and "
-                        "Mamba-2 layers; not yet DSA, MTP, routing replay, TP/CP/PP.")
+                        "Mamba-2 layers; not yet DSA, MTP, routing replay, CP or PP (nor TP through the Megatron-LM hooks).")
     g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
                    help="Hybrid layer pattern, one letter per layer: M Mamba-2, G Gated DeltaNet, "
                         "* attention, - MLP, E MoE ('|' marks pipeline stages and is ignored). "
@@ -204,8 +204,7 @@ def validate_tree_args(args) -> argparse.Namespace:
         errors.append("--tree-routing-replay packs route-aware prefix trees: drop --tree-flat-packing")
 
     if _get(args, "tree_carry"):
-        for flag, name in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                           ("context_parallel_size", "--context-parallel-size"),
+        for flag, name in (("context_parallel_size", "--context-parallel-size"),
                            ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
             if int(_get(args, flag, 1) or 1) > 1:
                 errors.append(f"--tree-carry does not run with {name} > 1 yet")

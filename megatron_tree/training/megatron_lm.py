@@ -613,6 +613,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage
     if getattr(args, "tree_global_batch_samples", None) is None:
         raise ValueError("set --tree-global-batch-samples (samples per optimizer step over all DP ranks)")
     dp_rank, dp_size = _data_parallel()
+    if getattr(args, "tree_carry", False) and int(getattr(args, "tensor_model_parallel_size", 1) or 1) > 1:
+        raise ValueError("--tree-carry through the Megatron-LM hooks runs without tensor parallelism for now (the "
+                         "carry items are read by every rank itself, not broadcast over TP); megatron-tree train "
+                         "runs it with TP")
     start = int(getattr(args, "iteration", 0) or 0)
     train = MicrobatchStream(build_pipeline(args.tree_data_path, args, dp_rank=dp_rank, dp_size=dp_size,
                                             start_step=start), "train", carry=bool(getattr(args, "tree_carry", False)))

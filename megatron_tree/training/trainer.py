@@ -853,6 +853,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from ..megatron.carry import carry_items
     from .models import build_model, forward_backward, make_config, wrap_ddp
 
     rank = dist.get_rank()
@@ -892,7 +893,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     kw = dict(max_tokens_per_mb=args.tree_max_tokens_per_mb, global_batch_samples=args.tree_global_batch_samples,
               dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, num_epochs=None,
               pad_to_multiple_of=args.tree_pad_to_multiple_of, vocab_size=args.vocab_size,
-              lookahead=args.tree_lookahead)
+              lookahead=args.tree_lookahead, carry=bool(getattr(args, "tree_carry", False)))
     from ..megatron.mtp import mtp_tail_rows
 
     kw["mtp_tail"] = mtp_tail_rows(model.config)  # DSA in the MTP layers: each sample's trailing MTP positions
@@ -955,11 +956,14 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                 if replay is not None:
                     reset_routing_replay(ddp)
                 items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
+                if getattr(args, "tree_carry", False):  # fill / run, then the restores, one store per step
+                    items = carry_items(step.microbatches)
                 if cp_group is not None:
                     attention_seconds(reset=True)
                 reports = forward_backward(ddp, items, **loss_kwargs)
-                if args.check_for_nan_in_loss_and_grad:
-                    _stop_on_nonfinite(it + 1, reports if loss_owner else [], step.microbatches, ddp, dev, sources)
+                if args.check_for_nan_in_loss_and_grad:  # reports follow the schedule items
+                    item_mbs = [getattr(x, "mb", x) for x in items]
+                    _stop_on_nonfinite(it + 1, reports if loss_owner else [], item_mbs, ddp, dev, sources)
                 lr = float(opt.param_groups[0]["lr"])  # the rate this step uses (sched.step sets the next one)
                 ok, grad_norm, _ = opt.step()
                 sched.step(1)

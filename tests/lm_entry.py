@@ -38,8 +38,9 @@ _loss_func = hooks.loss_func
 
 def _recording_next(self):
     mb = _next(self)
-    if self.name == "train":
-        _record({"kind": "data", "sample_ids": [int(i) for i in mb.sample_ids]})
+    # --tree-carry hands carry items: a microbatch others read comes twice (fill, restore): counted once
+    if self.name == "train" and getattr(mb, "phase", "run") != "restore":
+        _record({"kind": "data", "sample_ids": [int(i) for i in getattr(mb, "mb", mb).sample_ids]})
     return mb
 
 

@@ -544,6 +544,33 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
           f"{model}: resumed DP2 {dp2}, TP2+SP flat {tp2}")
 
 
+@needs_megatron_training
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
+def test_pretrain_tree_carry_equals_whole_trees(tmp_path):
+    """pretrain() with --tree-carry at an 8-row budget (below every tree and most samples: paths are cut
+    into chains that read carried Mamba-2 / GDN / attention state) equals the same job with whole trees,
+    DP2: the same samples read per iteration and the same losses (float32 rounding)."""
+    script, model_args = MODELS["hybrid"]
+    data = _write_data(tmp_path / "train.jsonl")
+    base = list(COMMON)
+    base[base.index("--global-batch-size") + 1] = "16"  # carry runs more schedule items (fill + restore)
+    args = base + model_args + ["--tree-data-path", str(data)]
+    runs = {}
+    for name, extra in (("whole", []), ("carry", ["--tree-carry"])):
+        samples: dict = {}
+        flags = list(args)
+        if extra:
+            flags[flags.index("--tree-max-tokens-per-mb") + 1] = "8"
+        rc, out, losses = _launch(tmp_path, name, script, flags + extra, samples=samples)
+        _check(rc, out, f"{name} run")
+        runs[name] = (losses, samples)
+    (lw, sw), (lc, sc) = runs["whole"], runs["carry"]
+    assert sorted(lc) == sorted(lw) == [1, 2, 3, 4]
+    for it in lw:
+        assert sc[it] == sw[it], (it, sc[it], sw[it])
+        assert lc[it] == pytest.approx(lw[it], rel=2e-5), (it, lc, lw)
+
+
 def _logged(out: str, key: str) -> dict:
     """{iteration: value} of ``key`` (e.g. "mtp_1 loss") in Megatron-LM's iteration log lines."""
     found = {}

@@ -500,7 +500,8 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
       three steps, each reading the same samples as CP1 (each sample once per step and CP rank);
       before the CPU layer kept Megatron-LM's JIT warm-up off the weights' generator, the model
       depended on CP and TP (GPT iteration 1: 4.8522 CP1, 4.8658 CP2, 4.8755 CP2 + TP2 + SP);
-    * hybrid: resumed at iteration 2 as DP2: bit-identical continuation;
+    * hybrid: resumed at iteration 2 as DP2: bit-identical continuation; and afresh with --tree-carry at
+      an 8-row budget: the DP2 run's samples and losses;
     * GPT: resumed as TP2 + SP with flat packing (no prefix shared; the checkpoint resharded): the
       tree's losses to float32 rounding."""
     script, model_args = MODELS[model]
@@ -534,6 +535,19 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
         rc, out, dp2 = _launch(tmp_path, "resume_dp2", script, args + load)
         _check(rc, out, "DP2 resume")
         assert dp2 == {3: full[3], 4: full[4]}, (dp2, full)  # bit-identical continuation
+        # --tree-carry at an 8-row budget (below every tree and most samples: paths are cut into chains that
+        # read carried Mamba-2 / GDN / attention state; more schedule items: fill + restore, so a larger
+        # --global-batch-size, which changes no number under the per-token loss): the DP2 run's samples and
+        # losses (float32 rounding)
+        carry_args = list(args)
+        carry_args[carry_args.index("--global-batch-size") + 1] = "16"
+        carry_args[carry_args.index("--tree-max-tokens-per-mb") + 1] = "8"
+        carry_samples: dict = {}
+        rc, out, carry = _launch(tmp_path, "carry", script, carry_args + ["--tree-carry"], samples=carry_samples)
+        _check(rc, out, "DP2 --tree-carry run")
+        assert sorted(carry) == [1, 2, 3, 4] and carry_samples == full_samples, (carry_samples, full_samples)
+        for it in (1, 2, 3, 4):
+            assert carry[it] == pytest.approx(full[it], rel=2e-5), (it, carry, full)
     if model == "gpt":  # the resharded flat-packing resume
         rc, out, tp2 = _launch(tmp_path, "resume_tp2_flat", script, args + load + TP2_SP + ["--tree-flat-packing"])
         _check(rc, out, "TP2+SP flat-packing resume")
@@ -542,33 +556,6 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
             assert tp2[it] == pytest.approx(full[it], rel=2e-6), (it, tp2, full)
     print(f"\n{model}: DP2 {full}\n{model}: fresh {' '.join(cp_flags)} {cp}\n"
           f"{model}: resumed DP2 {dp2}, TP2+SP flat {tp2}")
-
-
-@needs_megatron_training
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
-def test_pretrain_tree_carry_equals_whole_trees(tmp_path):
-    """pretrain() with --tree-carry at an 8-row budget (below every tree and most samples: paths are cut
-    into chains that read carried Mamba-2 / GDN / attention state) equals the same job with whole trees,
-    DP2: the same samples read per iteration and the same losses (float32 rounding)."""
-    script, model_args = MODELS["hybrid"]
-    data = _write_data(tmp_path / "train.jsonl")
-    base = list(COMMON)
-    base[base.index("--global-batch-size") + 1] = "16"  # carry runs more schedule items (fill + restore)
-    args = base + model_args + ["--tree-data-path", str(data)]
-    runs = {}
-    for name, extra in (("whole", []), ("carry", ["--tree-carry"])):
-        samples: dict = {}
-        flags = list(args)
-        if extra:
-            flags[flags.index("--tree-max-tokens-per-mb") + 1] = "8"
-        rc, out, losses = _launch(tmp_path, name, script, flags + extra, samples=samples)
-        _check(rc, out, f"{name} run")
-        runs[name] = (losses, samples)
-    (lw, sw), (lc, sc) = runs["whole"], runs["carry"]
-    assert sorted(lc) == sorted(lw) == [1, 2, 3, 4]
-    for it in lw:
-        assert sc[it] == sw[it], (it, sc[it], sw[it])
-        assert lc[it] == pytest.approx(lw[it], rel=2e-5), (it, lc, lw)
 
 
 def _logged(out: str, key: str) -> dict:

@@ -474,6 +474,33 @@ def print_calibration(d):
     print("comm points (bytes, s):", [(f"{b:.3g}", f"{t * 1e3:.3f}ms") for b, t in m["comm_points"]])
 
 
+def planning_time(repeats: int = 3) -> float:
+    """Best-of-``repeats`` milliseconds of `plan_gdn_layout` on trees of a 2K-row prefix and 8 branches
+    of 500-3000 rows, 100K rows in all, CP8 (the attention plan made first, outside the timing)."""
+    import time
+
+    from megatron_tree.cp.planning.planner import plan_context_parallel
+    from megatron_tree.tree.layout import TreeLayout
+
+    rng = np.random.default_rng(0)
+    lengths, parents = [], []
+    while sum(lengths) < 100_000:
+        root = len(lengths)
+        lengths.append(2000)
+        parents.append(-1)
+        for _ in range(8):
+            lengths.append(int(rng.integers(500, 3000)))
+            parents.append(root)
+    layout = TreeLayout.from_segments(lengths, parents)
+    attn = plan_context_parallel(layout, 8)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first warms caches
+        t0 = time.perf_counter()
+        plan_gdn_layout(layout, 8, attention_plan=attn, cost=GDNCostModel())
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cp", default="2,4,8,16,32")
@@ -505,8 +532,13 @@ def main(argv=None):
     ap.add_argument("--calib-sizes", default="512,1024,2048,4096")
     ap.add_argument("--calib-out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                                         "megatron_tree", "cp", "planning", "gdn_cost_cpu.json"))
+    ap.add_argument("--planning-time", action="store_true",
+                    help="host time of plan_gdn_layout on a 100K-row step at CP8 (was a timed test; ~10-20 ms)")
     args = ap.parse_args(argv)
     report = {}
+    if args.planning_time:
+        report["planning_ms"] = planning_time()
+        print(f"plan_gdn_layout, 100K rows, CP8: {report['planning_ms']:.1f} ms (best of {args.repeats})")
     if args.calibrate:
         heads = GDNHeads(*[int(x) for x in args.calib_heads.split(",")])
         d = calibrate(heads, [int(x) for x in args.calib_sizes.split(",")],

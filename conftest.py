@@ -84,6 +84,10 @@ MAIN_TIER_ONLY = {
     "test_preemption.py::test_cli_a_rank_killed_mid_run_*": "megatron-tree train's launcher (in-place restart)",
     "test_preemption.py::test_a_non_finite_*": "megatron-tree train's step check",
     "test_tree_loss.py::test_[!m]*": "loss formulas on tensors; the Megatron loss function case runs in latest",
+    "test_carry.py::*": "carry plan and executors against whole trees; the latest tier runs verify --carry (hybrid "
+                        "MG*-*E) and pretrain() --tree-carry (test_launch_lm.py)",
+    "test_checkpoint_faults.py::test_cli_real_full_filesystem*": "megatron-tree train's CLI on a real full disk; "
+                                                                  "the injected ENOSPC and the killed save run in latest",
 }
 
 
@@ -93,7 +97,8 @@ LONGEST_FIRST = (
     "test_megatron_verify.py", "test_launch_lm.py", "test_preemption.py", "test_slurm_job.py",
     "test_model_families.py", "test_mla.py", "test_verify_bf16.py", "test_dsa_megatron.py", "test_ops_dsa.py",
     "test_cp_megatron.py", "test_cp_gdn.py", "test_cp_islands.py", "test_ops_attention.py", "test_megatron_lm_hooks.py",
-    "test_megatron_stock_oracle.py", "test_trainer.py", "test_compat_cpu.py", "test_ops_gdn.py",
+    "test_megatron_stock_oracle.py", "test_trainer.py", "test_checkpoint_faults.py", "test_carry.py",
+    "test_compat_cpu.py", "test_ops_gdn.py",
 )
 
 

@@ -318,11 +318,16 @@ def main(argv=None) -> int:
     # Megatron-Core warns at import that TE / Apex are absent (expected on CPU); keep the output readable.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (is|are) not installed.*")
     args = build_parser().parse_args(argv)
+    from .training.checkpoint_errors import CheckpointSaveError  # standard library and torch only
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-tree: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointSaveError as e:  # it names the directory, ranks, errno and bytes itself: no traceback
+        print(e, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

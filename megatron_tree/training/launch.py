@@ -3,7 +3,8 @@
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (one torch/OpenMP
 thread each), initialises the default process group on a free 127.0.0.1 port, calls ``fn(*args)``
 on every rank and returns the per-rank results in rank order. An exception on any rank is re-raised
-as ``DistributedError`` with the first failing rank's traceback; a run past ``timeout`` seconds
+as ``DistributedError`` with the first failing rank's traceback (and, where it pickles, the
+exception object itself: ``DistributedError.exception``); a run past ``timeout`` seconds
 raises ``TimeoutError``. Used by ``megatron-tree verify``, the CPU demo, ``megatron-tree train
 --nproc`` and the tests (multi-node jobs use torchrun/srun instead).
 
@@ -53,11 +54,15 @@ SHIELDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class DistributedError(RuntimeError):
     """A rank failed; the message holds its rank and traceback. ``signal`` is the number of the signal
     that ended the first failing rank when it was killed outright (no traceback of its own), else
-    None: a caller that forwarded that signal itself can tell the two apart."""
+    None: a caller that forwarded that signal itself can tell the two apart. ``exception`` is the
+    exception object the first failing rank raised, carried over by pickle (None when it was killed,
+    or its exception does not pickle: the traceback text in the message is always there), so that a
+    caller can show an error that explains itself as it is (`trainer.run`: `CheckpointSaveError`)."""
 
-    def __init__(self, message: str, signal: int | None = None):
+    def __init__(self, message: str, signal: int | None = None, exception: BaseException | None = None):
         super().__init__(message)
         self.signal = signal
+        self.exception = exception
 
 
 #: Marker file of a rank whose process group could not bind its port (see `run_distributed`).
@@ -131,11 +136,12 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str,
             raise
         result = fn(*args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    except BaseException:
+    except BaseException as exc:
         # Written here because the parent prefers the first failing rank's own traceback over the
         # secondary errors of ranks that were waiting for it in a collective.
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        _write_exception(os.path.join(outdir, f"rank{rank}.exc"), exc)
         raise
     finally:
         _teardown()
@@ -151,6 +157,46 @@ def _teardown() -> None:
         pass
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _write_exception(path: str, exc: BaseException) -> None:
+    """The rank's exception object for `DistributedError.exception` (pickle keeps its arguments and
+    attributes, not its traceback or causes: the .err file has those as text). One that does not
+    pickle is not written: the caller then has the text alone."""
+    import pickle
+
+    try:
+        data = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - an unpicklable exception (a lock or a module among its args)
+        return
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _read_exception(outdir: str, rank: int) -> BaseException | None:
+    """``rank``'s exception object written by `_write_exception`, None when there is none (killed,
+    unpicklable, or not yet written when another rank's failure ended the run)."""
+    import pickle
+
+    path = os.path.join(outdir, f"rank{rank}.exc")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception:  # noqa: BLE001 - its class is not importable here: the message has the text
+        return None
+
+
+def _first_failing_rank(outdir: str, world_size: int, exclude: int | None = None) -> int | None:
+    """The rank whose .err file is the oldest (the first to fail), None without one."""
+    stamps = []
+    for rank in range(world_size):
+        path = os.path.join(outdir, f"rank{rank}.err")
+        if rank != exclude and os.path.exists(path):
+            with open(path) as f:
+                stamps.append((float(f.readline()), rank))
+    return min(stamps)[1] if stamps else None
 
 
 def _first_error(outdir: str, world_size: int, exclude: int | None = None) -> str | None:
@@ -215,7 +261,9 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, outdir
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # a rank failed; start_processes ended the rest
                 killed = getattr(exc, "signal_name", None)
                 if killed is None:
-                    raise DistributedError(_first_error(outdir, world_size) or str(exc)) from None
+                    first = _first_failing_rank(outdir, world_size)
+                    carried = None if first is None else _read_exception(outdir, first)
+                    raise DistributedError(_first_error(outdir, world_size) or str(exc), exception=carried) from None
                 # the first rank to go was killed outright (the OOM killer, a segfault, a kill): it wrote
                 # no traceback; what the others raised afterwards (a broken connection) comes second
                 rank = exc.error_index

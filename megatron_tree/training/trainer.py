@@ -23,7 +23,12 @@ Checkpoints (``--save``, every ``--save-interval`` steps and at the end) are Meg
 checkpoints in ``SAVE/iter_XXXXXXX/``: model and optimizer as sharded tensors, and as common state
 the scheduler, the data pipeline position and the step; ``SAVE/latest`` names the newest one.
 ``--load DIR`` resumes from ``DIR/latest`` (a missing directory or marker starts fresh): the
-resumed run trains exactly the steps (and samples) the uninterrupted run would have.
+resumed run trains exactly the steps (and samples) the uninterrupted run would have. A checkpoint
+cannot be half-read: a save writes ``iter_XXXXXXX.partial/``, which becomes ``iter_XXXXXXX`` and is
+named in ``latest`` only once an all-reduced flag says every rank's part succeeded; a failure on
+any rank (ENOSPC, any error of dist_checkpointing) stops every rank with one `CheckpointSaveError`
+naming the directory, the failing ranks, the errno and the bytes needed vs free, ``latest``
+unchanged (`_save_checkpoint`). A load reads only the directory ``latest`` names.
 
 Preemption: inside the training loop SIGTERM and SIGUSR1 (what SLURM sends ahead of a time limit or
 a preemption, ``#SBATCH --signal=TERM@120``) are recorded, not fatal. Each step's end all-reduces a
@@ -57,9 +62,11 @@ with `launch.run_distributed`. On CPU the ranks enable `cpu.megatron_core` and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -472,8 +479,37 @@ def _init_process_group() -> None:
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
+#: A complete dist_checkpointing directory holds this file: Megatron writes it last, after every
+#: rank's tensors and the global metadata (both 0.16 and 0.19).
+CHECKPOINT_COMPLETE_FILE = "metadata.json"
+#: Suffix of the directory a save writes into; renamed to ``iter_XXXXXXX`` once every rank wrote
+#: its part. A directory with it is never loaded (only the one ``latest`` names is).
+PARTIAL_SUFFIX = ".partial"
+#: How long a rank waits for the others to report their outcome of dist_checkpointing.save. Ranks
+#: leave a successful save (or one whose failure dist_checkpointing reports to every rank) together,
+#: so this only bounds the wait of a rank that failed alone while the others are still blocked in
+#: one of dist_checkpointing's collectives (a write only rank 0 does: common.pt in 0.16, the global
+#: metadata, metadata.json): it then raises instead of hanging, and its exit releases them.
+SAVE_OUTCOME_TIMEOUT_S = 120
+
+
+def _marker_step(directory: str) -> Optional[int]:
+    """The step ``directory/latest`` names, None without a readable one (no checks of the checkpoint)."""
+    try:
+        with open(os.path.join(directory, "latest")) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def latest_checkpoint(directory: Optional[str]) -> Optional[int]:
-    """Step of the newest checkpoint under ``directory`` (its ``latest`` marker), None if there is none."""
+    """Step of the checkpoint ``directory/latest`` names, None if there is no marker.
+
+    Only that checkpoint is ever loaded: a newer ``iter_XXXXXXX.partial`` directory (a save that
+    failed or was killed) or any directory ``latest`` does not name is ignored. A marker that names a
+    missing or incomplete directory (no ``metadata.json``) is an error naming both, never a fall back
+    to another checkpoint."""
     if not directory:
         return None
     marker = os.path.join(directory, "latest")
@@ -484,8 +520,13 @@ def latest_checkpoint(directory: Optional[str]) -> Optional[int]:
     if not text.isdigit():
         raise ValueError(f"{marker}: expected a step number, found {text!r}")
     step = int(text)
-    if not os.path.isdir(_iter_dir(directory, step)):
-        raise ValueError(f"{marker} names step {step}, but {_iter_dir(directory, step)} is missing")
+    path = _iter_dir(directory, step)
+    if not os.path.isdir(path):
+        raise ValueError(f"{marker} names step {step}, but {path} is missing")
+    if not os.path.isfile(os.path.join(path, CHECKPOINT_COMPLETE_FILE)):
+        raise ValueError(f"{marker} names step {step}, but {path} is incomplete (no {CHECKPOINT_COMPLETE_FILE}, "
+                         "which dist_checkpointing writes last): megatron-tree train never names such a directory, "
+                         f"so it was changed after the save; restore it or point {marker} at an intact iter_ directory")
     return step
 
 
@@ -501,28 +542,246 @@ def _sharded_state(ddp, opt, *, is_loading: bool) -> dict:
     return sd
 
 
-def _save_checkpoint(directory: str, step: int, ddp, opt, sched, pipeline_state: dict, args) -> str:
-    from megatron.core import dist_checkpointing
+def _checkpoint_bytes(sd: dict) -> int:
+    """About the bytes this rank writes of ``sd``: the local tensors of its main-replica shards (a
+    replica elsewhere is written by another rank) and, on rank 0, the common state's tensors."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
 
-    path = _iter_dir(directory, step)
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
+    total = 0
+    for v in nested_values(sd):
+        if isinstance(v, (ShardedTensor, ShardedTensorFactory)):
+            if is_main_replica(v.replica_id) and isinstance(v.data, torch.Tensor):
+                total += v.data.numel() * v.data.element_size()
+        elif isinstance(v, torch.Tensor) and dist.get_rank() == 0:
+            total += v.numel() * v.element_size()
+    return total
+
+
+def _fsync_path(path: str) -> None:
+    """Flush a file's or directory's data and entry to disk. A filesystem that cannot fsync a
+    directory (EINVAL / ENOTSUP, some network filesystems) still renames atomically: skipped there."""
+    import errno
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if not (os.path.isdir(path) and e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _commit_checkpoint(directory: str, step: int, partial: str, final: str) -> None:
+    """Rank 0, after every rank wrote its part into ``partial``: make it durable, rename it to
+    ``final``, then replace ``latest`` (written to ``latest.tmp``, fsynced, ``os.replace``d: a reader
+    sees the old marker or the new one, never a torn one). ``latest`` thus names a complete
+    checkpoint at every instant, except when this step's checkpoint already exists and ``latest``
+    names it (a run saving into a directory of an earlier one): between the two renames it names a
+    missing directory, which a load refuses by name (`latest_checkpoint`), never half-reads; a
+    failed second rename puts the earlier one back."""
+    for name in os.listdir(partial):
+        # the .distcp tensor files are fsynced by dist_checkpointing's writers (use_fsync); the small
+        # files (common.pt, .metadata, metadata.json) are not all
+        path = os.path.join(partial, name)
+        if os.path.isfile(path) and not name.endswith(".distcp"):
+            _fsync_path(path)
+    _fsync_path(partial)
+    replaced = None
+    if os.path.lexists(final):
+        if _marker_step(directory) == step:
+            replaced = final + ".replaced"
+            if os.path.lexists(replaced):
+                shutil.rmtree(replaced)
+            os.rename(final, replaced)
+        else:  # not named by latest: an earlier run's or an old killed save's leftovers
+            shutil.rmtree(final)
+    try:
+        os.rename(partial, final)
+    except OSError:
+        if replaced is not None:
+            os.rename(replaced, final)
+        raise
+    _fsync_path(directory)
+    tmp = os.path.join(directory, "latest.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(directory, "latest"))
+    except OSError:
+        with contextlib.suppress(OSError):  # the marker's own error is the one to report
+            os.remove(tmp)
+        raise
+    # latest names the new checkpoint from here on: what is left is no reason to call the save failed
+    for what, finish in ((f"could not fsync {directory}", lambda: _fsync_path(directory)),
+                         (f"could not remove the checkpoint it replaced, {replaced}",
+                          lambda: replaced is not None and shutil.rmtree(replaced))):
+        try:
+            finish()
+        except OSError as e:
+            print(f"megatron-tree train: warning: saved {final} and named it in {directory}/latest, but {what} "
+                  f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def _exchange_outcome(error: Optional[BaseException], record: dict, *, device, group=None, directory: str = "",
+                      logged=()):
+    """Every rank calls this at the same point of a save: one MAX all-reduce of a failure flag; when
+    any rank failed, every rank's ``record`` plus its ``failure`` (`describe_failure` of ``error``
+    and the errors dist_checkpointing ``logged`` on this rank; None on success) is gathered, rank 0's with ``previous_bytes``: the size on disk of the
+    checkpoint ``directory/latest`` names (measured then only: a failed save is rare, a walk of a
+    large checkpoint is not free). Returns (None, "") when all succeeded, else (the records in rank
+    order, "") on every rank. When the exchange itself fails (a rank that never arrives: blocked in
+    a dist_checkpointing collective, or gone; the group's timeout), returns this rank's record alone
+    (others None) and why, so that this rank raises instead of waiting: a rank never takes the save
+    for done without every rank's word."""
+    from .checkpoint_errors import describe_failure
+
+    mine = dict(record, failure=None if error is None else describe_failure(error, logged))
+    try:
+        flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if float(flag[0]) == 0.0:
+            return None, ""
+        previous = _marker_step(directory) if directory and dist.get_rank() == 0 else None
+        if previous is not None:
+            try:
+                mine["previous_bytes"] = _dir_bytes(_iter_dir(directory, previous))
+            except OSError:
+                pass  # the message then has the tensor estimate alone
+        records = [None] * dist.get_world_size(group)
+        dist.all_gather_object(records, mine, group=group)
+        return records, ""
+    except Exception as e:  # noqa: BLE001 - any failure of the exchange leaves the outcome unknown
+        records = [None] * dist.get_world_size()
+        records[dist.get_rank()] = mine
+        return records, (f"rank {dist.get_rank()} could not learn the other ranks' outcome ("
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}); it takes the save as failed")
+
+
+def _fail_save(records: list, unreachable: str, *, stage: str, directory: str, step: int, final: str,
+               partial: str, remove: Optional[str]) -> None:
+    """Raise the `CheckpointSaveError` of a failed save on this rank (every rank calls it with the
+    same records). Rank 0 first removes ``remove`` (the partial directory, or ``final`` when the
+    commit renamed it but ``latest`` was not replaced; best effort, the outcome is in its message):
+    nothing of the failed save stays, and it would never be loaded anyway."""
+    from .checkpoint_errors import CheckpointSaveError, failing_ranks, save_failure_message
+
+    failures = failing_ranks(records)
+    if not failures:  # the exchange failed on a rank that had no error of its own
+        failures = {dist.get_rank(): {"error": "no error of its own", "errno": None}}
+    previous = _marker_step(directory)
+    if remove is None:
+        cleanup = "no partial directory was created"
+    elif dist.get_rank() == 0:
+        try:
+            if os.path.lexists(remove):
+                shutil.rmtree(remove)
+                cleanup = f"the partial directory {remove} was removed"
+            else:
+                cleanup = "no partial directory is left"
+        except OSError as e:
+            cleanup = (f"rank 0 could not remove the partial directory {remove} ({type(e).__name__}: {e}); it is "
+                       "never loaded (only the directory latest names is)")
+    else:
+        cleanup = f"rank 0 removes the partial directory {remove} (never loaded: only the directory latest names is)"
+    complete = previous is not None and os.path.isfile(os.path.join(_iter_dir(directory, previous),
+                                                                      CHECKPOINT_COMPLETE_FILE))
+    message = save_failure_message(stage=stage, directory=directory, step=step, final=final, failures=failures,
+                                   records=records, previous=previous, previous_complete=complete, cleanup=cleanup,
+                                   unreachable=unreachable)
+    raise CheckpointSaveError(message, directory=directory, step=step, failures=failures)
+
+
+def _outcome_group():
+    """A gloo group over every rank for the outcome of dist_checkpointing.save, with its own short
+    timeout (`SAVE_OUTCOME_TIMEOUT_S`) and on its own connections: its all-reduce never pairs with
+    a collective of the default group that a blocked rank is still inside. Collective: every rank
+    creates it at the same point (the caller destroys it)."""
+    import datetime
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=SAVE_OUTCOME_TIMEOUT_S))
+
+
+def _save_checkpoint(directory: str, step: int, ddp, opt, sched, pipeline_state: dict, args, *, device,
+                     outcome_group) -> str:
+    """Save step ``step`` to ``directory/iter_XXXXXXX`` and then name it in ``directory/latest``.
+    Returns the checkpoint directory.
+
+    Invariants: ``latest`` only ever names a checkpoint every rank finished writing: the save goes
+    to ``iter_XXXXXXX.partial``, which rank 0 renames and names in ``latest`` (`_commit_checkpoint`)
+    only after an all-reduced flag says every rank's ``dist_checkpointing.save`` succeeded. No bare
+    barrier: each stage (rank 0 preparing the directory, every rank's save, rank 0's commit) ends
+    with `_exchange_outcome`, so a failure on any rank (an OSError such as ENOSPC, any exception of
+    dist_checkpointing) reaches every rank, and every rank raises the same `CheckpointSaveError`
+    (directory, failing ranks, errno, bytes needed vs free, what ``latest`` still names); ``latest``
+    is left as it was and rank 0 removes the partial directory. The caller stops training on it.
+    After such an error the default process group may be unusable (a rank can be left inside a
+    collective of dist_checkpointing): end the process."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .checkpoint_errors import capture_logged_errors
+
+    rank = dist.get_rank()
+    final = _iter_dir(directory, step)
+    partial = final + PARTIAL_SUFFIX
     sd = _sharded_state(ddp, opt, is_loading=False)
     # common (replicated) state: written once by rank 0, read by every rank
     sd["scheduler"] = sched.state_dict()
     sd["data"] = dict(pipeline_state)
     sd["iteration"] = step
     sd["run_args"] = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
-    dist_checkpointing.save(sd, path)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = os.path.join(directory, "latest.tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{step}\n")
-        os.replace(tmp, os.path.join(directory, "latest"))  # the marker never names a half-written checkpoint
-    dist.barrier()
-    return path
+    record = {"need": _checkpoint_bytes(sd), "free": None}
+    fail = dict(directory=directory, step=step, final=final, partial=partial)
+
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if os.path.lexists(partial):  # a failed or killed earlier save of this step
+                shutil.rmtree(partial)
+            os.makedirs(partial)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of any failure here
+            error = e
+    records, why = _exchange_outcome(error, record, device=device, directory=directory)
+    if records is not None:
+        _fail_save(records, why, stage="preparing the checkpoint directory", remove=None, **fail)
+
+    try:
+        record["free"] = shutil.disk_usage(partial).free
+    except OSError:
+        pass  # the save below fails on this rank then, with the reason
+    error = None
+    # what dist_checkpointing logs holds a writer's errno where its exception lost it (0.19)
+    with capture_logged_errors("megatron.core.dist_checkpointing") as logged:
+        try:
+            dist_checkpointing.save(sd, partial)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            error = e
+    records, why = _exchange_outcome(error, record, device=torch.device("cpu"), group=outcome_group,
+                                     directory=directory, logged=logged.messages)
+    if records is not None:
+        _fail_save(records, why, stage="writing (dist_checkpointing.save)", remove=partial, **fail)
+
+    error = None
+    if rank == 0:
+        try:
+            _commit_checkpoint(directory, step, partial, final)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of any failure here
+            error = e
+    records, why = _exchange_outcome(error, record, device=device, directory=directory)
+    if records is not None:
+        committed = not os.path.lexists(partial) and _marker_step(directory) != step
+        _fail_save(records, why, stage="committing (rename, latest marker)",
+                   remove=final if committed else partial, **fail)
+    return final
 
 
 def _load_checkpoint(directory: str, step: int, ddp, opt, sched) -> dict:
@@ -945,6 +1204,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     ratio_num = ratio_den = 0
     preempted = None
     jsonl = open(args.metrics_jsonl, "a") if args.metrics_jsonl and rank == 0 else None
+    outcome_group = _outcome_group() if args.save else None  # every rank: --save is the same everywhere
     data = iter(pipeline)
     try:
         with _PreemptionSignals() as signals:
@@ -1025,7 +1285,9 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                         print("\r" + " | ".join(line.split(" | ")[:2]), end="", flush=True)
                 if args.save and ((args.save_interval and (it + 1) % args.save_interval == 0) or it + 1 == stop
                                   or stop_signal):
-                    saved.append(_save_checkpoint(args.save, it + 1, ddp, opt, sched, step.state, args))
+                    # raises CheckpointSaveError on every rank when any rank's part failed: the run stops
+                    saved.append(_save_checkpoint(args.save, it + 1, ddp, opt, sched, step.state, args, device=dev,
+                                                  outcome_group=outcome_group))
                     if show:
                         print(f"megatron-tree train: saved {saved[-1]}", flush=True)
                 if stop_signal and it + 1 < stop:  # the last step needs no early stop: the run is complete
@@ -1039,6 +1301,11 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
         loggers.close()
         if jsonl is not None:
             jsonl.close()
+        if outcome_group is not None:
+            # ours alone; after a failed exchange its teardown may fail too, which must not hide the
+            # CheckpointSaveError on its way out
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(outcome_group)
     out = {"history": history, "resumed_from": resumed_from, "saved": saved, "timing": pipeline.timing.as_dict(),
            "tree_token_ratio": ratio_num / max(ratio_den, 1), "dp_size": dp_size,
            "world_size": dist.get_world_size(), "packing": args.packing, "skipped": skipped, "preempted": preempted}
@@ -1074,14 +1341,21 @@ def run(args) -> dict:
     if _launched() or dist.is_initialized():
         _quiet_warnings()
         return train(args, samples, skipped=report.skipped, sources=report.sources)
+    from .checkpoint_errors import CheckpointSaveError
     from .launch import DistributedError, run_distributed
 
+    latest_checkpoint(args.load)  # a marker naming a missing / incomplete checkpoint: refused before any rank starts
     restarts = args.max_restarts
     while True:
         with _ForwardSignals() as forward:
             try:
                 return run_distributed(_rank_train, args.nproc, args, timeout=args.timeout)[0]
             except DistributedError as e:
+                if isinstance(e.exception, CheckpointSaveError):
+                    # the run's error as the ranks raised it (directory, ranks, errno, space), not the
+                    # launcher's wrapping of a traceback; never restarted: the steps since the last
+                    # checkpoint would be trained again only to fail the same way (a full disk stays full)
+                    raise e.exception from None
                 if forward.received:
                     # only a rank that the signal itself ended (before its training loop installed a
                     # handler: no traceback of its own) means "stopped before the first step"; any other
@@ -1105,13 +1379,19 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     """``megatron-tree train`` entry point; exit status 0, `PREEMPTED_EXIT_CODE` when a preemption
-    signal stopped the run early (checkpointed with --save), or 2 with a message for bad arguments."""
+    signal stopped the run early (checkpointed with --save), 2 with a message for bad arguments, or 1
+    with the `CheckpointSaveError` message when a checkpoint could not be written."""
+    from .checkpoint_errors import CheckpointSaveError
+
     args = build_train_parser().parse_args(argv)
     try:
         return exit_status(run(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-tree train: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointSaveError as e:  # its message says what failed, where, and what to do
+        print(e, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

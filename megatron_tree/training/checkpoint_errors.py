@@ -1,0 +1,204 @@
+"""Why a ``megatron-tree train`` checkpoint was not written, told the same way on every rank.
+
+`trainer._save_checkpoint` exchanges each rank's outcome of a save (all-reduced failure flag, then
+the failing ranks' descriptions gathered); when any rank failed, every rank raises a
+`CheckpointSaveError` built here by `save_failure_message`: it names the checkpoint directory, the
+failing rank(s) and their errors (the OS error's errno name and text, e.g. ``ENOSPC`` "No space
+left on device"), the bytes the checkpoint needs against the bytes free when the save started, what
+``latest`` still names and what the user does next.
+
+Everything here is plain data (dicts of str / int) so that it travels through
+``all_gather_object`` and the local launcher's pickled exceptions, and imports only the standard
+library and torch.
+"""
+from __future__ import annotations
+
+import errno as errno_codes
+import logging
+import os
+import re
+from typing import Optional
+
+__all__ = ["CheckpointSaveError", "capture_logged_errors", "describe_failure", "failing_ranks", "save_failure_message",
+           "format_bytes"]
+
+# "[Errno 28] No space left on device": how an OSError reads once it lost its type, which
+# dist_checkpointing's collective error report does (the writer's OSError is re-raised as a
+# RuntimeError and pickled to the coordinator without its __cause__)
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint was not saved. Raised on every rank of the run (the same account of the failing
+    ranks on each), never for a checkpoint that ``latest`` names: the marker is written only after
+    every rank reported success. Attributes: ``directory`` (the ``--save`` directory), ``step``,
+    ``failures`` ({rank: {"error", "errno", "logged"}} of the ranks that failed: `failing_ranks`).
+    Picklable (the local
+    launcher carries it from the rank to the caller: `launch.DistributedError.exception`)."""
+
+    def __init__(self, message: str, *, directory: Optional[str] = None, step: Optional[int] = None,
+                 failures: Optional[dict] = None):
+        super().__init__(message)
+        self.directory, self.step, self.failures = directory, step, dict(failures or {})
+
+
+def _collective_report(exc: BaseException) -> Optional[dict]:
+    """The per-rank failures of torch.distributed.checkpoint's `CheckpointException` (a
+    BaseException: dist_checkpointing raises it on every rank when some rank's write failed; only the
+    coordinator's copy lists them), None for any other exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return None
+    return {int(rank): pair[0] if isinstance(pair, tuple) else pair for rank, pair in exc.failures.items()}
+
+
+def _errno_of(exc: BaseException) -> Optional[int]:
+    """The errno of the first OSError in ``exc``'s cause / context chain, else one written in its
+    text as ``[Errno N]`` (an OSError that crossed a process as text), else None."""
+    seen, cur = set(), exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return int(cur.errno)
+        cur = cur.__cause__ or cur.__context__
+    found = _ERRNO_TEXT.search(str(exc))
+    return int(found.group(1)) if found else None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class capture_logged_errors(logging.Handler):
+    """Context manager: the ERROR records of logger ``name`` and its children while active, as
+    one-line messages (``.messages``). dist_checkpointing logs a writer's own error there ("Local
+    worker 0 encountered an error: [Errno 28] No space left on device") while the exception it
+    raises may keep only the class (0.19: ``error: <class 'OSError'>``): this is where the errno of
+    such a failure is still written."""
+
+    def __init__(self, name: str, keep: int = 3):
+        super().__init__(level=logging.ERROR)
+        self.name_, self.keep, self.messages = name, keep, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.messages) < self.keep:
+            self.messages.append(" ".join(record.getMessage().split())[:300])
+
+    def __enter__(self):
+        logging.getLogger(self.name_).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(self.name_).removeHandler(self)
+
+
+def describe_failure(exc: BaseException, logged=()) -> dict:
+    """This rank's failure as plain data: ``error`` (type and text on one line), ``errno`` (int or
+    None: from the exception, else from ``logged``, the errors dist_checkpointing logged on this
+    rank meanwhile), ``logged``, ``reported`` ({rank: {"error", "errno"}} from a collective
+    `CheckpointException`, empty for other errors) and ``echo`` (True for such a collective report:
+    the rank raised because some rank's write failed, which may be its own)."""
+    logged = list(logged)
+    from_log = next((int(m.group(1)) for m in map(_ERRNO_TEXT.search, logged) if m), None)
+    report = _collective_report(exc)
+    if report is not None:
+        return {"error": "CheckpointException (dist_checkpointing's report that a rank's write failed)",
+                "errno": from_log, "echo": True, "logged": logged,
+                "reported": {rank: {"error": _one_line(e), "errno": _errno_of(e)} for rank, e in report.items()}}
+    own = _errno_of(exc)
+    return {"error": _one_line(exc), "errno": own if own is not None else from_log, "echo": False,
+            "logged": logged, "reported": {}}
+
+
+def failing_ranks(records: list) -> dict:
+    """{rank: {"error", "errno", "logged"}} of the ranks whose own part failed, from every rank's
+    record (a dict with ``failure``: a `describe_failure` dict or None). A rank counts when it raised
+    an error of its own, or when dist_checkpointing's collective report names it (completed with
+    what that rank logged itself: the report crossed processes as text and may have lost the
+    errno); a rank that only echoed the report is not listed. When only echoes are known (the
+    report's details reach the coordinator alone), the echoing ranks are listed as they are."""
+    def own(rank):
+        rec = records[rank] if 0 <= rank < len(records) else None
+        return (rec or {}).get("failure")
+
+    out: dict = {}
+    for rec in records:
+        failure = (rec or {}).get("failure")
+        if failure:
+            for rank, desc in failure["reported"].items():
+                mine = own(rank) or {}
+                out[rank] = {"error": desc["error"], "logged": mine.get("logged", []),
+                             "errno": desc["errno"] if desc["errno"] is not None else mine.get("errno")}
+    only_echoes = not out and all((rec or {}).get("failure") is None or rec["failure"]["echo"] for rec in records)
+    for rank, rec in enumerate(records):
+        failure = (rec or {}).get("failure")
+        if failure and (not failure["echo"] or only_echoes) and rank not in out:
+            out[rank] = {k: failure[k] for k in ("error", "errno", "logged")}
+    return dict(sorted(out.items()))
+
+
+def format_bytes(n: Optional[int]) -> str:
+    """``1,234,567 bytes (1.2 MiB)``; "unknown" for None."""
+    if n is None:
+        return "unknown"
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{n:,} bytes" + (f" ({size:.1f} {unit})" if unit != "B" else "")
+
+
+def _errno_name(code: Optional[int]) -> str:
+    if code is None:
+        return ""
+    return f"[{errno_codes.errorcode.get(code, f'errno {code}')}: {os.strerror(code)}] "
+
+
+def save_failure_message(*, stage: str, directory: str, step: int, final: str, failures: dict, records: list,
+                         previous: Optional[int], previous_complete: bool, cleanup: str, unreachable: str = "") -> str:
+    """The one message every rank raises. ``stage``: where the save failed ("preparing ...",
+    "writing ...", "committing ..."); ``failures``: `failing_ranks`; ``records``: every rank's
+    record (``need`` bytes of this rank's share of the checkpoint, ``free`` bytes in ``directory``
+    when the save started, on rank 0 ``previous_bytes``: the size of the checkpoint ``latest``
+    names; None where a rank's record is missing); ``previous``: the step ``latest`` still names
+    (None: none), ``previous_complete``: whether its directory holds metadata.json; ``cleanup``: what became of the partial directory;
+    ``unreachable``: why some ranks' outcome is unknown (empty when every rank reported)."""
+    # what dist_checkpointing logged is shown where the error's own text lost the errno it holds
+    parts = [f"rank {rank}: {_errno_name(f['errno'])}{f['error']}"
+             + (f" (dist_checkpointing logged: {' | '.join(f['logged'])})"
+                if f.get("logged") and not _ERRNO_TEXT.search(f["error"]) else "")
+             for rank, f in failures.items()]
+    msg = (f"megatron-tree train: the checkpoint of step {step} was NOT saved to {final}: {stage} failed on "
+           f"rank{'s' * (len(failures) > 1)} {', '.join(map(str, failures))} ({'; '.join(parts)})")
+    if unreachable:
+        msg += f"; {unreachable}"
+    needs = [rec.get("need") for rec in records if rec is not None]
+    frees = [rec.get("free") for rec in records if rec is not None and rec.get("free") is not None]
+    if needs:
+        total = sum(n for n in needs if n is not None)
+        share = ", ".join(f"rank {r} {'?' if rec.get('need') is None else format(rec['need'], ',')}"
+                          for r, rec in enumerate(records) if rec)
+        msg += (f". Space: the checkpoint needs about {format_bytes(total)} of model and optimizer tensors ({share}"
+                f"), plus some bytes per tensor")
+        before = [rec["previous_bytes"] for rec in records if rec is not None and rec.get("previous_bytes") is not None]
+        if before and previous is not None:
+            msg += f"; the checkpoint of step {previous} takes {format_bytes(before[0])} on disk"
+        free = format_bytes(min(frees)) if frees else "an unknown amount"
+        msg += f"; {directory} had {free} free when the save started"
+    if any(f["errno"] == errno_codes.ENOSPC for f in failures.values()):
+        msg += " (the filesystem ran out of space: make room for one more checkpoint, or choose another --save)"
+    marker = os.path.join(directory, "latest")
+    if previous is None:
+        msg += f". {marker} was not written (no earlier checkpoint there)"
+    else:
+        where = os.path.join(directory, f"iter_{previous:07d}")
+        msg += (f". {marker} still names step {previous} ({where}), " + (
+            "a complete checkpoint" if previous_complete else
+            "which is NOT a complete checkpoint (no metadata.json): a load refuses it"))
+    msg += f"; {cleanup}. Training stopped: a run never goes on without a checkpoint it was asked to write"
+    if previous is not None and previous_complete:
+        msg += f"; rerun with --load {directory} to resume from step {previous}"
+    return msg

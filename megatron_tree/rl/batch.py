@@ -232,17 +232,22 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
     per_rank = -(-len(mbs) // dp_size)
     mine = [mbs[j] for j in balance([microbatch_cost(mb) for mb in mbs], dp_size, max(per_rank, 1))[dp_rank]] \
         if mbs else []
-    count = max(len(mine), 1)
+    count = _most_over_dp(max(len(mine), 1), equalize)
+    mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
+             for _ in range(count - len(mine))]
+    ids = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
+    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=ids, max_tokens_per_mb=budget)
+
+
+def _most_over_dp(count: int, equalize: bool) -> int:
+    """The largest ``count`` over the DP ranks (with ``equalize`` and Megatron's parallel state), else ``count``."""
     group = _dp_group() if equalize else None
     if group is not None and dist.get_world_size(group) > 1:
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         c = torch.tensor([count], dtype=torch.int64, device=dev)
         dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
         count = int(c)
-    mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
-             for _ in range(count - len(mine))]
-    ids = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
-    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=ids, max_tokens_per_mb=budget)
+    return count
 
 
 def _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw) -> RankMicrobatches:
@@ -252,13 +257,8 @@ def _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw) -> R
     ids = np.arange(len(batch.samples))
     mbs = [_renumber(mb, ids) for mb in pack(batch.samples, budget, carry=True, **kw)] if len(ids) else []
     mine = [mbs[j] for j in assign_carry_groups(mbs, dp_size)[dp_rank]] if mbs else []
-    count = max(sum(1 + (len(mb.carry.exported) > 0) for mb in mine), 1)  # schedule items (`carry_items`)
-    group = _dp_group() if equalize else None
-    if group is not None and dist.get_world_size(group) > 1:
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        c = torch.tensor([count], dtype=torch.int64, device=dev)
-        dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
-        count = int(c)
+    # schedule items (`carry_items`: an exporting microbatch is a fill and a restore)
+    count = _most_over_dp(max(sum(1 + (len(mb.carry.exported) > 0) for mb in mine), 1), equalize)
     have = sum(1 + (len(mb.carry.exported) > 0) for mb in mine)
     mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
              for _ in range(count - have)]

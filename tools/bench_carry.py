@@ -1,6 +1,7 @@
 """Carry vs split packing vs the unlimited budget: rows computed per step, microbatches, carried rows.
 
     python tools/bench_carry.py            # GRPO (4 x 8,192-token prompt + 16 x ~2K) and agent_multiturn
+    python tools/bench_carry.py --time     # + step time of a tiny model on CPU: split vs carry vs unlimited
 
 Workloads: the issue's GRPO batch (4 groups, an 8,192-token prompt and 16 completions of 2,048 +- 256
 tokens) and the ``agent_multiturn`` preset; budgets 8K / 16K / 32K. One run, side by side; the
@@ -29,7 +30,28 @@ def grpo(seed: int = 0, groups: int = 4, prompt: int = 8192, completions: int = 
 
 
 def main() -> None:
-    for name, samples in (("grpo 4x(8192 + 16x~2K)", grpo()), ("agent_multiturn", make_preset("agent_multiturn"))):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--time", action="store_true", help="also time one training step per packing (tiny model, CPU)")
+    args = ap.parse_args()
+    rows_table()
+    if args.time:
+        print(f"\n{'workload':<28} {'budget':>8} {'packing':>9} {'rows':>8} {'mbs':>4} {'step s':>7} {'x unl.':>6} "
+              f"{'loss':>9} {'store MiB':>9} {'predicted':>9}")
+        res = step_times()
+        unl = {r["workload"]: r["step_s"] for r in res if r["packing"] == "unlimited"}
+        for r in res:
+            if r.get("refused"):
+                print(f"{r['workload']:<28} {r['budget']:>8} {r['packing']:>9}  refused: a sample is longer than the budget")
+                continue
+            print(f"{r['workload']:<28} {r['budget']:>8} {r['packing']:>9} {r['rows']:>8,} {r['microbatches']:>4} "
+                  f"{r['step_s']:>7.2f} {r['step_s'] / unl[r['workload']]:>6.2f} {r['loss']:>9.6f} "
+                  f"{r['store'] / 2**20:>9.2f} {r['store_predicted'] / 2**20:>9.2f}")
+
+
+def rows_table() -> None:
+    for name, samples in (("grpo 4x(8192 + 16x~2K)", grpo()), ("agent_multiturn x8", make_preset("agent_multiturn", scale=8.0))):
         flat = sum(len(s.tokens) if hasattr(s, "tokens") else len(s) for s in samples)
         unlimited = summarize(pack(samples, 1 << 62))["tree_tokens"]
         print(f"\n{name}: {len(samples)} samples, {flat:,} flat tokens, unlimited budget {unlimited:,} rows "
@@ -48,6 +70,79 @@ def main() -> None:
                      f"{sp['num_microbatches']:>4}")
             print(f"{budget:>7} | {split:>21} | {real:>10,} {flat / real:>5.2f} {len(mbs):>4} "
                   f"{c['carried_rows']:>8,} {c['stored_rows']:>7,} {dt:>6.2f}")
+
+
+
+# ------------------------------------------------------------------------------------------- step time
+def _step_time_body(cases, repeats):
+    """In one gloo rank: a tiny float32 model, one forward-backward step per packing, best of ``repeats``."""
+    import time as _time
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_tree.cpu import megatron_core as cpu
+    from megatron_tree.megatron.carry import carry_geometry, carry_items
+    from megatron_tree.training.models import (ModelArgs, build_model, forward_backward, make_config,
+                                               report_totals, wrap_ddp)
+
+    cpu.enable(kernels=True)
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    out = []
+    for name, pattern, samples, budgets in cases:
+        margs = ModelArgs(kind="hybrid" if pattern else "gpt", num_layers=2, vocab_size=1024,
+                          max_position=max(len(s) for s in samples) + 8)
+        if pattern:
+            margs.pattern = pattern
+        config = make_config(margs, dtype=torch.float32)
+        torch.manual_seed(0)
+        ddp = wrap_ddp(build_model(config, margs), config)
+        geom = carry_geometry(ddp.module)
+        for budget, packing in budgets:
+            if packing == "split" and max(len(x) for x in samples) > budget:
+                out.append(dict(workload=name, budget=budget, packing="split", refused=True))
+                continue
+            if packing == "carry":
+                mbs = pack(samples, budget, carry=True, pad_to_multiple_of=8)
+                make = lambda: carry_items(mbs)  # noqa: E731
+            else:
+                mbs = pack(samples, budget, pad_to_multiple_of=8)
+                make = lambda: mbs  # noqa: E731
+            best, loss, store = float("inf"), None, 0
+            for _ in range(repeats):
+                ddp.zero_grad_buffer()
+                items = make()
+                t0 = _time.perf_counter()
+                reports = forward_backward(ddp, items, loss_type="sft")
+                best = min(best, _time.perf_counter() - t0)
+                tot = report_totals(reports)
+                loss = float(tot[0] / tot[1])
+                if packing == "carry":
+                    store = items[0].store.nbytes()
+            from megatron_tree.cp.planning.carry import carry_store_bytes
+
+            predicted = sum(carry_store_bytes([m for m in mbs], geom)) if packing == "carry" else 0
+            rows = sum(getattr(m, "owned_rows", m.num_rows) for m in mbs)
+            out.append(dict(workload=name, budget=budget, packing=packing, rows=rows, microbatches=len(mbs),
+                            step_s=best, loss=loss, store=store, store_predicted=predicted))
+    return out
+
+
+def step_times(repeats: int = 2) -> list:
+    """The step-time figures (a tiny model on CPU; the rows and ratios are what transfers)."""
+    from megatron_tree.training.launch import run_distributed
+
+    # vocabulary 1,024: a tiny model's step time is otherwise the output layer's (rows x 32K logits)
+    small = grpo(prompt=1024, completions=16, groups=4, vocab=1024)
+    small = [s[: 1024 + (len(s) - 1024) // 8] for s in small]  # completions of ~256
+    path = [np.random.default_rng(1).integers(1, 1024, 32768)]
+    cases = [("grpo/8 (1024 + 16 x ~256)", None, small,
+              [(b, p) for b in (1024, 2048, 4096) for p in ("split", "carry")] + [(1 << 20, "unlimited")]),
+             ("grpo/8 hybrid MG*-", "MG*-", small, [(2048, "split"), (2048, "carry"), (1 << 20, "unlimited")]),
+             ("one 32,768-token path", None, path, [(4096, "carry"), (32768, "unlimited")])]
+    return run_distributed(_step_time_body, 1, cases, repeats, timeout=3600)[0]
 
 
 if __name__ == "__main__":

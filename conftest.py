@@ -39,6 +39,7 @@ STACK_INDEPENDENT = {
     "test_data_fuzz.py": "damaged JSONL / Parquet files against the readers (hypothesis)",
     "test_gpu_check.py": "the GPU check script's dry run",
     "test_layers.py": "import layering of our own package",
+    "test_no_orphans.py": "our launcher's processes (no Megatron-Core)",
     "test_ops_attention.py": "tree attention ops",
     "test_ops_conv.py": "tree causal conv op",
     "test_ops_gdn.py": "tree gated delta rule op",

@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from .forkserver_shield import die_with_parent
 import torch.multiprocessing as mp
 
 __all__ = ["run_distributed", "DistributedError", "PRELOAD"]
@@ -114,6 +116,7 @@ def _adopt_stdio(stdio: tuple) -> None:
 
 def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str, timeout: float, args: tuple,
                environ: dict, stdio: tuple) -> None:
+    die_with_parent()  # the kernel kills this rank with its parent (the forkserver, or the launcher under spawn)
     for sig in SHIELDED_SIGNALS:  # a forked rank inherits the forkserver's SIG_IGN: back to the default
         signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()

@@ -21,7 +21,6 @@ import torch
 
 from ..cp.execution.carry import CarryStore, CarryView
 from ..cp.planning.carry import carry_phases
-from ..tree.loss_map import LossMap
 
 __all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "refuse_carry", "carry_geometry"]
 
@@ -61,8 +60,7 @@ def carry_view(psp, mb, phase: str, store: CarryStore):
                      state_keys=info.keys[info.state_rows])
     lm = psp.loss_map
     if lm is not None:  # every occurrence's source row is owned here (pack routes it to its owner)
-        lm = LossMap(**{f.name: getattr(lm, f.name) for f in dataclasses.fields(lm)})
-        object.__setattr__(lm, "source_rows", torch.searchsorted(own, lm.source_rows))
+        lm = dataclasses.replace(lm, source_rows=torch.searchsorted(own, lm.source_rows))
     out = dataclasses.replace(psp, loss_map=lm, local_rows=own, num_local_padding=0, carry=view)
     out.max_seqlen_q = out.max_seqlen_kv = psp.layout.num_rows
     return out

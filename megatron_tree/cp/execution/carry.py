@@ -19,7 +19,7 @@ is freed with `CarryStore.clear` at the end of the step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -189,6 +189,7 @@ class CarryView:
     exported_keys: np.ndarray
     state_rows: torch.Tensor  # [P] positions in ``own`` of the rows whose recurrent state is exported
     state_keys: np.ndarray
+    memo: dict = field(default_factory=dict, repr=False)  # per-microbatch host work shared by its layers
 
     def state(self, key, values: list, positions=None, keys=None) -> list:
         """Own rows' state tensors ``values`` ([n, ...] each) of layer ``key``, through the phase:
@@ -245,7 +246,14 @@ def _own_forest(layout, view: CarryView):
     exported state row (its final state is what later microbatches start from). A segment whose
     parent row is carried is a root starting from that row's stored state. Returns ``(seg_start,
     seg_len, seg_parent, initial_index, parents_in_carried, final_segments)`` (numpy), where
-    ``parents_in_carried`` are positions in ``view.carried`` of the distinct carried parents."""
+    ``parents_in_carried`` are positions in ``view.carried`` of the distinct carried parents. Made once
+    per microbatch view: every recurrent layer (and a recomputation) reuses it."""
+    if "forest" not in view.memo:
+        view.memo["forest"] = _make_own_forest(layout, view)
+    return view.memo["forest"]
+
+
+def _make_own_forest(layout, view: CarryView):
     own = view.own.cpu().numpy()
     n = len(own)
     pos_of = np.full(layout.num_rows, -1, np.int64)
@@ -307,7 +315,10 @@ def carried_mamba_ssd(x, dt, A, B, C, layout, view: CarryView, key, *, D=None, b
     seg_start, seg_len, seg_parent, init_index, parents, final_segs = _own_forest(layout, view)
     n_pad = layout.num_padding
     real = int(np.searchsorted(seg_start, x.shape[0] - n_pad))  # segments of real rows; padding rows follow
-    own_layout = TreeLayout.from_segments(seg_len[:real], seg_parent[:real], num_padding=n_pad).to(x.device)
+    if "own_layout" not in view.memo:  # once per microbatch view, shared by its Mamba layers
+        view.memo["own_layout"] = TreeLayout.from_segments(seg_len[:real], seg_parent[:real],
+                                                           num_padding=n_pad).to(x.device)
+    own_layout = view.memo["own_layout"]
     init = None
     if len(parents):
         (init,) = view.carried_state((key, "state"), parents)

@@ -33,8 +33,8 @@ from .carry import CarryItem, carry_view, fill_loss, fill_output
 from .loss import tree_loss_func
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
-__all__ = ["tree_forward_step", "carry_forward", "context_parallel_params", "check_same_plan", "gdn_island_plan", "uses_gdn_islands",
-           "island_plan_fn"]
+__all__ = ["tree_forward_step", "carry_forward", "context_parallel_params", "check_same_plan", "gdn_island_plan",
+           "uses_gdn_islands", "island_plan_fn"]
 
 # Plans made here (microbatches that arrive without one), shared by the pipeline stages of a process.
 _PLANS = PlanCache(maxsize=16)

@@ -88,7 +88,14 @@ MAIN_TIER_ONLY = {
     "test_carry.py::*": "carry plan and executors against whole trees; the latest tier runs verify --carry (hybrid "
                         "MG*-*E) and pretrain() --tree-carry (test_launch_lm.py)",
     "test_checkpoint_faults.py::test_cli_real_full_filesystem*": "megatron-tree train's CLI on a real full disk; "
-                                                                  "the injected ENOSPC and the killed save run in latest",
+                                                                  "the injected ENOSPC runs in latest",
+    "test_checkpoint_faults.py::test_killed_inside_the_save*": "our staging and marker (a killed process); the "
+                                                              "ENOSPC cases exercise dist_checkpointing in latest",
+    "test_checkpoint_faults.py::test_a_rank_failing_alone*": "our failure flag's own group and timeout",
+    "test_checkpoint_faults.py::test_load_reads_only*": "our latest-marker check",
+    "test_checkpoint_faults.py::test_the_launcher_carries*": "our launcher's exception transport",
+    "test_trainer.py::test_dp2_hybrid_carry*": "megatron-tree train's carry items; verify --carry and pretrain() "
+                                               "--tree-carry run in latest",
 }
 
 

@@ -191,18 +191,8 @@ def _read_exception(outdir: str, rank: int) -> BaseException | None:
         return None
 
 
-def _first_failing_rank(outdir: str, world_size: int, exclude: int | None = None) -> int | None:
-    """The rank whose .err file is the oldest (the first to fail), None without one."""
-    stamps = []
-    for rank in range(world_size):
-        path = os.path.join(outdir, f"rank{rank}.err")
-        if rank != exclude and os.path.exists(path):
-            with open(path) as f:
-                stamps.append((float(f.readline()), rank))
-    return min(stamps)[1] if stamps else None
-
-
-def _first_error(outdir: str, world_size: int, exclude: int | None = None) -> str | None:
+def _rank_errors(outdir: str, world_size: int, exclude: int | None = None) -> list[tuple[float, int, str]]:
+    """``(time, rank, traceback)`` of every rank (but ``exclude``) that wrote a .err file."""
     errors = []
     for rank in range(world_size):
         path = os.path.join(outdir, f"rank{rank}.err")
@@ -210,6 +200,17 @@ def _first_error(outdir: str, world_size: int, exclude: int | None = None) -> st
             with open(path) as f:
                 stamp, _, text = f.read().partition("\n")
             errors.append((float(stamp), rank, text))
+    return errors
+
+
+def _first_failing_rank(outdir: str, world_size: int, exclude: int | None = None) -> int | None:
+    """The rank whose .err file is the oldest (the first to fail), None without one."""
+    errors = _rank_errors(outdir, world_size, exclude)
+    return min(errors)[1] if errors else None
+
+
+def _first_error(outdir: str, world_size: int, exclude: int | None = None) -> str | None:
+    errors = _rank_errors(outdir, world_size, exclude)
     if not errors:
         return None
     stamp, rank, text = min(errors)

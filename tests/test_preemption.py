@@ -34,6 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24  # the signals fall early: a run never finishes before one takes effect (margin for a slow reader)
 SAVE_EVERY = 3
 EXACT = ("loss", "grad_norm", "lr", "num_targets", "sample_ids")
+#: the other model family of the signal-to-every-process case: our hybrid stack with a Mamba-2, a Gated
+#: DeltaNet, an attention and an MLP layer, for half the steps (each takes about twice a GPT step's
+#: time: the signal's margin in seconds is the same, and the case costs about what the GPT one does)
+HYBRID_STEPS = 12
+HYBRID = ("--hybrid-override-pattern", "MG*-", "--num-layers", "4", "--train-iters", HYBRID_STEPS)
 
 
 def _write_data(path: Path, families: int = 8, seed: int = 0) -> Path:
@@ -84,9 +89,10 @@ def _signal_at(calls: int, sig: signal.Signals) -> None:
     models.forward_backward = forward_backward
 
 
-def _collective_body(data, ckpt):
+def _collective_body(data, ckpt, hybrid: bool = False):
     """Reference; SIGTERM on rank 1 only in step 3 (rank 0, which logs, gets nothing); resumed and
-    SIGUSR1 on rank 0 only in step 6; resumed to the end; a run without --save stopped in step 2."""
+    SIGUSR1 on rank 0 only in step 6; resumed to the end; a run without --save stopped in step 2;
+    with ``hybrid`` (a test of this session uses it) the `HYBRID` model's reference (else None)."""
     import torch.distributed as dist
 
     from megatron_tree.training.trainer import train
@@ -108,21 +114,29 @@ def _collective_body(data, ckpt):
         _signal_at(2, signal.SIGTERM)
     unsaved = train(args())
     restored = all(signal.getsignal(s) == h for s, h in handlers.items())
-    return ref, first, second, third, unsaved, restored
+    hybrid_ref = train(args(*HYBRID)) if hybrid else None
+    return ref, first, second, third, unsaved, restored, hybrid_ref
+
+
+def _hybrid_case_selected(request) -> bool:
+    """Whether this session runs a case of this module parametrized with ``model="hybrid"`` (the
+    latest tier and ``-k`` leave it out: its reference is not computed then)."""
+    return any(item.module is request.module and getattr(getattr(item, "callspec", None), "params", {}).get("model")
+               == "hybrid" for item in request.session.items)
 
 
 @pytest.fixture(scope="module")
-def collective(tmp_path_factory):
+def collective(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("preempt")
     data, ckpt = _write_data(tmp / "d.jsonl"), str(tmp / "ckpt")
-    return data, ckpt, run_distributed(_collective_body, 2, data, ckpt, timeout=600)
+    return data, ckpt, run_distributed(_collective_body, 2, data, ckpt, _hybrid_case_selected(request), timeout=600)
 
 
 def test_one_rank_signalled_all_stop_after_that_step_and_resume_exactly(collective):
     data, ckpt, ranks = collective
     ref = ranks[0][0]["history"]
     assert [m["step"] for m in ref] == list(range(1, STEPS + 1)) and ranks[0][0]["preempted"] is None
-    for rank, (_, first, second, third, unsaved, restored) in enumerate(ranks):
+    for rank, (_, first, second, third, unsaved, restored, _) in enumerate(ranks):
         # the rank that got no signal stops with the one that did, after the step the signal fell in
         assert first["preempted"] == {"step": 3, "signal": "SIGTERM", "saved": os.path.join(ckpt, "iter_0000003")}, rank
         assert [m["step"] for m in first["history"]] == [1, 2, 3]
@@ -179,8 +193,8 @@ def _run_cli(tmp: Path, argv: list, until=None, then=None):
     return rc, "".join(out)
 
 
-def _step_line(n: int):
-    return lambda line: f" {n}/{STEPS} |" in line
+def _step_line(n: int, steps: int = STEPS):
+    return lambda line: f" {n}/{steps} |" in line
 
 
 def _jsonl(path: Path) -> list:
@@ -245,22 +259,27 @@ def _signal_job(sig):
     return fire
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
-def test_cli_signal_to_every_process_saves_the_last_step_and_resumes_exactly(collective, tmp_path, sig):
+@pytest.mark.parametrize("sig, model", [(signal.SIGTERM, "gpt"), (signal.SIGUSR1, "hybrid")],
+                         ids=["SIGTERM-gpt", "SIGUSR1-hybrid"])
+def test_cli_signal_to_every_process_saves_the_last_step_and_resumes_exactly(collective, tmp_path, sig, model):
     """``sig`` to every process of ``megatron-tree train --nproc 2`` after step 2 (no periodic
     checkpoint yet): the ranks finish their step, save it, ``latest`` names it, exit 75 with the
     message naming the step; the rerun resumes from it and the whole run is the uninterrupted one.
     (Before the forkserver ignored the signal it died with the job, the launcher read every rank as
-    exit code 255, ended them mid-save and claimed no step had finished: nothing saved.)"""
+    exit code 255, ended them mid-save and claimed no step had finished: nothing saved.) SIGTERM with
+    the GPT model, SIGUSR1 with the hybrid (Mamba-2 and Gated DeltaNet layers: their state is saved
+    and resumed too)."""
     data, _, ranks = collective
-    ref = ranks[0][0]["history"]
+    ref = ranks[0][0 if model == "gpt" else 6]["history"]
+    steps = STEPS if model == "gpt" else HYBRID_STEPS
+    assert [m["step"] for m in ref] == list(range(1, steps + 1))
     ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
     argv = _argv(data, "--nproc", "2", "--save", ckpt, "--load", ckpt, "--save-interval", 1000,
-                 "--metrics-jsonl", log)
-    rc, out = _run_cli(tmp_path, argv, _step_line(2), _signal_job(sig))
+                 "--metrics-jsonl", log, *(HYBRID if model == "hybrid" else ()))
+    rc, out = _run_cli(tmp_path, argv, _step_line(2, steps), _signal_job(sig))
     stopped = latest_checkpoint(str(ckpt))
     assert rc == PREEMPTED_EXIT_CODE, out[-4000:]
-    assert stopped is not None and 2 <= stopped < STEPS, out[-4000:]
+    assert stopped is not None and 2 <= stopped < steps, out[-4000:]
     assert (f"received {sig.name}; stopped after step {stopped} and saved {ckpt}/iter_{stopped:07d}; rerun with "
             f"--load {ckpt} to resume exactly") in out, out[-4000:]
     assert sorted(os.listdir(ckpt)) == ["iter_%07d" % stopped, "latest"]
@@ -269,8 +288,8 @@ def test_cli_signal_to_every_process_saves_the_last_step_and_resumes_exactly(col
     assert rc == 0, out[-4000:]
     assert f"resumed from {ckpt}/iter_{stopped:07d} (step {stopped})" in out
     final = first + _jsonl(log)[len(first):]
-    assert [m["step"] for m in final] == list(range(1, STEPS + 1))
-    _same_steps(final, ref, f"{sig.name} to every process, rerun")
+    assert [m["step"] for m in final] == list(range(1, steps + 1))
+    _same_steps(final, ref, f"{sig.name} to every process ({model}), rerun")
 
 
 def test_cli_a_rank_killed_mid_run_restarts_in_place_and_resumes_exactly(collective, tmp_path):

@@ -26,8 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from ..ops.backend import module_available
 from .attention import TreeDotProductAttention
-
-HYBRID_LETTERS = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
+from .hybrid_pattern import HYBRID_LETTERS, parse_hybrid_pattern  # (also importable from here, as before)
 
 
 def te_available() -> bool:
@@ -202,16 +201,6 @@ def _hybrid_layer(letter: str, use_te: bool, normalization: Optional[str], num_e
                                                       moe_grouped_gemm=moe_grouped_gemm)
         sub.mlp_bda = gls.get_bias_dropout_add
     return ModuleSpec(module=TransformerLayer, submodules=sub)
-
-
-def parse_hybrid_pattern(pattern: str) -> list[str]:
-    """Letters of a hybrid pattern; '|' (Megatron's pipeline-stage separator) is ignored."""
-    letters = [c for c in pattern if c != "|"]
-    bad = sorted({c for c in letters if c not in HYBRID_LETTERS})
-    if bad or not letters:
-        raise ValueError(f"hybrid pattern {pattern!r}: letters must be from {''.join(HYBRID_LETTERS)} "
-                         f"(M Mamba-2, G GDN, * attention, - MLP, E MoE); bad: {bad}")
-    return letters
 
 
 def get_tree_hybrid_stack_spec(pattern: str, config=None, *, use_transformer_engine: Optional[bool] = None,

@@ -229,7 +229,7 @@ def validate_tree_args(args) -> argparse.Namespace:
     # -- model
     pattern = _get(args, "tree_hybrid_pattern")
     if pattern is not None:
-        from ..megatron.specs import parse_hybrid_pattern  # imports Megatron-Core's spec modules; only for hybrids
+        from ..megatron.hybrid_pattern import parse_hybrid_pattern  # no Megatron-Core import
 
         try:
             letters = parse_hybrid_pattern(pattern)

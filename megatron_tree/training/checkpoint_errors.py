@@ -10,17 +10,29 @@ left on device"), the bytes the checkpoint needs against the bytes free when the
 Everything here is plain data (dicts of str / int) so that it travels through
 ``all_gather_object`` and the local launcher's pickled exceptions, and imports only the standard
 library and torch.
+
+Under torchrun (``--max-restarts``) a failed save is not retried either: rank 0 leaves
+`FAILED_SAVE_MARKER` in the ``--save`` directory (`record_failed_save`), and a restarted attempt of
+the same job (``TORCHELASTIC_RESTART_COUNT`` > 0, the same rendezvous run id and SLURM requeue
+count) that finds it raises the same error before it trains (`refuse_restart_after_failed_save`);
+the next successful save removes it (`clear_failed_save`). The local launcher (``--nproc``) needs no
+file: it sees the rank's exception itself (`trainer.run`).
 """
 from __future__ import annotations
 
 import errno as errno_codes
+import json
 import logging
 import os
 import re
 from typing import Optional
 
-__all__ = ["CheckpointSaveError", "capture_logged_errors", "describe_failure", "failing_ranks", "save_failure_message",
-           "format_bytes"]
+__all__ = ["CheckpointSaveError", "FAILED_SAVE_MARKER", "capture_logged_errors", "clear_failed_save", "describe_failure",
+           "failing_ranks", "format_bytes", "record_failed_save", "refuse_restart_after_failed_save",
+           "save_failure_message"]
+
+#: Left in the ``--save`` directory by a save that failed under torchrun (`record_failed_save`).
+FAILED_SAVE_MARKER = "save_failed.json"
 
 # "[Errno 28] No space left on device": how an OSError reads once it lost its type, which
 # dist_checkpointing's collective error report does (the writer's OSError is re-raised as a
@@ -202,3 +214,80 @@ def save_failure_message(*, stage: str, directory: str, step: int, final: str, f
     if previous is not None and previous_complete:
         msg += f"; rerun with --load {directory} to resume from step {previous}"
     return msg
+
+
+# --------------------------------------------------------------------------------------------- torchrun restarts
+def _torchrun_job() -> Optional[dict]:
+    """This torchrun job as one attempt after another sees it: the rendezvous run id (a fresh uuid for
+    each ``--standalone`` launch; the ``--rdzv-id`` given, the SLURM job id in the sbatch scripts) and
+    SLURM's requeue count (a requeued job keeps its id); None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return None
+    return {"run_id": run_id, "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT")}
+
+
+def record_failed_save(directory: str, error: CheckpointSaveError) -> Optional[str]:
+    """Rank 0, under torchrun: write ``error`` to ``directory/FAILED_SAVE_MARKER`` (atomically; best
+    effort: a marker that cannot be written only means a restart retrains and fails again) so that
+    torchrun's in-place restart of this job refuses to train again (`refuse_restart_after_failed_save`).
+    Returns the marker's path, None outside torchrun or when it could not be written."""
+    job = _torchrun_job()
+    if job is None:
+        return None
+    path = os.path.join(directory, FAILED_SAVE_MARKER)
+    record = {"message": str(error), "directory": error.directory, "step": error.step, "job": job,
+              "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+              "failures": [[rank, failure] for rank, failure in error.failures.items()]}
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except (OSError, TypeError, ValueError):
+        try:
+            os.remove(path + ".tmp")
+        except OSError:
+            pass
+        return None
+    return path
+
+
+def clear_failed_save(directory: str) -> None:
+    """Rank 0, once a save of ``directory`` succeeded: a failed save's marker there no longer holds."""
+    try:
+        os.remove(os.path.join(directory, FAILED_SAVE_MARKER))
+    except FileNotFoundError:
+        pass
+
+
+def refuse_restart_after_failed_save(directory: Optional[str]) -> None:
+    """Before a torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT`` > 0) trains: raise the
+    `CheckpointSaveError` that stopped an earlier attempt of this same job (its marker in
+    ``directory``, the ``--save`` directory), so that torchrun's restart budget never retrains the
+    steps since the last checkpoint only to fail the same save again (a full disk stays full). Each
+    remaining restart then ends the same way at once, and the job fails with the save's error.
+    Nothing happens outside a restart, for a marker of another job (another run id or SLURM requeue
+    count: a new launch after the cause was fixed trains normally), or without a marker."""
+    if not directory:
+        return
+    try:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return
+    job = _torchrun_job()
+    if attempt <= 0 or job is None:
+        return
+    path = os.path.join(directory, FAILED_SAVE_MARKER)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(record, dict) or record.get("job") != job or not isinstance(record.get("message"), str):
+        return
+    raise CheckpointSaveError(
+        f"{record['message']}\nmegatron-tree train: torchrun restart {attempt} of this job does not train again: the "
+        f"save above failed in an earlier attempt ({path}), and retraining the steps since the last checkpoint would "
+        "only fail it the same way; fix the cause and launch the job again",
+        directory=record.get("directory") or directory, step=record.get("step"),
+        failures={int(rank): failure for rank, failure in record.get("failures") or []})

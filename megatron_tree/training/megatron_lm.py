@@ -592,10 +592,9 @@ def _route_kwargs(args) -> dict:
     expert count (the MoE layer count is checked by the model when it replays)."""
     if not getattr(args, "tree_routing_replay", False):
         return {}
-    from ..tree.routes import RouteSpec
+    from ..tree.routes import read_time_route_spec
 
-    return dict(route_aware=True, route_spec=RouteSpec(topk=getattr(args, "moe_router_topk", None),
-                                                       num_experts=getattr(args, "num_experts", None)))
+    return dict(route_aware=True, route_spec=read_time_route_spec(args))
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage: Optional[int] = None, *,

@@ -21,7 +21,7 @@ import numpy as np
 
 from .prefix import sort_and_lcp
 
-__all__ = ["RouteSpec", "validate_routes", "route_symbols", "padding_routes", "row_routes", "route_sharing_cost",
+__all__ = ["RouteSpec", "read_time_route_spec", "validate_routes", "route_symbols", "padding_routes", "row_routes", "route_sharing_cost",
            "routes_shape"]
 
 
@@ -34,6 +34,16 @@ class RouteSpec:
     moe_layers: Optional[int] = None
     topk: Optional[int] = None
     num_experts: Optional[int] = None
+
+
+def read_time_route_spec(args) -> RouteSpec:
+    """What every reader of records checks of their ``routed_experts`` under routing replay, where
+    ``file:line`` is still known and before any rank starts (``megatron-tree train``, ``megatron-tree
+    score``, the Megatron-LM hooks' ``--tree-routing-replay``): top-k equal to ``args.moe_router_topk``
+    and expert ids below ``args.num_experts`` (the flags' names in ours and Megatron-LM's arguments;
+    either missing or None: not checked). The MoE layer count is the built model's, checked when
+    packing."""
+    return RouteSpec(topk=getattr(args, "moe_router_topk", None), num_experts=getattr(args, "num_experts", None))
 
 
 def validate_routes(name: str, routes, length: int, spec: Optional[RouteSpec] = None) -> np.ndarray:

@@ -2,14 +2,18 @@
 becomes the checkpoint ``latest`` names, every rank stops with one clear error, and the run resumes
 from the previous checkpoint exactly.
 
-One spawn of 2 gloo ranks (TP 2, so that both ranks write tensor files) runs the uninterrupted
-reference, a run whose save of step 4 gets ENOSPC from a tensor write on rank 1 only (injected in
-dist_checkpointing's writer), and the resume of that run. Then a run whose ranks are SIGKILLed
-inside dist_checkpointing.save of step 4 (tensor files written, metadata not), and its resume.
-Where this process may mount a small tmpfs (root), the real thing through the command line: the
-filesystem fills up during the save of step 4, and a run loading what is left resumes. The oracle
-is the uninterrupted run: CPU float32 training is deterministic, so every resumed step's loss,
-gradient norm, learning rate and samples are equal. Runs in both tiers: how dist_checkpointing
+One spawn of 2 gloo ranks (TP 2, so that both ranks write tensor files) runs a hybrid (Mamba-2,
+Gated DeltaNet, attention and MLP layers) whose save of step 4 gets ENOSPC from a tensor write on
+rank 1 only (injected in dist_checkpointing's writer) as a job under torchrun, what torchrun's
+restart of that job does (it refuses to train again: the save's marker), and the resume of that
+run. Then a GPT run whose ranks are SIGKILLed inside dist_checkpointing.save of step 4 (tensor
+files written, metadata not), and its resume.
+Where this process may mount a small tmpfs (root), the real thing through the command line (the
+hybrid): the filesystem fills up during the save of step 4, and a run loading what is left resumes.
+The oracle is the uninterrupted run: CPU float32 training is deterministic, so every resumed step's
+loss, gradient norm, learning rate and samples are equal. The failing run itself is that run: it
+trains steps 1 to 4 without a stop (only the save after step 4 fails or is killed), and its
+``--metrics-jsonl`` keeps them. Runs in both tiers: how dist_checkpointing
 reports a writer's failure differs between Megatron-Core 0.16 and 0.19.
 """
 from __future__ import annotations
@@ -26,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tree.training.checkpoint_errors import CheckpointSaveError
+from megatron_tree.training.checkpoint_errors import (FAILED_SAVE_MARKER, CheckpointSaveError,
+                                                      refuse_restart_after_failed_save)
 from megatron_tree.training.launch import DistributedError, run_distributed
 from megatron_tree.training.trainer import PARTIAL_SUFFIX, build_train_parser, latest_checkpoint
 
@@ -36,6 +41,10 @@ STEPS, SAVE_EVERY = 4, 2
 #: 2 ranks as TP 2 (DP 1): each rank writes its own tensor shards, so a failure on rank 1 is a
 #: failure of rank 1's writes (under DP 2 rank 0 writes every replicated tensor)
 LAYOUT = ("--tensor-model-parallel-size", "2", "--train-iters", STEPS)
+#: the ENOSPC case's model: our hybrid stack with a Mamba-2, a Gated DeltaNet, an attention and an MLP layer
+HYBRID = ("--hybrid-override-pattern", "MG*-", "--num-layers", "4")
+#: what torchrun gives its workers: the job's rendezvous run id, the restart attempt
+TORCHRUN_JOB = {"TORCHELASTIC_RUN_ID": "ckpt-faults-job", "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
 def _args(data, *extra):
@@ -66,44 +75,63 @@ def _no_space(stream):
 
 
 def _enospc_body(data, root):
-    """Reference; ENOSPC on rank 1's tensor write of step 4 (every rank reports the error, and what
-    it saw of the directory right after); the resume of that run from step 2."""
+    """The hybrid with ENOSPC on rank 1's tensor write of step 4, under a torchrun job's environment
+    (every rank reports the error, and what it saw of the directory right after; rank 0 keeps every
+    step in ``root/steps.jsonl``); torchrun's restart of that job (`trainer.run` raises the save's
+    error before it reads anything) and a job with another run id (nothing refused); the resume of
+    that run from step 2."""
     import torch.distributed as dist
 
-    from megatron_tree.training.trainer import train
+    from megatron_tree.training import trainer
 
     ckpt = os.path.join(root, "ckpt")
-    ref = train(_args(data))
     if dist.get_rank() == 1:
         _on_save_of(4, _no_space)
+    os.environ.update(TORCHRUN_JOB)
     try:
-        train(_args(data, "--save", ckpt, "--save-interval", SAVE_EVERY))
+        trainer.train(_args(data, *HYBRID, "--save", ckpt, "--save-interval", SAVE_EVERY, "--metrics-jsonl",
+                            os.path.join(root, "steps.jsonl")))
         failed = {}
     except CheckpointSaveError as e:
         failed = {"message": str(e), "failures": e.failures, "directory": e.directory, "step": e.step}
-    dist.barrier()  # rank 0 cleaned up before it raised
+    dist.barrier()  # rank 0 cleaned up and left the marker before it raised
     failed["listing"] = sorted(os.listdir(ckpt))
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # torchrun --max-restarts restarts the job's ranks
+    try:
+        trainer.run(_args(data, *HYBRID, "--save", ckpt, "--load", ckpt, "--save-interval", SAVE_EVERY))
+        restart = {}
+    except CheckpointSaveError as e:
+        restart = {"message": str(e), "failures": e.failures, "directory": e.directory, "step": e.step}
+    os.environ["TORCHELASTIC_RUN_ID"] = "another-job"
+    refuse_restart_after_failed_save(ckpt)  # another job's restart: trains (this raises nothing)
+    for key in TORCHRUN_JOB:
+        del os.environ[key]
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torch.distributed.checkpoint import filesystem
 
     filesystem_async._write_item = filesystem._write_item
-    resumed = train(_args(data, "--load", ckpt, "--save", ckpt, "--save-interval", SAVE_EVERY))
-    return ref, failed, resumed
+    resumed = trainer.train(_args(data, *HYBRID, "--load", ckpt, "--save", ckpt, "--save-interval", SAVE_EVERY))
+    return failed, resumed, restart
+
+
+def _steps(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
+    """(root, data, per-rank results of `_enospc_body`, the failing run's steps 1 to 4: the reference)."""
     root = tmp_path_factory.mktemp("ckpt_faults")
     data = _write_data(root / "d.jsonl")
-    return root, data, run_distributed(_enospc_body, 2, str(data), str(root), timeout=600)
+    ranks = run_distributed(_enospc_body, 2, str(data), str(root), timeout=600)
+    return root, data, ranks, _steps(root / "steps.jsonl")
 
 
 def test_enospc_on_one_rank_stops_every_rank_with_one_clear_error_and_latest_unchanged(faults):
-    root, data, ranks = faults
+    root, data, ranks, ref = faults
     ckpt = root / "ckpt"
-    ref = ranks[0][0]["history"]
-    assert [m["step"] for m in ref] == list(range(1, STEPS + 1))
-    for rank, (_, failed, resumed) in enumerate(ranks):
+    assert [m["step"] for m in ref] == list(range(1, STEPS + 1))  # the failed save came after step 4
+    for rank, (failed, *_) in enumerate(ranks):
         assert "message" in failed, f"rank {rank}: the save of step 4 did not raise"
         msg = failed["message"]
         assert failed["directory"] == str(ckpt) and failed["step"] == 4
@@ -117,17 +145,35 @@ def test_enospc_on_one_rank_stops_every_rank_with_one_clear_error_and_latest_unc
         assert f"{ckpt} had " in msg and " free when the save started (the filesystem ran out of space" in msg
         assert f"{ckpt}/latest still names step 2 ({ckpt}/iter_0000002), a complete checkpoint" in msg
         assert f"rerun with --load {ckpt} to resume from step 2" in msg
-        # nothing of the failed save is left, latest never moved
-        assert failed["listing"] == ["iter_0000002", "latest"], failed["listing"]
-    assert "the partial directory" in ranks[0][1]["message"] and "was removed" in ranks[0][1]["message"]
+        # nothing of the failed save is left, latest never moved; under torchrun the save's marker
+        assert failed["listing"] == ["iter_0000002", "latest", FAILED_SAVE_MARKER], failed["listing"]
+    assert "the partial directory" in ranks[0][0]["message"] and "was removed" in ranks[0][0]["message"]
     # the estimate is the tensors the two ranks write: those the checkpoint's own metadata lists
     # (rank 0 also counts the few tensors of the common state, which common.pt holds)
-    need = int(ranks[0][1]["message"].split("the checkpoint needs about ")[1].split(" bytes")[0].replace(",", ""))
+    need = int(ranks[0][0]["message"].split("the checkpoint needs about ")[1].split(" bytes")[0].replace(",", ""))
     listed = _tensor_bytes(ckpt / "iter_0000002")
     assert listed <= need <= listed + 1024, (need, listed)
     took = sum(f.stat().st_size for f in (ckpt / "iter_0000002").iterdir())
-    assert f"the checkpoint of step 2 takes {took:,} bytes" in ranks[1][1]["message"]
+    assert f"the checkpoint of step 2 takes {took:,} bytes" in ranks[1][0]["message"]
 
+
+def test_a_torchrun_restart_after_a_failed_save_refuses_to_train_again(faults):
+    """Under torchrun (``--max-restarts``, the sbatch scripts' MAX_RESTARTS) the failed save leaves
+    its marker; the restarted attempt of the same job (``TORCHELASTIC_RESTART_COUNT`` 1) stops in
+    `trainer.run` with the same error before it trains, rather than retraining the steps since step 2
+    only to fail the same save; a job with another run id is not refused; the next successful save
+    removes the marker."""
+    root, _, ranks, _ = faults
+    ckpt = root / "ckpt"
+    failed = ranks[0][0]  # rank 0 wrote the marker: its account of the failure
+    for rank, (*_, restart) in enumerate(ranks):
+        assert restart, f"rank {rank}: torchrun's restart after the failed save trained again"
+        assert restart["message"].startswith(failed["message"] + "\nmegatron-tree train: torchrun restart 1 of this "
+                                             "job does not train again: the save above failed in an earlier attempt "
+                                             f"({ckpt}/{FAILED_SAVE_MARKER})"), restart["message"]
+        assert (restart["directory"], restart["step"], restart["failures"]) == \
+            (failed["directory"], failed["step"], failed["failures"])
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "latest"]  # the resume's save cleared it
 
 def _tensor_bytes(path: Path) -> int:
     """Bytes of every tensor a distributed checkpoint's metadata lists (global shapes and dtypes)."""
@@ -143,21 +189,21 @@ def _tensor_bytes(path: Path) -> int:
 
 
 def test_after_enospc_the_previous_checkpoint_loads_and_the_run_resumes_exactly(faults):
-    root, _, ranks = faults
-    ref = ranks[0][0]["history"]
-    for rank, (_, _, resumed) in enumerate(ranks):
+    root, _, ranks, ref = faults
+    for rank, (_, resumed, _) in enumerate(ranks):
         assert resumed["resumed_from"] == 2, rank
         assert [m["step"] for m in resumed["history"]] == [3, 4]
-        _same_steps(resumed["history"], ref, f"rank {rank}: resumed after ENOSPC")
+        _same_steps(resumed["history"], ref, f"rank {rank}: hybrid resumed after ENOSPC")
         assert resumed["saved"] == [str(root / "ckpt" / "iter_0000004")]
     assert latest_checkpoint(str(root / "ckpt")) == 4
 
 
 # --------------------------------------------------------------------------------------------- killed, failed alone
-def _killed_body(data, ckpt):
+def _killed_body(data, ckpt, log):
     """Every rank SIGKILLs itself inside dist_checkpointing.save of step 4, once its tensor files are
     written and before the global metadata and metadata.json are: a job killed outright mid-save (a
-    time limit's SIGKILL, a lost node), which runs no code of ours afterwards."""
+    time limit's SIGKILL, a lost node), which runs no code of ours afterwards. Rank 0 keeps every
+    step in ``log`` (as they end: steps 1 to 4 are there)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from megatron_tree.training.trainer import train
@@ -170,7 +216,7 @@ def _killed_body(data, ckpt):
         return real(self)
 
     FileSystemWriterAsync.retrieve_write_results = retrieve_write_results
-    train(_args(data, "--save", ckpt, "--save-interval", SAVE_EVERY))
+    train(_args(data, "--save", ckpt, "--save-interval", SAVE_EVERY, "--metrics-jsonl", log))
 
 
 def _kill_rank_and_its_children() -> None:
@@ -221,22 +267,23 @@ def _resume_then_fail_alone_body(data, ckpt, alone):
 @pytest.fixture(scope="module")
 def killed(faults, tmp_path_factory):
     """(checkpoint dir, the launcher's error and the directory listing after the kill, per-rank
-    results of `_resume_then_fail_alone_body`, the dir of the run failing alone)."""
-    _, data, _ = faults
+    results of `_resume_then_fail_alone_body`, the dir of the run failing alone, the killed run's
+    steps 1 to 4: the reference)."""
+    data = faults[1]
     root = tmp_path_factory.mktemp("killed")
     ckpt, alone = root / "ckpt", root / "alone"
     with pytest.raises(DistributedError) as info:
-        run_distributed(_killed_body, 2, str(data), str(ckpt), timeout=600)
+        run_distributed(_killed_body, 2, str(data), str(ckpt), str(root / "steps.jsonl"), timeout=600)
     listing = {name: sorted(os.listdir(ckpt / name)) for name in os.listdir(ckpt) if (ckpt / name).is_dir()}
     listing["."] = sorted(os.listdir(ckpt))
     ranks = run_distributed(_resume_then_fail_alone_body, 2, str(data), str(ckpt), str(alone), timeout=600)
-    return ckpt, str(info.value), listing, ranks, alone
+    return ckpt, str(info.value), listing, ranks, alone, _steps(root / "steps.jsonl")
 
 
-def test_killed_inside_the_save_leaves_a_partial_dir_that_is_never_loaded_and_resumes_exactly(faults, killed):
-    ref = faults[2][0][0]["history"]
-    ckpt, error, listing, ranks, _ = killed
+def test_killed_inside_the_save_leaves_a_partial_dir_that_is_never_loaded_and_resumes_exactly(killed):
+    ckpt, error, listing, ranks, _, ref = killed
     assert re.search("rank [01] of 2 was killed by SIGKILL", error), error
+    assert [m["step"] for m in ref] == list(range(1, STEPS + 1))  # the kill came after step 4
     partial = "iter_0000004" + PARTIAL_SUFFIX
     assert listing["."] == ["iter_0000002", partial, "latest"], listing
     assert any(n.endswith(".distcp") for n in listing[partial]) and "metadata.json" not in listing[partial], listing
@@ -250,7 +297,7 @@ def test_killed_inside_the_save_leaves_a_partial_dir_that_is_never_loaded_and_re
 
 
 def test_a_rank_failing_alone_inside_the_save_raises_instead_of_hanging(killed):
-    *_, ranks, alone = killed
+    *_, ranks, alone, _ = killed
     msg0, msg1 = ranks[0][1], ranks[1][1]
     assert msg0 is not None and msg1 is not None, (msg0, msg1)
     assert msg0.startswith(f"megatron-tree train: the checkpoint of step 4 was NOT saved to {alone}/iter_0000004: "
@@ -266,7 +313,7 @@ def test_a_rank_failing_alone_inside_the_save_raises_instead_of_hanging(killed):
 def _load_body(data, ckpt):
     from megatron_tree.training.trainer import train
 
-    return train(_args(data, "--load", ckpt))
+    return train(_args(data, *HYBRID, "--load", ckpt))
 
 
 def _mount_tmpfs(path: Path, size: int) -> bool:
@@ -278,19 +325,19 @@ def _mount_tmpfs(path: Path, size: int) -> bool:
 
 
 def test_cli_real_full_filesystem_names_the_error_keeps_latest_and_resumes_exactly(faults, tmp_path):
-    """``megatron-tree train --nproc 2`` saving to a tmpfs that holds the checkpoint of step 2 but
-    not that of step 4: exit status 1, the error as the run's error (not a rank's traceback),
-    ``latest`` names step 2, and a run loading it continues like the uninterrupted one."""
-    root, data, ranks = faults
-    ref = ranks[0][0]["history"]
+    """``megatron-tree train --nproc 2`` (the hybrid, as the injected ENOSPC) saving to a tmpfs that
+    holds the checkpoint of step 2 but not that of step 4: exit status 1, the error as the run's error
+    (not a rank's traceback), ``latest`` names step 2, and a run loading it continues like the
+    uninterrupted one."""
+    root, data, _, ref = faults  # the hybrid's; the tmpfs is sized by its checkpoint of step 2
     one = sum(-(-f.stat().st_size // 4096) * 4096 for f in (root / "ckpt" / "iter_0000002").iterdir())
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, one + 4096 * 4 + one // 3):  # step 2, its marker, a third of another
         pytest.skip("no small filesystem to fill: mounting a tmpfs needs root (the injected ENOSPC runs anyway)")
     try:
         log = tmp_path / "steps.jsonl"
-        rc, out = _run_cli(tmp_path, _argv(data, *LAYOUT, "--nproc", "2", "--save", disk / "ckpt", "--save-interval",
-                                           SAVE_EVERY, "--metrics-jsonl", log))
+        rc, out = _run_cli(tmp_path, _argv(data, *LAYOUT, *HYBRID, "--nproc", "2", "--save", disk / "ckpt",
+                                           "--save-interval", SAVE_EVERY, "--metrics-jsonl", log))
         assert rc == 1, out[-4000:]
         line = next(x for x in out.splitlines() if "was NOT saved" in x)
         # the message alone, as the run's error (no traceback)

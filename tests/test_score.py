@@ -550,18 +550,34 @@ def test_routing_replay_scores(run):
     assert free["tree_rows"] < tree["tree_rows"] < flat["tree_rows"] == flat["flat_tokens"]
 
 
-def test_routing_replay_record_without_routes_is_an_error(run, capsys):
+def test_routing_replay_bad_routes_are_refused_with_file_line_before_any_rank(tmp_path, monkeypatch, capsys):
+    """``megatron-tree score --routing-replay`` reads records with the training readers' route rule
+    (`tree.routes.read_time_route_spec`): a record without routes, with another top-k than
+    ``--moe-router-topk`` or an expert id outside ``--num-experts`` is refused as ``file:line`` before
+    any rank starts (no checkpoint is even looked for: --load names nothing)."""
     from megatron_tree import cli
+    from megatron_tree.training import launch
 
-    path = run["dir"] / "unrouted.jsonl"
-    lines = open(run["route_data"]).read().splitlines()
-    rec = json.loads(lines[2])
-    del rec["routed_experts"]
-    path.write_text("\n".join(lines[:2] + [json.dumps(rec)] + lines[3:]) + "\n")
-    rc = cli.main(["score", *MOE, "--routing-replay", "--load", run["ckpt"], "--data", str(path),
-                   "--out", str(run["dir"] / "z.parquet")])
-    err = capsys.readouterr().err
-    assert rc == 2 and f"{path}:3: record 2 has no routed_experts" in err
+    monkeypatch.setattr(launch, "run_distributed", lambda *a, **k: pytest.fail("a rank started"))
+
+    def top1(rec):
+        rec["routed_experts"] = [[layer[:1] for layer in tok] for tok in rec["routed_experts"]]
+
+    def expert_4(rec):
+        rec["routed_experts"][5][1] = [4, 0]
+
+    cases = {"missing": (lambda rec: rec.pop("routed_experts"), "has no routed_experts, but routing replay needs routes"),
+             "top1": (top1, "routed_experts has top-1 per token and layer but the model routes top-2"),
+             "expert_4": (expert_4, "routed_experts holds expert id 4 at token 5, but the model has 4 experts")}
+    for name, (damage, reason) in cases.items():
+        recs = _route_records()
+        damage(recs[2])
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        rc = cli.main(["score", *MOE, "--routing-replay", "--nproc", "2", "--load", str(tmp_path / "no_ckpt"),
+                       "--data", str(path), "--out", str(tmp_path / "z.parquet")])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{path}:3: {reason}" in err, (name, err)
 
 
 # ---------------------------------------------------------------------------------------------- every model family

@@ -26,9 +26,10 @@ anything else is a `CheckpointMismatch` naming each tensor, never a partial or s
 What a run does (every rank):
 
 1. The records (``--data`` JSONL / Parquet files, `data.pipeline.read_samples`; a bad record is an
-   error naming ``file:line``, never skipped, so output row i is input record i) are checked
-   against the budget: a record longer than ``--max-tokens-per-mb`` is an error naming it (scoring
-   never truncates).
+   error naming ``file:line``, never skipped, so output row i is input record i; with
+   ``--routing-replay`` a record's ``routed_experts`` must be there and fit ``--moe-router-topk`` and
+   ``--num-experts``, the training readers' rule) are checked against the budget: a record longer than
+   ``--max-tokens-per-mb`` is an error naming it (scoring never truncates).
 2. All records are packed at once (`tree.pack`: prefixes shared across the whole file, duplicates
    kept as separate samples), the microbatches assigned to DP ranks by predicted cost
    (`data.sharding.balance`; every rank gets the same count, padding microbatches fill the rest,
@@ -127,12 +128,17 @@ def build_score_parser(prog: str = "megatron-tree score") -> argparse.ArgumentPa
 
 def load_score_records(args) -> tuple[list, list]:
     """``(samples, sources)``: every record of ``--data`` in input order (a bad one is an error, never
-    skipped) and where each came from (``file:line`` / ``file:row R``)."""
+    skipped) and where each came from (``file:line`` / ``file:row R``). With ``--routing-replay`` every
+    record must carry ``routed_experts`` whose top-k and expert ids fit the model flags, the training
+    readers' rule (`tree.routes.read_time_route_spec`), refused with ``file:line`` before any rank starts."""
     from ..data.io import ReadReport
     from ..data.pipeline import read_samples
+    from ..tree.routes import read_time_route_spec
 
     report = ReadReport()
-    samples = read_samples(args.data, vocab_size=args.vocab_size, bad_sample="error", report=report)
+    replay = bool(getattr(args, "routing_replay", False))
+    samples = read_samples(args.data, vocab_size=args.vocab_size, bad_sample="error", report=report,
+                           route_spec=read_time_route_spec(args) if replay else None, require_routes=replay)
     return samples, list(report.sources)
 
 

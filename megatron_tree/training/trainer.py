@@ -28,7 +28,10 @@ cannot be half-read: a save writes ``iter_XXXXXXX.partial/``, which becomes ``it
 named in ``latest`` only once an all-reduced flag says every rank's part succeeded; a failure on
 any rank (ENOSPC, any error of dist_checkpointing) stops every rank with one `CheckpointSaveError`
 naming the directory, the failing ranks, the errno and the bytes needed vs free, ``latest``
-unchanged (`_save_checkpoint`). A load reads only the directory ``latest`` names.
+unchanged (`_save_checkpoint`). It is never retried: not by ``--max-restarts``, nor by torchrun's
+restarts (a restarted attempt of the job finds the save's ``SAVE/save_failed.json`` and raises the
+same error before training: `checkpoint_errors.refuse_restart_after_failed_save`). A load reads
+only the directory ``latest`` names.
 
 Preemption: inside the training loop SIGTERM and SIGUSR1 (what SLURM sends ahead of a time limit or
 a preemption, ``#SBATCH --signal=TERM@120``) are recorded, not fatal. Each step's end all-reduces a
@@ -442,9 +445,9 @@ def load_train_samples(args, report=None) -> list:
 
     route_spec, replay = None, bool(getattr(args, "routing_replay", False))
     if replay:  # routes present, top-k and expert ids checked where file:line is known (`run` reads before any
-        from ..tree.routes import RouteSpec  # rank starts); the MoE layer count once the model is built
+        from ..tree.routes import read_time_route_spec  # rank starts); the MoE layer count once the model is built
 
-        route_spec = RouteSpec(topk=args.moe_router_topk, num_experts=args.num_experts)
+        route_spec = read_time_route_spec(args)
     return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample,
                         report=report, route_spec=route_spec, require_routes=replay)
 
@@ -671,7 +674,7 @@ def _fail_save(records: list, unreachable: str, *, stage: str, directory: str, s
     same records). Rank 0 first removes ``remove`` (the partial directory, or ``final`` when the
     commit renamed it but ``latest`` was not replaced; best effort, the outcome is in its message):
     nothing of the failed save stays, and it would never be loaded anyway."""
-    from .checkpoint_errors import CheckpointSaveError, failing_ranks, save_failure_message
+    from .checkpoint_errors import CheckpointSaveError, failing_ranks, record_failed_save, save_failure_message
 
     failures = failing_ranks(records)
     if not failures:  # the exchange failed on a rank that had no error of its own
@@ -696,7 +699,10 @@ def _fail_save(records: list, unreachable: str, *, stage: str, directory: str, s
     message = save_failure_message(stage=stage, directory=directory, step=step, final=final, failures=failures,
                                    records=records, previous=previous, previous_complete=complete, cleanup=cleanup,
                                    unreachable=unreachable)
-    raise CheckpointSaveError(message, directory=directory, step=step, failures=failures)
+    error = CheckpointSaveError(message, directory=directory, step=step, failures=failures)
+    if dist.get_rank() == 0:  # under torchrun: its restart of this job refuses to train again
+        record_failed_save(directory, error)
+    raise error
 
 
 def _outcome_group():
@@ -727,7 +733,7 @@ def _save_checkpoint(directory: str, step: int, ddp, opt, sched, pipeline_state:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .checkpoint_errors import capture_logged_errors
+    from .checkpoint_errors import capture_logged_errors, clear_failed_save
 
     rank = dist.get_rank()
     final = _iter_dir(directory, step)
@@ -781,6 +787,8 @@ def _save_checkpoint(directory: str, step: int, ddp, opt, sched, pipeline_state:
         committed = not os.path.lexists(partial) and _marker_step(directory) != step
         _fail_save(records, why, stage="committing (rename, latest marker)",
                    remove=final if committed else partial, **fail)
+    if rank == 0:  # an earlier failed save's marker no longer holds
+        clear_failed_save(directory)
     return final
 
 
@@ -1332,9 +1340,12 @@ def _rank_train(args) -> dict:
 # --------------------------------------------------------------------------------------------- entry point
 def run(args) -> dict:
     """Check ``args`` and train: here under torchrun/srun, else on ``--nproc`` spawned local ranks.
-    Returns rank 0's `train` result."""
+    Returns rank 0's `train` result. A torchrun restart of a job whose save failed raises that
+    save's `CheckpointSaveError` before anything else (`refuse_restart_after_failed_save`)."""
     from ..data.io import ReadReport
+    from .checkpoint_errors import refuse_restart_after_failed_save
 
+    refuse_restart_after_failed_save(args.save)
     report = ReadReport()
     samples = load_train_samples(args, report) if (args.tree_data_path or args.synthetic_preset) else None
     check_train_args(args, samples)

@@ -2,7 +2,8 @@
 # the local CPU torch build; they build .venv/ first). More tiers, run by .ci/run:
 #   make test-latest    the version-sensitive part of the suite (conftest.py: --tier latest) on the latest
 #                       supported stack: Python 3.12 (pyenv 3.12.1 where pyenv is installed),
-#                       megatron-core 0.19.2 (requirements-latest.txt) in .venv-latest/
+#                       megatron-core 0.19.2 (requirements-latest.txt) and the hf extra (requirements-hf.txt:
+#                       megatron-bridge, transformers) in .venv-latest/
 #   make test-kernels   the GPU backends' real Triton kernels on CPU through Triton's interpreter
 #                       (tests_kernels/): .venv-latest plus requirements-kernels.txt in .venv-latest/kernels
 # --dist loadscope --no-loadscope-reorder: each module runs on one worker (its module fixture, one batch of
@@ -19,7 +20,7 @@ PY_LATEST ?= python3.12
 PYENV_LATEST ?= 3.12.1
 VENV_LATEST := .venv-latest
 BIN_LATEST := $(VENV_LATEST)/bin
-STAMP_LATEST := $(VENV_LATEST)/.installed-$(shell cat requirements-latest.txt setup.py | cksum | cut -d' ' -f1)
+STAMP_LATEST := $(VENV_LATEST)/.installed-$(shell cat requirements-latest.txt requirements-hf.txt setup.py | cksum | cut -d' ' -f1)
 KERNELS := $(VENV_LATEST)/kernels
 STAMP_KERNELS := $(KERNELS)/.installed-$(shell cat requirements-kernels.txt | cksum | cut -d' ' -f1)
 
@@ -36,12 +37,13 @@ $(STAMP): requirements-cpu.txt setup.py
 
 venv-latest: $(STAMP_LATEST)
 
-$(STAMP_LATEST): requirements-latest.txt setup.py
+$(STAMP_LATEST): requirements-latest.txt requirements-hf.txt setup.py
 	test -x $(BIN_LATEST)/python || PYENV_VERSION=$(PYENV_LATEST) $(PY_LATEST) -m venv $(VENV_LATEST)
 	$(BIN_LATEST)/python -c 'import sys; assert sys.version_info >= (3, 12), \
 		f"$(VENV_LATEST) has Python {sys.version.split()[0]}; megatron-core 0.17+ needs >= 3.12 (rm -r $(VENV_LATEST))"'
 	$(BIN_LATEST)/python -m pip install -q --upgrade pip
 	$(BIN_LATEST)/python -m pip install -q -r requirements-latest.txt
+	$(BIN_LATEST)/python -m pip install -q --no-deps -r requirements-hf.txt
 	$(BIN_LATEST)/python -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV_LATEST)/.installed-* && touch $@
 

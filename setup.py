@@ -21,6 +21,8 @@ setup(
         "gpu": ["transformer-engine", "triton", "mamba-ssm", "causal-conv1d", "fla-core", "flash-linear-attention"],
         "test": ["pytest", "hypothesis", "pytest-xdist"],
         "plot": ["matplotlib"],
+        # megatron_tree.bridge: Hugging Face checkpoints through Megatron-Bridge (Python 3.12, megatron-core 0.19)
+        "hf": ["megatron-bridge>=0.6.2", "transformers>=5.8"],
         "data": ["pyarrow"],
         # tensorboardX: `megatron-tree train`; tensorboard: Megatron-LM's --tensorboard-dir (its SummaryWriter)
         "log": ["tensorboardX", "tensorboard"],

@@ -570,7 +570,9 @@ def _logged(out: str, key: str) -> dict:
 
 #: MTP through pretrain(): (script, model flags, MTP depths, the layout compared with one rank, its ranks)
 MTP_MODELS = {
-    "gpt": (GPT, ["--num-layers", "2", "--mtp-num-layers", "2"], 2, ["--context-parallel-size", "2"] + TP2_SP, 4),
+    # (CP2 alone: a 4-rank TP2 + SP + CP2 launch cost CI ~3 minutes; MTP under TP2 + SP is verify's,
+    # tests/test_mtp.py ws2, and pretrain()'s TP2 + SP + CP2 is the fresh GPT run of the test above)
+    "gpt": (GPT, ["--num-layers", "2", "--mtp-num-layers", "2"], 2, ["--context-parallel-size", "2"], 2),
     # megatron-core 0.19's unified hybrid pattern: main stack "M*-M", one MTP depth of a Mamba and an attention layer
     "mamba": (ROOT / "examples" / "pretrain_tree_mamba.py",
               ["--hybrid-layer-pattern", "M*-M/M*", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
@@ -582,9 +584,9 @@ MTP_MODELS = {
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
 @pytest.mark.parametrize("model", sorted(MTP_MODELS))
 def test_pretrain_tree_mtp_under_cp_equals_one_rank(model, tmp_path):
-    """Multi-token prediction through Megatron-LM's pretrain() with our hooks: one rank vs tree CP2 (GPT:
-    + TP2 + SP, 4 ranks; MambaModel: MTP depths from the "main/mtp" pattern), same seed; each depth's
-    input crosses CP ranks (and TP shards). Every iteration's loss agrees to float32 rounding (iterations
+    """Multi-token prediction through Megatron-LM's pretrain() with our hooks: one rank vs tree CP2 (GPT: two
+    MTP depths; MambaModel: MTP depths from the "main/mtp" pattern), same seed; each depth's input crosses
+    CP ranks. Every iteration's loss agrees to float32 rounding (iterations
     2-4 after updates that carry the MTP gradients), and so does each depth's loss Megatron-LM logs; that
     logged value is the step's per-token mean, about ln(128) for this fresh model at iteration 1 (stock's
     mean of per-microbatch means read 1.2 for GPT here: the tree step's 8 samples fill one of the 4

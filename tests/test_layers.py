@@ -30,9 +30,10 @@ ALLOWED = {
     "megatron": {"tree", "ops", "cp", "compat", "cpu"},
     "data": {"tree"},
     "viz": {"tree"},
-    "training": {"tree", "ops", "cp", "compat", "cpu", "megatron", "data"},
+    "training": {"tree", "ops", "cp", "compat", "cpu", "megatron", "data", "bridge"},
     "rl": {"tree", "ops", "cp", "compat", "cpu", "megatron", "data"},  # the RL frameworks' API (beside training)
-    "cli": {"tree", "ops", "cp", "compat", "cpu", "megatron", "data", "training", "viz"},
+    "bridge": {"tree", "ops", "cp", "compat", "cpu", "megatron"},  # Megatron-Bridge / HF checkpoints (optional extra)
+    "cli": {"tree", "ops", "cp", "compat", "cpu", "megatron", "data", "training", "viz", "bridge"},
     "__main__": {"cli"},
     "__init__": set(),
 }

@@ -252,6 +252,36 @@ def _stock_mtp_layers(block_submodules):
                                                      for s in block_submodules.layer_specs])
 
 
+def build_hf_model(args, dtype, on_cpu: bool, *, recompute: Optional[str] = None, hf_weights: bool = True,
+                   **overrides):
+    """``(bridge, config, model)`` of ``args.hf_model``: the Megatron-Bridge provider of that Hugging
+    Face checkpoint as a tree provider (`megatron_tree.bridge.hf_provider`) under ``args``' parallel
+    layout, ``dtype`` and tree-training settings (variable sequence lengths, per-token loss), built and
+    (``hf_weights``) loaded with every parameter checked (`bridge.load_hf_weights`). The provider is
+    the config."""
+    from .. import bridge as tb
+
+    if recompute == "full":
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        overrides.update(recompute_granularity="selective")
+    if getattr(args, "routing_replay", False):
+        overrides["moe_enable_routing_replay"] = True
+    hf, provider = tb.hf_provider(
+        args.hf_model, load_weights=False, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size, context_parallel_size=args.context_parallel_size,
+        sequence_parallel=bool(args.sequence_parallel), params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, variable_seq_lengths=True, calculate_per_token_loss=True,
+        hidden_dropout=0.0, attention_dropout=0.0, **overrides)
+    model = provider.provide().to(dtype)
+    if not on_cpu:
+        model = model.cuda()
+    if hf_weights:
+        tb.load_hf_weights(hf, [model])
+    return hf, provider, model
+
+
 def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False, grad_reduce_in_fp32: bool = False):
     """Megatron DDP around ``model`` (grads in ``main_grad``), with ``finalize_model_grads`` wired.
     ``grad_reduce_in_fp32``: ``main_grad`` in float32 whatever the parameters' dtype (Megatron-LM's

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from functools import partial
@@ -83,9 +84,11 @@ def add_score_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_model_args(parser)
     add_parallel_args(parser, training=False)
     g = parser.add_argument_group("scoring")
-    g.add_argument("--load", required=True, metavar="DIR",
+    g.add_argument("--load", default=None, metavar="DIR",
                    help="checkpoint: a megatron-tree train --save directory (DIR/latest), a Megatron-LM one "
-                        "(DIR/latest_checkpointed_iteration.txt, distributed format) or one iter_XXXXXXX directory")
+                        "(DIR/latest_checkpointed_iteration.txt, distributed format) or one iter_XXXXXXX directory; "
+                        "with --hf-model the architecture comes from that Hugging Face checkpoint and the weights "
+                        "from DIR (a train --hf-model run's checkpoint)")
     g.add_argument("--data", nargs="+", required=True, metavar="FILE",
                    help="records to score: JSONL (.jsonl/.json) or Parquet (.parquet/.pq) files or directories, "
                         "read in the order given")
@@ -137,6 +140,10 @@ def load_score_records(args) -> tuple[list, list]:
 
     report = ReadReport()
     replay = bool(getattr(args, "routing_replay", False))
+    if getattr(args, "hf_model", None) is not None:  # the vocabulary the records are checked against
+        from ..bridge.hf_config import hf_config_value
+
+        args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size"))
     samples = read_samples(args.data, vocab_size=args.vocab_size, bad_sample="error", report=report,
                            route_spec=read_time_route_spec(args) if replay else None, require_routes=replay)
     return samples, list(report.sources)
@@ -145,7 +152,7 @@ def load_score_records(args) -> tuple[list, list]:
 def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
     """Validate ``args`` in place (ValueError listing what to fix) and fill derived defaults; with the
     records, also the budget (default, or: no record may be longer)."""
-    from .trainer import _default_budget, _family_errors, fill_model_defaults
+    from .trainer import _default_budget, _family_errors, fill_model_defaults, hf_model_errors
 
     if args.bf16:
         if args.dtype not in (None, "bfloat16"):
@@ -153,7 +160,10 @@ def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
         args.dtype = "bfloat16"
     args.dtype = args.dtype or "float32"
     args.bf16 = args.dtype == "bfloat16"
-    errors = _family_errors(args)
+    errors = _family_errors(args) + hf_model_errors(args)
+    if args.load is None and getattr(args, "hf_model", None) is None:
+        errors.append("give --load DIR (a Megatron checkpoint), --hf-model PATH (a Hugging Face one), or both "
+                      "(the architecture from PATH, the weights from DIR: a train --hf-model checkpoint)")
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     cp = args.context_parallel_size
     if min(tp, pp, ep, cp) < 1 or args.nproc < 1:
@@ -163,7 +173,7 @@ def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
                       f"({tp * pp * cp})")
     if args.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.num_attention_heads % tp:
+    if args.num_attention_heads % tp and getattr(args, "hf_model", None) is None:
         errors.append(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by TP ({tp})")
     if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
             args.hybrid_override_pattern != args.tree_hybrid_pattern:
@@ -457,16 +467,21 @@ class CheckpointMismatch(ValueError):
     """The checkpoint's parameters are not the ones the model flags build (`check_checkpoint_tensors`)."""
 
 
+# optimizer state: ``optimizer.*``, or ``chained_N.optimizer.*`` when the optimizer is Megatron's
+# ChainedOptimizer (expert parallelism: dense and expert parameters have an optimizer each)
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
 def check_checkpoint_tensors(path: str, model_shapes: dict) -> None:
     """ValueError unless checkpoint ``path`` holds exactly the model's tensors (``model_shapes``: every
     pipeline stage's ``{key: global shape}``), with their shapes: a tensor the model lacks (a bias,
     a tied or untied output layer, an extra layer) would otherwise be silently ignored, one the
-    checkpoint lacks or of another shape would load wrong. Optimizer state (``optimizer.*``) is not
+    checkpoint lacks or of another shape would load wrong. Optimizer state (``[chained_N.]optimizer.*``) is not
     the model's and is skipped."""
     from megatron.core import dist_checkpointing
 
     stored = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(path).items()
-              if not k.startswith("optimizer.")}
+              if not _OPTIMIZER_KEY.match(k)}
     missing = sorted(set(model_shapes) - set(stored))
     extra = sorted(set(stored) - set(model_shapes))
     shapes = sorted(f"{k}: checkpoint {list(stored[k])}, model {list(s)}" for k, s in model_shapes.items()
@@ -557,22 +572,27 @@ def _score(args, samples, on_cpu: bool) -> dict:
 
     from ..data.sharding import balance, microbatch_cost
     from ..tree import pack, padding_microbatch
-    from .models import build_model, make_config
+    from .models import build_hf_model, build_model, make_config
     from .trainer import _model_args
 
-    margs = _model_args(args)
-    if args.routing_replay:  # Megatron gives every router a replay hook
-        margs.extra["moe_enable_routing_replay"] = True
     dtype = DTYPES[args.dtype]
-    config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                         ep=args.expert_model_parallel_size, cp=args.context_parallel_size, sp=args.sequence_parallel,
-                         dtype=dtype, cpu=on_cpu)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    model = build_model(config, margs)
-    if not on_cpu:
-        model = model.cuda()
-    _load_model(resolve_checkpoint(args.load), model, args)
+    if getattr(args, "hf_model", None) is not None:
+        _, config, model = build_hf_model(args, dtype, on_cpu, hf_weights=args.load is None)
+        if args.load is not None:  # a train --hf-model checkpoint: the architecture from PATH, weights from DIR
+            _load_model(resolve_checkpoint(args.load), model, args)
+    else:
+        margs = _model_args(args)
+        if args.routing_replay:  # Megatron gives every router a replay hook
+            margs.extra["moe_enable_routing_replay"] = True
+        config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                             ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
+                             sp=args.sequence_parallel, dtype=dtype, cpu=on_cpu)
+        model = build_model(config, margs)
+        if not on_cpu:
+            model = model.cuda()
+        _load_model(resolve_checkpoint(args.load), model, args)
     model.eval()
     spec = None
     if args.routing_replay:
@@ -685,7 +705,8 @@ def run(args) -> dict:
 
     samples, sources = load_score_records(args)
     check_score_args(args, samples, sources)
-    check_checkpoint_flags(resolve_checkpoint(args.load), args)  # before any rank starts
+    if args.load is not None and getattr(args, "hf_model", None) is None:
+        check_checkpoint_flags(resolve_checkpoint(args.load), args)  # before any rank starts
     if _launched() or dist.is_initialized():
         from .trainer import _quiet_warnings
 

@@ -112,6 +112,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--load", type=str, default=None,
                    help="resume from DIR/latest when present (an absent checkpoint starts fresh)")
     c.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and one at the end)")
+    c.add_argument("--save-hf", type=str, default=None, metavar="DIR",
+                   help="with --hf-model: after the last step, save the trained model as a Hugging Face directory "
+                        "(config, weights; Megatron-Bridge's save_hf_pretrained, gathered over TP / PP / EP)")
     c.add_argument("--log-interval", type=int, default=1)
     c.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="after each step's forward and backward, stop before the optimizer step when a "
@@ -146,6 +149,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_model_args(parser: argparse.ArgumentParser):
     """The "model" argument group of ``megatron-tree train`` (also ``megatron-tree score``'s)."""
     m = parser.add_argument_group("model")
+    m.add_argument("--hf-model", default=None, metavar="PATH",
+                   help="a Hugging Face checkpoint (directory or hub id): architecture and weights from it through "
+                        "Megatron-Bridge (megatron_tree.bridge; the hf extra), token ids in the records (no "
+                        "tokenizer); the other model flags are then refused")
     m.add_argument("--num-layers", type=int, default=None,
                    help="GPT layers (default 4); with --hybrid-override-pattern it must equal the pattern length")
     m.add_argument("--hidden-size", type=int, default=64)
@@ -261,6 +268,30 @@ def _add_optimizer_args(parser: argparse.ArgumentParser):
     return o
 
 
+def model_flags_given(args) -> list:
+    """The model flags (`add_model_args`, but ``--hf-model`` and ``--vocab-size``) whose value is not
+    the default: with ``--hf-model`` the checkpoint's config decides the architecture."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_model_args(parser)
+    return [a.option_strings[0] for a in parser._actions
+            if a.dest not in ("help", "hf_model", "vocab_size") and hasattr(args, a.dest)
+            and getattr(args, a.dest) != a.default]
+
+
+def hf_model_errors(args) -> list:
+    """With ``--hf-model``: the model flags given beside it (checked once, on the flags as given: the
+    checked args are filled with model defaults afterwards). Also sets ``args.vocab_size`` from the
+    checkpoint's config (the records' token ids are checked against it before any rank starts)."""
+    if not getattr(args, "hf_model", None) or getattr(args, "hf_model_flags_checked", False):
+        return []
+    from ..bridge.hf_config import hf_config_value
+
+    errors = [f"{flag}: the architecture comes from --hf-model" for flag in model_flags_given(args)]
+    args.hf_model_flags_checked = True
+    args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size"))
+    return errors
+
+
 def build_train_parser(prog: str = "megatron-tree train") -> argparse.ArgumentParser:
     """The ``megatron-tree train`` parser (`add_train_args` on a fresh parser)."""
     return add_train_args(argparse.ArgumentParser(prog=prog, description="Train a Megatron-Core model on prefix trees"))
@@ -301,7 +332,9 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
     if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
             args.hybrid_override_pattern != args.tree_hybrid_pattern:
         errors.append("--hybrid-override-pattern and --tree-hybrid-pattern disagree; pass one of them")
-    errors += _family_errors(args)
+    errors += _family_errors(args) + hf_model_errors(args)
+    if args.save_hf and not args.hf_model:
+        errors.append("--save-hf DIR needs --hf-model PATH (the Hugging Face config and mapping it saves with)")
     if getattr(args, "routing_replay", False):
         if not (args.num_experts or "E" in (args.tree_hybrid_pattern or args.hybrid_override_pattern or "")):
             errors.append("--routing-replay needs MoE layers: --num-experts N (or an 'E' in the hybrid pattern)")
@@ -324,7 +357,7 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
                               "wrap CUDA tensors (leave it off on CPU)")
     if args.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.num_attention_heads % tp:
+    if args.num_attention_heads % tp and not args.hf_model:
         errors.append(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by TP ({tp})")
     if args.tree_data_path is None and args.synthetic_preset and args.tree_global_batch_samples is None:
         args.tree_global_batch_samples = 16  # one GRPO group of the presets
@@ -1121,7 +1154,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from ..megatron.carry import carry_items
-    from .models import build_model, forward_backward, make_config, wrap_ddp
+    from .models import build_hf_model, build_model, forward_backward, make_config, wrap_ddp
 
     rank = dist.get_rank()
     margs = _model_args(args)
@@ -1129,14 +1162,19 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
         margs.extra["moe_enable_routing_replay"] = True
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     # a fresh config per model: DDP hangs hooks on it, MoE experts deep-copy it
-    config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                         ep=args.expert_model_parallel_size, cp=args.context_parallel_size, sp=args.sequence_parallel,
-                         recompute=args.recompute_granularity or "none", dtype=dtype, cpu=on_cpu)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    model = build_model(config, margs)
-    if not on_cpu:
-        model = model.cuda()
+    hf = None
+    if args.hf_model:
+        hf, config, model = build_hf_model(args, dtype, on_cpu, recompute=args.recompute_granularity)
+    else:
+        config = make_config(margs, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                             ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
+                             sp=args.sequence_parallel, recompute=args.recompute_granularity or "none", dtype=dtype,
+                             cpu=on_cpu)
+        model = build_model(config, margs)
+        if not on_cpu:
+            model = model.cuda()
     replay = None
     if getattr(args, "routing_replay", False):
         from ..megatron.routing_replay import install_routing_replay, reset_routing_replay
@@ -1314,6 +1352,13 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
             # CheckpointSaveError on its way out
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(outcome_group)
+    if args.save_hf and preempted is None:  # the trained weights as a Hugging Face directory (collective)
+        from ..bridge import save_hf_pretrained
+
+        save_hf_pretrained(hf, [model], args.save_hf)
+        saved.append(args.save_hf)
+        if rank == 0 and not args.quiet:
+            print(f"megatron-tree train: saved the Hugging Face model to {args.save_hf}", flush=True)
     out = {"history": history, "resumed_from": resumed_from, "saved": saved, "timing": pipeline.timing.as_dict(),
            "tree_token_ratio": ratio_num / max(ratio_den, 1), "dp_size": dp_size,
            "world_size": dist.get_world_size(), "packing": args.packing, "skipped": skipped, "preempted": preempted}
@@ -1346,6 +1391,10 @@ def run(args) -> dict:
     from .checkpoint_errors import refuse_restart_after_failed_save
 
     refuse_restart_after_failed_save(args.save)
+    if args.hf_model:  # the vocabulary the records are checked against
+        from ..bridge.hf_config import hf_config_value
+
+        args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size"))
     report = ReadReport()
     samples = load_train_samples(args, report) if (args.tree_data_path or args.synthetic_preset) else None
     check_train_args(args, samples)

@@ -1,0 +1,91 @@
+"""The Bridge's CPU part: a Megatron-Bridge provider on a host without transformer-engine or CUDA.
+
+`use_local_specs`: local (no transformer-engine) specs. `cpu_settings`: on a host without CUDA, the
+fused kernels a Bridge provider asks for (TE / Apex / Triton fusions, MoE permute and router fusion,
+grouped GEMM, the DeepEP / HybridEP "flex" token dispatcher) are turned off and weights are made on the CPU, as `megatron_tree.training.models
+.make_config` does for its own CPU configs.
+
+The Bridge's providers default to transformer-engine specs (the GPT layer / decoder block spec, the
+hybrid stack spec, Qwen3-Next's experimental-attention block). On a host without transformer-engine
+(`use_local_specs` does nothing elsewhere) they are pointed at Megatron's stock structure with
+Megatron's local modules (`megatron_tree.megatron.family_specs`' local builders, the ones the tests'
+stock oracles use), zero-centred norms as `megatron_tree.cpu.bridge.ZeroCenteredRMSNorm`. The
+Bridge's weight mappings name both the fused TE norms and the separate local ones. This lives
+here, not in `megatron_tree.cpu`, only because it builds from `megatron_tree.megatron`, a layer above it.
+"""
+from __future__ import annotations
+
+from ..cpu.bridge import ZeroCenteredRMSNorm, swap_norms
+from ..ops.backend import module_available
+
+__all__ = ["use_local_specs", "cpu_settings"]
+
+#: fused-kernel switches of a TransformerConfig that need CUDA (TE, Apex or Triton kernels)
+CUDA_ONLY_FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+                     "gradient_accumulation_fusion", "persist_layer_norm", "moe_permute_fusion", "moe_router_fusion",
+                     "cross_entropy_loss_fusion", "moe_grouped_gemm", "batch_p2p_sync")
+
+
+def cpu_settings(provider) -> list:
+    """On a host without CUDA turn off ``provider``'s CUDA-only fusions and initialise on the CPU.
+    Returns the names changed (nothing where CUDA is available). Call before ``finalize()``."""
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    changed = [name for name in CUDA_ONLY_FUSIONS if getattr(provider, name, False)]
+    for name in changed:
+        setattr(provider, name, False)
+    if getattr(provider, "moe_token_dispatcher_type", None) == "flex":  # DeepEP / HybridEP: GPU only
+        provider.moe_token_dispatcher_type = "alltoall"
+        changed.append("moe_token_dispatcher_type")
+    if not getattr(provider, "use_cpu_initialization", False):
+        provider.use_cpu_initialization = True
+        changed.append("use_cpu_initialization")
+    return changed
+
+
+def use_local_specs(provider) -> bool:
+    """On a host without transformer-engine, point a Bridge provider's spec at Megatron's local
+    modules. Returns False (nothing changed) where transformer-engine is installed. Refuses a
+    provider whose spec is custom (no local counterpart is known)."""
+    if module_available("transformer_engine"):
+        return False
+    zero_centered = bool(getattr(provider, "layernorm_zero_centered_gamma", False))
+    if hasattr(provider, "hybrid_stack_spec"):
+        from ..megatron.family_specs import get_local_mamba_stack_spec
+
+        current = provider.hybrid_stack_spec
+        if current is not None and not callable(current) and getattr(current, "module", None).__name__ not in (
+                "HybridStack", "MambaStack"):
+            raise ValueError(f"{type(provider).__name__}.hybrid_stack_spec is a custom spec: megatron_tree.bridge "
+                             "knows its local (no transformer-engine) counterpart only for the stock hybrid stack")
+        spec = get_local_mamba_stack_spec(moe_grouped_gemm=bool(getattr(provider, "moe_grouped_gemm", False)))
+        provider.hybrid_stack_spec = swap_norms(spec, ZeroCenteredRMSNorm) if zero_centered else spec
+        return True
+    te_spec = provider.transformer_layer_spec
+    name = getattr(te_spec, "__name__", type(te_spec).__name__)
+
+    def local_spec(config, vp_stage=None):
+        spec = _local_gpt_spec(config, vp_stage)
+        return swap_norms(spec, ZeroCenteredRMSNorm) if zero_centered else spec
+
+    local_spec.__name__ = f"local_for_{name}"
+    provider.transformer_layer_spec = local_spec
+    return True
+
+
+def _local_gpt_spec(config, vp_stage):
+    """Megatron's local-module counterpart of a GPT provider's TE spec, chosen by the config."""
+    from megatron.core.models.gpt import gpt_layer_specs as gls
+
+    variant = getattr(config, "experimental_attention_variant", None)
+    if variant in ("gated_delta_net", "dsa"):
+        from ..megatron.family_specs import get_local_transformer_block_with_experimental_attention_variant_spec
+
+        return get_local_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage)
+    if variant is not None:
+        raise ValueError(f"experimental_attention_variant={variant!r} has no tree variant (gated_delta_net, dsa)")
+    # the decoder block builder: per-layer dense / MoE (moe_layer_freq), MLA, qk norms, PP slicing
+    return gls.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
+                                          qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)), vp_stage=vp_stage)

@@ -1,0 +1,233 @@
+"""`tree_provider`: a Megatron-Bridge model provider that builds the tree model.
+
+A Bridge provider (``GPTModelProvider`` and its family subclasses, ``HybridModelProvider``) is a
+``TransformerConfig`` whose ``provide()`` resolves a spec and calls the stock model class with the
+provider's own arguments (padded vocab, pre/post process, rotary settings, MTP block, process
+groups). The tree provider is a copy of it whose class is a subclass, ``Tree<Provider>``, with one
+change in ``provide()``: where the Bridge's provider module calls ``GPTModel`` / ``HybridModel`` it
+gets a builder that treeifies the resolved spec (`megatron_tree.megatron.specs.treeify_spec`: core
+attention, GDN and Mamba mixers, MLA, DSA, MTP layers) and builds `TreeGPTModel` / `TreeMambaModel`
+with the same arguments. Everything else is the Bridge's, including weight loading (the provider's
+pre-wrap hooks) and ``provide_distributed_model``.
+
+Refused with a clear error (`TreeProviderError`): settings whose modules the swap cannot reach or
+that cannot run on a tree (transformer-engine's full-layer spec, a ModelOpt spec, CUDA graphs,
+virtual pipeline stages), and, as a last check on the built model, any stock sequence mixer left in
+it (a spec that put one back, e.g. a custom spec hook).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import threading
+from typing import Optional
+
+__all__ = ["tree_provider", "is_tree_provider", "TreeProviderError", "check_tree_model"]
+
+_LOCK = threading.RLock()
+
+# stock module class names that a tree model must not contain (their tree subclasses carry other names)
+_STOCK_MIXERS = {
+    "DotProductAttention": "core attention", "TEDotProductAttention": "core attention",
+    "GatedDeltaNet": "Gated DeltaNet mixer", "MambaMixer": "Mamba-2 mixer", "MLASelfAttention": "MLA attention",
+    "DSAttention": "DSA core attention", "DSAIndexer": "DSA indexer",
+    "MultiTokenPredictionLayer": "MTP layer", "TransformerLayer_TE_full": "TE full layer",
+}
+
+
+class TreeProviderError(ValueError):
+    """A provider setting that the tree model cannot honour."""
+
+
+class _TreeProviderMixin:
+    """Mixed in before a Bridge provider class by `tree_provider`."""
+
+    tree_model = True
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        refuse_undoing_settings(self)
+        if getattr(self, "_pg_collection", None) is None:
+            # provide_distributed_model sets it; a direct provide() uses Megatron's global groups
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            self._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        with _building_tree_models(type(self)):
+            model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        check_tree_model(model)
+        return model
+
+
+_CLASSES: dict = {}
+
+
+def _tree_class(cls):
+    if issubclass(cls, _TreeProviderMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Tree{cls.__name__}", (_TreeProviderMixin, cls),
+                             {"__module__": __name__, "__doc__": f"{cls.__name__} building the tree model "
+                                                                 f"(megatron_tree.bridge.tree_provider)."})
+    return _CLASSES[cls]
+
+
+def tree_provider(provider):
+    """The tree version of a Megatron-Bridge provider (``bridge.to_megatron_provider()``): a copy of
+    it (the original is unchanged) whose ``provide()`` / ``provide_distributed_model()`` build
+    `TreeGPTModel` / `TreeMambaModel` from the provider's own spec, treeified, and arguments. On a
+    host without transformer-engine the spec is first pointed at Megatron's local modules
+    (`megatron_tree.bridge.cpu`). Set on the copy: ``attention_backend="local"`` (every core attention
+    is tree attention), ``variable_seq_lengths=True`` and the ``alltoall`` MoE dispatcher in place of
+    ``allgather`` (which Megatron refuses with variable lengths). Idempotent."""
+    from .cpu import cpu_settings, use_local_specs
+    from .mapping import register_tree_modules
+
+    if is_tree_provider(provider):
+        return provider
+    if not hasattr(provider, "provide"):
+        raise TypeError(f"tree_provider expects a Megatron-Bridge model provider, got {type(provider).__name__}")
+    out = copy.copy(provider)
+    for name in ("_pre_wrap_hooks", "_post_wrap_hooks"):  # our copy gets its own hook lists
+        if isinstance(getattr(provider, name, None), list):
+            object.__setattr__(out, name, list(getattr(provider, name)))
+    out.__class__ = _tree_class(type(provider))
+    # every core attention becomes tree attention (ours, not transformer-engine's): "local" keeps Megatron
+    # from asserting the TE attention-backend environment variables for a backend nothing uses
+    from megatron.core.transformer.enums import AttnBackend
+
+    out.attention_backend = AttnBackend.local
+    # a tree microbatch's row count changes every microbatch; Megatron refuses the allgather MoE token
+    # dispatcher with variable sequence lengths, alltoall computes the same routing
+    out.variable_seq_lengths = True
+    if getattr(out, "moe_token_dispatcher_type", None) == "allgather":
+        out.moe_token_dispatcher_type = "alltoall"
+    use_local_specs(out)
+    cpu_settings(out)
+    refuse_undoing_settings(out)
+    register_tree_modules()
+    return out
+
+
+def is_tree_provider(provider) -> bool:
+    return isinstance(provider, _TreeProviderMixin)
+
+
+def refuse_undoing_settings(provider) -> None:
+    """Raise `TreeProviderError` naming every provider setting that would undo the tree swap."""
+    bad = []
+    if getattr(provider, "use_transformer_engine_full_layer_spec", False):
+        bad.append("use_transformer_engine_full_layer_spec=True (transformer-engine's fused TransformerLayer has no "
+                   "core-attention slot to swap)")
+    if getattr(provider, "restore_modelopt_state", False):
+        bad.append("restore_modelopt_state=True (ModelOpt specs)")
+    spec = getattr(provider, "transformer_layer_spec", None)
+    if "modelopt" in getattr(spec, "__name__", ""):
+        bad.append(f"transformer_layer_spec={spec.__name__} (a ModelOpt spec)")
+    graphs = getattr(provider, "cuda_graph_impl", "none")
+    if graphs not in (None, "none") or getattr(provider, "enable_cuda_graph", False):
+        bad.append(f"cuda_graph_impl={graphs!r} (a tree's shape changes every microbatch)")
+    if getattr(provider, "virtual_pipeline_model_parallel_size", None):
+        bad.append("virtual_pipeline_model_parallel_size (interleaved pipelines are not supported by tree training)")
+    if bad:
+        raise TreeProviderError(f"{type(provider).__name__}: these settings would undo or cannot run the tree model: "
+                                + "; ".join(bad))
+
+
+def check_tree_model(model) -> None:
+    """Raise `TreeProviderError` if a stock sequence mixer is left in a built model (named by path)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    left = []
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in _STOCK_MIXERS:
+            left.append(f"{name} ({cls}: {_STOCK_MIXERS[cls]})")
+        elif "TransformerLayer" in cls and not isinstance(module, TransformerLayer):
+            left.append(f"{name} ({cls}: not a Megatron TransformerLayer)")
+    if left:
+        raise TreeProviderError("the built model still holds stock modules where the tree needs its own (a spec "
+                                "function or setting put them back): " + ", ".join(left[:8])
+                                + (f" and {len(left) - 8} more" if len(left) > 8 else ""))
+
+
+def _tree_gpt_model(config, transformer_layer_spec=None, *args, mtp_block_spec=None, vp_stage=None, **kwargs):
+    """Stands where a Bridge provider calls ``GPTModel``: the same call, the tree model."""
+    from ..megatron.model import TreeGPTModel
+    from ..megatron.specs import get_tree_gpt_mtp_block_spec, te_available, treeify_spec
+
+    spec = treeify_spec(transformer_layer_spec)
+    if mtp_block_spec is not None:
+        # the Bridge builds the MTP block with transformer-engine modules; ours follows the host
+        mtp_block_spec = get_tree_gpt_mtp_block_spec(config, spec, use_transformer_engine=te_available(),
+                                                     vp_stage=vp_stage)
+    return TreeGPTModel(config, spec, *args, mtp_block_spec=mtp_block_spec, vp_stage=vp_stage, **kwargs)
+
+
+def _tree_hybrid_model(config=None, hybrid_stack_spec=None, *args, **kwargs):
+    """Stands where a Bridge provider calls ``HybridModel``: the same call, `TreeMambaModel`."""
+    from ..megatron.model import TreeMambaModel
+    from ..megatron.specs import treeify_spec
+
+    return TreeMambaModel(config, hybrid_stack_spec=treeify_spec(hybrid_stack_spec), *args, **kwargs)
+
+
+def _stock_builders() -> dict:
+    from megatron.core.models.gpt import GPTModel
+
+    out = {GPTModel: _tree_gpt_model}
+    with contextlib.suppress(ImportError):
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        out[HybridModel] = _tree_hybrid_model
+    with contextlib.suppress(ImportError):
+        from megatron.core.models.mamba import MambaModel
+
+        out[MambaModel] = _tree_hybrid_model
+    return out
+
+
+@contextlib.contextmanager
+def _building_tree_models(provider_cls):
+    """While a tree provider's ``provide()`` runs, the module that defines the inherited ``provide``
+    resolves its stock model class names to the tree builders (the module's own globals, restored on
+    exit; serialised by a lock)."""
+    owner = next((c for c in provider_cls.__mro__[1:] if "provide" in vars(c) and c is not _TreeProviderMixin), None)
+    module = sys.modules.get(owner.__module__) if owner is not None else None
+    builders = _stock_builders()
+    names = {k: v for k, v in vars(module).items() if isinstance(v, type) and v in builders} if module else {}
+    if not names:
+        raise TreeProviderError(f"{provider_cls.__name__}: its provide() ({getattr(owner, '__qualname__', '?')}) "
+                                "builds no GPTModel / HybridModel that megatron_tree.bridge knows how to swap")
+    with _LOCK:
+        try:
+            for name, stock in names.items():
+                setattr(module, name, builders[stock])
+            yield
+        finally:
+            for name, stock in names.items():
+                setattr(module, name, stock)
+
+
+def hf_provider(path, *, load_weights: bool = True, **overrides):
+    """(bridge, tree provider) for a Hugging Face checkpoint directory or id: ``AutoBridge
+    .from_hf_pretrained(path)``, its provider made a tree provider, ``overrides`` set on it
+    (e.g. ``tensor_model_parallel_size=2``, ``params_dtype=torch.float64``), then ``finalize()``d. With ``load_weights``
+    the provider's pre-wrap hook loads the checkpoint's weights (``provide_distributed_model``);
+    with ``provide()`` call ``bridge.load_hf_weights([model])`` yourself."""
+    from .mapping import auto_bridge
+
+    bridge = auto_bridge(path)
+    provider = tree_provider(bridge.to_megatron_provider(load_weights=load_weights))
+    for key, value in overrides.items():
+        if not hasattr(provider, key):
+            raise TreeProviderError(f"hf_provider: {type(provider).__name__} has no setting {key!r}")
+        setattr(provider, key, value)
+    provider.finalize()
+    return bridge, provider
+
+
+def provider_summary(provider) -> Optional[str]:
+    """One line naming the provider's family and shape (for logs)."""
+    cls = type(provider).__name__
+    return (f"{cls}: layers={getattr(provider, 'num_layers', '?')} hidden={getattr(provider, 'hidden_size', '?')} "
+            f"heads={getattr(provider, 'num_attention_heads', '?')} vocab={getattr(provider, 'vocab_size', '?')}")

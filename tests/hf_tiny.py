@@ -1,0 +1,137 @@
+"""Tiny random Hugging Face models of the families Megatron-Bridge imports, made by `transformers` itself
+(``save_pretrained``) for the bridge tests. Weights are perturbed away from the HF init (norms near 1
+plus noise, biases and gates nonzero), so that every parameter the mapping moves changes the output."""
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5")
+
+_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def config(family: str, **overrides):
+    cfg = _config(family)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def _config(family: str):
+    import transformers as tf
+
+    if family == "qwen3":
+        return tf.Qwen3Config(**_COMMON, num_hidden_layers=2)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**_COMMON, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if family == "qwen3_next":
+        return tf.Qwen3NextConfig(**_COMMON, num_hidden_layers=4,
+                                  layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                                  linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                  linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=1,
+                                  mlp_only_layers=[], norm_topk_prob=True)
+    if family == "nemotron_h":
+        return tf.NemotronHConfig(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  max_position_embeddings=128, tie_word_embeddings=False, intermediate_size=48,
+                                  layers_block_type=["mamba", "attention", "mlp", "mamba"], ssm_state_size=8,
+                                  mamba_num_heads=4, mamba_head_dim=8, n_groups=2, conv_kernel=4, expand=1,
+                                  chunk_size=32, use_mamba_kernels=False)
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,
+                  num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                  topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+                  max_position_embeddings=128, tie_word_embeddings=False, routed_scaling_factor=1.5)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(**common, num_hidden_layers=2, first_k_dense_replace=1)
+    if family == "glm5":
+        return tf.GlmMoeDsaConfig(**common, num_hidden_layers=2, first_k_dense_replace=1, head_dim=8,
+                                  index_topk=4, index_head_dim=16, index_n_heads=2,
+                                  indexer_rope_interleave=False)  # transformers: half-split rope in the indexer
+    raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+
+
+@torch.no_grad()
+def make(family: str, path, seed: int = 0, nvidia_names: bool = True, **overrides):
+    """Save a tiny random ``family`` model (float32, config ``overrides``) to ``path``; returns the HF
+    model. ``nvidia_names``: Nemotron-H's embedding under NVIDIA's tensor name (see below)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config(family, **overrides))
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    model.save_pretrained(str(path))
+    if family == "nemotron_h" and nvidia_names:
+        _nvidia_embedding_name(path)
+    return model
+
+
+def _nvidia_embedding_name(path) -> None:
+    """transformers 5.x saves Nemotron-H's embedding as ``backbone.embedding.weight``; NVIDIA's
+    checkpoints (and megatron-bridge 0.6.2's mapping) name it ``backbone.embeddings.weight``, and
+    transformers loads both. The tests use NVIDIA's name (the other is tested as refused by name)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    f = Path(path) / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def hf_logprobs(path, samples, dtype=torch.float64, stable_dsa_ties: bool = False) -> dict:
+    """{(i, t): log p(tokens[t] | tokens[:t])} of `transformers`' model at ``path``, each sample alone.
+
+    ``stable_dsa_ties``: GLM-5's DSA indexer picks its top-k keys with ``torch.topk``, whose order among
+    equal scores is implementation-defined; index scores tie exactly wherever ReLU zeroes every head's
+    score. With this flag equal scores go to the lowest key index (a stable sort), the rule of our tree
+    DSA (and of tests' stock DSA oracle)."""
+    import contextlib
+
+    import transformers as tf
+
+    # eager experts: transformers' default grouped-GEMM experts take no float64
+    model = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, experts_implementation="eager")
+    model.eval()
+    out = {}
+    with torch.no_grad(), (_stable_dsa_topk() if stable_dsa_ties else contextlib.nullcontext()):
+        for i, toks in enumerate(samples):
+            logits = model(torch.tensor([toks])).logits[0].double()
+            lp = torch.log_softmax(logits, -1)
+            for t in range(1, len(toks)):
+                out[(i, t)] = float(lp[t - 1, toks[t]])
+    return out
+
+
+class _stable_dsa_topk:
+    """While active, GLM-5's DSA indexer breaks top-k ties by the lowest key index."""
+
+    def __enter__(self):
+        from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
+
+        self._cls, self._forward = glm.GlmMoeDsaIndexer, glm.GlmMoeDsaIndexer.forward
+        forward = self._forward
+
+        def stable_forward(module, *args, **kwargs):
+            topk = torch.Tensor.topk
+
+            def stable_topk(t, k, dim=-1, largest=True, sorted=True):
+                values, indices = torch.sort(t, dim=dim, descending=largest, stable=True)
+                return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+            torch.Tensor.topk = stable_topk
+            try:
+                return forward(module, *args, **kwargs)
+            finally:
+                torch.Tensor.topk = topk
+
+        self._cls.forward = stable_forward
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.forward = self._forward
+        return False

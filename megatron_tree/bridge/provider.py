@@ -21,7 +21,6 @@ import contextlib
 import copy
 import sys
 import threading
-from typing import Optional
 
 __all__ = ["tree_provider", "is_tree_provider", "TreeProviderError", "check_tree_model"]
 
@@ -224,10 +223,3 @@ def hf_provider(path, *, load_weights: bool = True, **overrides):
         setattr(provider, key, value)
     provider.finalize()
     return bridge, provider
-
-
-def provider_summary(provider) -> Optional[str]:
-    """One line naming the provider's family and shape (for logs)."""
-    cls = type(provider).__name__
-    return (f"{cls}: layers={getattr(provider, 'num_layers', '?')} hidden={getattr(provider, 'hidden_size', '?')} "
-            f"heads={getattr(provider, 'num_attention_heads', '?')} vocab={getattr(provider, 'vocab_size', '?')}")

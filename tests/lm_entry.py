@@ -13,6 +13,10 @@ Runs the Megatron-LM entry point named by ``$MTREE_LM_SCRIPT`` as ``__main__`` a
 
 ``iteration`` is the number Megatron-LM logs (``args.curr_iteration + 1``), ``attempt`` torchrun's
 restart count (``TORCHELASTIC_RESTART_COUNT``: 0 until a rank dies under ``--max-restarts``).
+
+``$MTREE_LM_ENOSPC=RANK:ITERATION`` (a planted fault): on that rank, in the first attempt, the
+``torch.save`` of that iteration's checkpoint (``--ckpt-format torch``) writes some bytes and raises
+ENOSPC, as on a disk that fills up.
 """
 import json
 import os
@@ -53,6 +57,26 @@ def _recording_loss_func(loss_map, output_tensor, **kwargs):
     return out
 
 
+def _plant_enospc(rank: int, iteration: int) -> None:
+    import errno
+
+    import torch
+    import torch.distributed as dist
+
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if dist.get_rank() == rank and f"iter_{iteration:07d}" in str(f):
+            with open(f, "wb") as out:
+                out.write(b"\0" * 512)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+if os.environ.get("MTREE_LM_ENOSPC") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    _plant_enospc(*map(int, os.environ["MTREE_LM_ENOSPC"].split(":")))
 hooks.MicrobatchStream.__next__ = _recording_next
 hooks.loss_func = _recording_loss_func
 script = os.environ["MTREE_LM_SCRIPT"]

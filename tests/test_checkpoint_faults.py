@@ -168,7 +168,7 @@ def test_a_torchrun_restart_after_a_failed_save_refuses_to_train_again(faults):
     failed = ranks[0][0]  # rank 0 wrote the marker: its account of the failure
     for rank, (*_, restart) in enumerate(ranks):
         assert restart, f"rank {rank}: torchrun's restart after the failed save trained again"
-        assert restart["message"].startswith(failed["message"] + "\nmegatron-tree train: torchrun restart 1 of this "
+        assert restart["message"].startswith(failed["message"] + "\nmegatron-tree: torchrun restart 1 of this "
                                              "job does not train again: the save above failed in an earlier attempt "
                                              f"({ckpt}/{FAILED_SAVE_MARKER})"), restart["message"]
         assert (restart["directory"], restart["step"], restart["failures"]) == \
@@ -419,3 +419,69 @@ def test_the_launcher_carries_the_rank_error_and_run_shows_it_without_restarting
     assert calls == [1]  # a checkpoint that could not be written is not retried by --max-restarts
     assert trainer.main(argv) == 1
     assert capsys.readouterr().err.strip() == str(carried)
+
+
+def test_megatron_lm_save_failure_is_named_and_not_retried_by_torchrun(tmp_path, monkeypatch):
+    """The hooks' guard of Megatron-LM's ``save_checkpoint`` (`lm_saves.guard_saves`, installed by the
+    hooks' dataset provider inside ``pretrain()``), on a stand-in ``megatron.training.training`` whose
+    save writes part of ``iter_0000004`` and raises ENOSPC: the error names the directory, the
+    iteration, the errno, this rank's tensor bytes and the iteration Megatron-LM's tracker still names;
+    under torchrun the marker is left, a restarted attempt of the job refuses before training, another
+    job does not, and a successful save clears the marker. (`test_preemption.py`'s Megatron-LM case
+    runs the real thing: ENOSPC in a pretrain() save under ``megatron-tree launch --max-restarts 1``.)"""
+    import sys
+    import types
+
+    import torch
+
+    from megatron_tree.training import lm_saves
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000002").mkdir(parents=True)
+    (ckpt / "iter_0000002" / "model.pt").write_bytes(b"\0" * 1000)
+    (ckpt / lm_saves.TRACKER).write_text("2")
+    fail = [True]
+
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops, **kwargs):
+        (ckpt / f"iter_{iteration:07d}").mkdir()
+        if fail[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ckpt / f"iter_{iteration:07d}" / "x.pt"))
+        (ckpt / lm_saves.TRACKER).write_text(str(iteration))
+        return "saved"
+
+    training = types.ModuleType("megatron.training.training")
+    training.save_checkpoint = save_checkpoint
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    for key, value in TORCHRUN_JOB.items():
+        monkeypatch.setenv(key, value)
+    args = types.SimpleNamespace(save=str(ckpt))
+    model = torch.nn.Linear(10, 10)  # 110 float32 parameters: 440 bytes
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 10)).sum().backward()
+    optimizer.step()  # exp_avg, exp_avg_sq (440 bytes each) and two step counters (4 bytes each)
+    lm_saves.guard_saves(args)
+    lm_saves.guard_saves(args)  # idempotent: wrapped once
+    assert training.save_checkpoint.__wrapped__ is save_checkpoint
+    with pytest.raises(CheckpointSaveError) as info:
+        training.save_checkpoint(4, [model], optimizer, None, 0.0)
+    msg = str(info.value)
+    assert isinstance(info.value.__cause__, OSError)
+    assert msg.startswith(f"megatron-tree (Megatron-LM's save_checkpoint through the hooks): the checkpoint of step 4 "
+                          f"was NOT saved to {ckpt}/iter_0000004: Megatron-LM's save_checkpoint failed on rank 0 "
+                          f"(rank 0: [ENOSPC: No space left on device] OSError: [Errno 28] No space left on device"), msg
+    assert "the checkpoint needs about 1,328 bytes (1.3 KiB) of model and optimizer tensors (rank 0 1,328)" in msg, msg
+    assert "the checkpoint of step 2 takes 1,000 bytes on disk" in msg, msg
+    assert f"{ckpt}/{lm_saves.TRACKER} still names step 2 ({ckpt}/iter_0000002), a complete checkpoint" in msg, msg
+    assert f"rerun with --load {ckpt} to resume from step 2" in msg and "the filesystem ran out of space" in msg
+    assert (info.value.directory, info.value.step) == (str(ckpt), 4)
+    assert (ckpt / FAILED_SAVE_MARKER).exists() and (ckpt / lm_saves.TRACKER).read_text() == "2"
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarts the job's ranks
+    with pytest.raises(CheckpointSaveError, match="torchrun restart 1 of this job does not train again") as again:
+        lm_saves.guard_saves(args)
+    assert str(again.value).startswith(msg)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # a new launch after the disk was cleaned up
+    lm_saves.guard_saves(args)
+    fail[0] = False
+    assert training.save_checkpoint(6, [model], optimizer, None, 0.0) == "saved"
+    assert not (ckpt / FAILED_SAVE_MARKER).exists() and (ckpt / lm_saves.TRACKER).read_text() == "6"

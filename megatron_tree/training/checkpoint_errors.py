@@ -170,20 +170,22 @@ def _errno_name(code: Optional[int]) -> str:
 
 
 def save_failure_message(*, stage: str, directory: str, step: int, final: str, failures: dict, records: list,
-                         previous: Optional[int], previous_complete: bool, cleanup: str, unreachable: str = "") -> str:
+                         previous: Optional[int], previous_complete: bool, cleanup: str, unreachable: str = "",
+                         who: str = "megatron-tree train", latest: str = "latest") -> str:
     """The one message every rank raises. ``stage``: where the save failed ("preparing ...",
     "writing ...", "committing ..."); ``failures``: `failing_ranks`; ``records``: every rank's
     record (``need`` bytes of this rank's share of the checkpoint, ``free`` bytes in ``directory``
     when the save started, on rank 0 ``previous_bytes``: the size of the checkpoint ``latest``
     names; None where a rank's record is missing); ``previous``: the step ``latest`` still names
     (None: none), ``previous_complete``: whether its directory holds metadata.json; ``cleanup``: what became of the partial directory;
-    ``unreachable``: why some ranks' outcome is unknown (empty when every rank reported)."""
+    ``unreachable``: why some ranks' outcome is unknown (empty when every rank reported); ``who``: the
+    message's prefix; ``latest``: the file in ``directory`` naming the last complete checkpoint."""
     # what dist_checkpointing logged is shown where the error's own text lost the errno it holds
     parts = [f"rank {rank}: {_errno_name(f['errno'])}{f['error']}"
              + (f" (dist_checkpointing logged: {' | '.join(f['logged'])})"
                 if f.get("logged") and not _ERRNO_TEXT.search(f["error"]) else "")
              for rank, f in failures.items()]
-    msg = (f"megatron-tree train: the checkpoint of step {step} was NOT saved to {final}: {stage} failed on "
+    msg = (f"{who}: the checkpoint of step {step} was NOT saved to {final}: {stage} failed on "
            f"rank{'s' * (len(failures) > 1)} {', '.join(map(str, failures))} ({'; '.join(parts)})")
     if unreachable:
         msg += f"; {unreachable}"
@@ -202,7 +204,7 @@ def save_failure_message(*, stage: str, directory: str, step: int, final: str, f
         msg += f"; {directory} had {free} free when the save started"
     if any(f["errno"] == errno_codes.ENOSPC for f in failures.values()):
         msg += " (the filesystem ran out of space: make room for one more checkpoint, or choose another --save)"
-    marker = os.path.join(directory, "latest")
+    marker = os.path.join(directory, latest)
     if previous is None:
         msg += f". {marker} was not written (no earlier checkpoint there)"
     else:
@@ -286,7 +288,7 @@ def refuse_restart_after_failed_save(directory: Optional[str]) -> None:
     if not isinstance(record, dict) or record.get("job") != job or not isinstance(record.get("message"), str):
         return
     raise CheckpointSaveError(
-        f"{record['message']}\nmegatron-tree train: torchrun restart {attempt} of this job does not train again: the "
+        f"{record['message']}\nmegatron-tree: torchrun restart {attempt} of this job does not train again: the "
         f"save above failed in an earlier attempt ({path}), and retraining the steps since the last checkpoint would "
         "only fail it the same way; fix the cause and launch the job again",
         directory=record.get("directory") or directory, step=record.get("step"),

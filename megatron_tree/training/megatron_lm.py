@@ -616,6 +616,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage
         raise ValueError("--tree-carry through the Megatron-LM hooks runs without tensor parallelism for now (the "
                          "carry items are read by every rank itself, not broadcast over TP); megatron-tree train "
                          "runs it with TP")
+    from .lm_saves import guard_saves
+
+    guard_saves(args)  # a failed save: one clear error, and torchrun's restarts do not retrain it
     start = int(getattr(args, "iteration", 0) or 0)
     train = MicrobatchStream(build_pipeline(args.tree_data_path, args, dp_rank=dp_rank, dp_size=dp_size,
                                             start_step=start), "train", carry=bool(getattr(args, "tree_carry", False)))

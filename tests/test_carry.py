@@ -99,7 +99,7 @@ def _train_body(cases):
     from megatron.core import parallel_state as ps
 
     from megatron_tree.cp.execution import carry as carry_exec
-    from megatron_tree.cp.planning.carry import carry_store_bytes
+    from megatron_tree.cp.planning.carry import carry_store_bytes, carry_store_timeline
     from megatron_tree.megatron.carry import carry_geometry, carry_items
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals
     from megatron_tree.training.models import wrap_ddp
@@ -119,12 +119,14 @@ def _train_body(cases):
             ddp = wrap_ddp(build_model(config, margs), config)
             carry_exec._FAULT = case.get("fault") if side == "carry" else None
             if side == "carry":
-                items = carry_items(pack(samples, case["budget"], carry=True, pad_to_multiple_of=4))
+                mbs = pack(samples, case["budget"], carry=True, pad_to_multiple_of=4)
+                items = carry_items(mbs)
                 try:
                     reports = forward_backward(ddp, items, loss_type="sft")
-                    res["store"] = (items[0].store.nbytes(),
-                                    sum(carry_store_bytes([it.mb for it in items if it.phase == "fill"],
-                                                          carry_geometry(ddp.module))))
+                    geom = carry_geometry(ddp.module)
+                    # what the store held at the end of each item but the last (recorded as the next began)
+                    res["store"] = ([(b, a) for _, b, a in items[0].store.history[1:]],
+                                    carry_store_timeline(mbs, geom)[:-1], sum(carry_store_bytes(mbs, geom)))
                 except ValueError as e:  # a layer kind that refuses carry
                     out.append(dict(error=str(e)))
                     ps.destroy_model_parallel()
@@ -171,8 +173,13 @@ def test_carry_training_equals_whole_trees(trained, k):
     # cancellation, and a recurrence cut at a microbatch boundary chunks differently (2e-10 measured);
     # attention-only models agree to ~1e-15
     assert r["loss"] < 1e-12 and r["grads"] < 1e-9, (CASES[k], r)
-    measured, predicted = r["store"]
-    assert measured > 0 and measured == predicted, r  # the plan's store bytes, exactly (`carry_store_bytes`)
+    # the store item by item, state and accumulators, equals the plan's prediction exactly
+    # (`carry_store_timeline`): state released after its last reader's backward, accumulators after the
+    # owner's restore; the peak stays below everything the step's fills write
+    measured, predicted, filled = r["store"]
+    assert measured == predicted and max(b for b, _ in measured) > 0, r
+    assert max(b + a for b, a in measured) < 2 * filled, r
+    assert measured[-1][0] < filled, r  # by the last restores, released state is gone
 
 
 @pytest.mark.parametrize("k", FAULTS)

@@ -38,7 +38,7 @@ def main() -> None:
     rows_table()
     if args.time:
         print(f"\n{'workload':<28} {'budget':>8} {'packing':>9} {'rows':>8} {'mbs':>4} {'step s':>7} {'x unl.':>6} "
-              f"{'loss':>9} {'store MiB':>9} {'predicted':>9}")
+              f"{'loss':>9} {'peak MiB':>9} {'predicted':>9}")
         res = step_times()
         unl = {r["workload"]: r["step_s"] for r in res if r["packing"] == "unlimited"}
         for r in res:
@@ -119,11 +119,12 @@ def _step_time_body(cases, repeats):
                 best = min(best, _time.perf_counter() - t0)
                 tot = report_totals(reports)
                 loss = float(tot[0] / tot[1])
-                if packing == "carry":
-                    store = items[0].store.nbytes()
-            from megatron_tree.cp.planning.carry import carry_store_bytes
+                if packing == "carry":  # the peak the store held (state + accumulators), item by item
+                    store = max(b + a for _, b, a in items[0].store.history[1:]) if len(items) > 1 else 0
+            from megatron_tree.cp.planning.carry import carry_store_timeline
 
-            predicted = sum(carry_store_bytes([m for m in mbs], geom)) if packing == "carry" else 0
+            predicted = (max((b + a for b, a in carry_store_timeline(mbs, geom)[:-1]), default=0)
+                         if packing == "carry" else 0)
             rows = sum(getattr(m, "owned_rows", m.num_rows) for m in mbs)
             out.append(dict(workload=name, budget=budget, packing=packing, rows=rows, microbatches=len(mbs),
                             step_s=best, loss=loss, store=store, store_predicted=predicted))

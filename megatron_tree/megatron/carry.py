@@ -4,7 +4,9 @@
 into the items of one optimizer step, in the order `cp.planning.carry.carry_phases` gives (fill or
 run in step order, then the restores in reverse), sharing one `CarryStore`; hand them to
 ``get_forward_backward_func()`` with ``num_microbatches=len(items)`` and `tree_forward_step` does the
-rest. The store lives as long as the items: make new items (a new store) for every step.
+rest. Each item's forward first lets the store release what earlier items no longer need
+(`CarryStore.advance`: an owner's state after its last reader's backward, its accumulators after its
+restore's); make new items (a new store) for every step.
 
 A carry view is the CP-style local view of the microbatch: the modules run on its own rows
 (``local_rows``; input ids and depths gathered there), the loss map indexes them, and the whole
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from ..cp.execution.carry import CarryStore, CarryView
-from ..cp.planning.carry import carry_phases
+from ..cp.planning.carry import carry_lifetimes, carry_phases
 
 __all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "refuse_carry", "carry_geometry"]
 
@@ -32,6 +34,7 @@ class CarryItem:
     mb: object
     phase: str
     store: CarryStore
+    position: int = -1  # in the step's schedule (`carry_phases` order)
 
     @property
     def num_rows(self) -> int:
@@ -41,8 +44,10 @@ class CarryItem:
 def carry_items(microbatches: list, store: CarryStore | None = None) -> list[CarryItem]:
     """The schedule items of one rank's carry microbatches (step order) for one optimizer step."""
     store = CarryStore() if store is None else store
-    phases = carry_phases(list(microbatches))
-    return [CarryItem(microbatches[i], p, store) for i, p in phases]
+    microbatches = list(microbatches)
+    phases = carry_phases(microbatches)
+    store.set_lifetimes(carry_lifetimes(microbatches))  # state released after its last reader's backward
+    return [CarryItem(microbatches[i], p, store, k) for k, (i, p) in enumerate(phases)]
 
 
 def carry_view(psp, mb, phase: str, store: CarryStore):

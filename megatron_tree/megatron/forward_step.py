@@ -192,6 +192,7 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
         raise ValueError("carry (--tree-carry) does not run with context or pipeline parallelism yet")
     if getattr(config, "mtp_num_layers", None):
         raise ValueError("carry (--tree-carry) does not run with multi-token prediction yet")
+    item.store.advance(item.position)  # every earlier item's backward is done (no pipelining under carry)
     dev = device if device is not None else next(model.parameters()).device
     psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)
     psp = carry_view(psp, item.mb, item.phase, item.store)

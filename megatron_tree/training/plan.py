@@ -209,8 +209,9 @@ def run_plan(argv_or_args=None) -> int:
 
 def carry_plan_report(samples, what: str, budget: int, args) -> str:
     """``plan --carry``: the carry plan's microbatches in schedule order per DP rank, with the carry
-    store's bytes (`cp.planning.carry.carry_store_bytes`)."""
-    from ..cp.planning.carry import CarryGeometry, carry_phases, carry_store_bytes
+    store's bytes (`cp.planning.carry.carry_store_bytes`: what each fill writes;
+    `carry_store_timeline`: what the store holds after each item, state and gradient accumulators)."""
+    from ..cp.planning.carry import CarryGeometry, carry_phases, carry_store_bytes, carry_store_timeline
     from ..tree import pack, summarize
     from ..tree.carry import assign_carry_groups
 
@@ -224,19 +225,21 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
              f"{geom.row_bytes():,} B stored per carried row, {geom.state_row_bytes():,} B per state row "
              f"(pattern {args.pattern})",
              f"{'rank':>4} {'item':>4} {'mb':>4} {'phase':>7} {'group':>5} {'owned':>7} {'carried':>8} {'stored':>7} "
-             f"{'states':>6} {'store MiB':>9}"]
+             f"{'states':>6} {'fill MiB':>9} {'held MiB':>9} {'grad MiB':>9}"]
     for r, idx in enumerate(assign_carry_groups(mbs, max(1, args.dp))):
         rank = [mbs[i] for i in idx]
-        total = 0
+        held = carry_store_timeline(rank, geom)  # after each item: state, accumulators
         for k, (j, phase) in enumerate(carry_phases(rank)):
             mb = rank[j]
             c = mb.carry
-            if phase == "fill":
-                total += store[c.index]
+            wrote = store[c.index] if phase == "fill" else 0
             lines.append(f"{r:>4} {k:>4} {c.index:>4} {phase:>7} {c.group:>5} {mb.owned_rows:>7,} {len(c.carried):>8,} "
-                         f"{len(c.exported):>7,} {len(c.state_rows):>6,} {store[c.index] / 2**20:>9.2f}")
-        lines.append(f"rank {r}: {len(rank)} microbatches, {len(carry_phases(rank))} schedule items, "
-                     f"{sum(mb.owned_rows for mb in rank):,} rows computed, carry store peak {total / 2**20:,.2f} MiB")
+                         f"{len(c.exported):>7,} {len(c.state_rows):>6,} {wrote / 2**20:>9.2f} "
+                         f"{held[k][0] / 2**20:>9.2f} {held[k][1] / 2**20:>9.2f}")
+        peak = max((a + b for a, b in held), default=0)
+        lines.append(f"rank {r}: {len(rank)} microbatches, {len(held)} schedule items, "
+                     f"{sum(mb.owned_rows for mb in rank):,} rows computed, carry store peak {peak / 2**20:,.2f} MiB "
+                     f"(state and gradient accumulators; the fills write {sum(store[m.carry.index] for m in rank) / 2**20:,.2f} MiB)")
     return "\n".join(lines)
 
 

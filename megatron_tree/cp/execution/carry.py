@@ -14,8 +14,9 @@ by its fill forward (`cp.planning.carry`), and a gradient accumulator per state 
   on the exported rows, read when backward runs (after every reader's backward).
 
 Attention (`carried_attention`): the own rows' queries attend to own keys and, in a second stage, to
-the carried K / V; the stages merge exactly (``ops.merge_attention``) and sinks apply once. The store
-is freed with `CarryStore.clear` at the end of the step.
+the carried K / V; the stages merge exactly (``ops.merge_attention``) and sinks apply once. An owner's
+state is released once its last reader's backward is done, its accumulators once its restore's
+backward is done (`CarryStore.advance`, at each schedule item's start).
 """
 from __future__ import annotations
 
@@ -43,26 +44,61 @@ _FAULT: str | None = None
 @dataclass
 class _Entry:
     keys: np.ndarray  # [E] step-global rows, ascending
-    values: list  # detached tensors [E, ...]
+    values: list  # detached tensors [E, ...] (emptied once the last reader's backward is done)
     acc: list  # gradient accumulators (None until a reader's backward adds one)
+    meta: list  # (shape, dtype, device) of each value: the accumulators' shapes
 
 
 class CarryStore:
-    """Per-step state of exported rows, per (layer key, owner microbatch)."""
+    """Per-step state of exported rows, per (layer key, owner microbatch).
+
+    With lifetimes (`set_lifetimes`, from `cp.planning.carry.carry_lifetimes`; `megatron.carry.carry_items`
+    sets them) `advance` releases an owner's state once its last reader's backward is done and its
+    accumulators once its restore's backward is done; a read after the release is an error, not a
+    stale value. Without lifetimes everything lives until `clear` (or the store is dropped)."""
 
     def __init__(self):
         self._entries: dict = {}
+        self._lifetimes: dict = {}
+        self._released: set = set()
+        self.history: list = []  # [(position, state bytes, accumulator bytes)] held when each item began
 
     def put(self, key, owner: int, keys: np.ndarray, values: list) -> None:
         if (key, owner) in self._entries:
             raise RuntimeError(f"carry store: layer {key} of microbatch {owner} is filled twice in one step")
-        self._entries[(key, owner)] = _Entry(np.asarray(keys), [v.detach() for v in values], [None] * len(values))
+        if owner in self._released:
+            raise RuntimeError(f"carry store: microbatch {owner} fills layer {key} after its state was released")
+        self._entries[(key, owner)] = _Entry(np.asarray(keys), [v.detach() for v in values], [None] * len(values),
+                                             [(v.shape, v.dtype, v.device) for v in values])
+
+    def set_lifetimes(self, lifetimes: dict) -> None:
+        """``{owner: (fill, first_row_read, first_state_read, last_read, restore)}`` schedule positions
+        (`cp.planning.carry.carry_lifetimes`)."""
+        self._lifetimes = dict(lifetimes)
+
+    def advance(self, position: int) -> None:
+        """Schedule item ``position`` begins: every earlier item's backward is done. Records what the
+        store held (`history`), then releases the state whose last reader came before ``position`` and
+        the accumulators of owners restored before it."""
+        self.history.append((position, self.nbytes(), self.acc_nbytes()))
+        for o, (*_, last, restore) in self._lifetimes.items():
+            if last < position and o not in self._released:
+                for (key, owner), e in self._entries.items():
+                    if owner == o:
+                        e.values = []
+                self._released.add(o)
+            if restore < position:
+                for k in [k for k in self._entries if k[1] == o]:
+                    del self._entries[k]
 
     def read(self, key, owners: np.ndarray, keys: np.ndarray) -> list:
         """The state of rows ``keys`` (owned by ``owners``, both [C]) as autograd leaves, in that order."""
         parts, per_owner = [], []
         for o in np.unique(owners).tolist():
             e = self._entries.get((key, o))
+            if o in self._released:
+                raise RuntimeError(f"carry store: layer {key} reads microbatch {o}'s state after its last planned "
+                                   "reader's backward released it (a schedule the carry plan did not make)")
             if e is None:
                 raise RuntimeError(f"carry store: layer {key} reads microbatch {o}'s state, which was never filled "
                                    "(its fill forward must run first in the same step)")
@@ -95,7 +131,8 @@ class CarryStore:
             g[where.to(grad.device)] = grad  # back to owner-grouped order
             for (e, pos), chunk in zip(per_owner, torch.split(g, sizes)):
                 if e.acc[t] is None:
-                    e.acc[t] = torch.zeros_like(e.values[t])
+                    shape, dtype, device = e.meta[t]
+                    e.acc[t] = torch.zeros(shape, dtype=dtype, device=device)
                 e.acc[t].index_add_(0, pos.to(grad.device), chunk.to(e.acc[t].dtype))
             return None
         return hook
@@ -108,8 +145,12 @@ class CarryStore:
         self._entries.clear()
 
     def nbytes(self) -> int:
-        """Bytes of stored state (accumulators excluded)."""
+        """Bytes of stored state held now (accumulators excluded)."""
         return sum(v.numel() * v.element_size() for e in self._entries.values() for v in e.values)
+
+    def acc_nbytes(self) -> int:
+        """Bytes of gradient accumulators held now."""
+        return sum(a.numel() * a.element_size() for e in self._entries.values() for a in e.acc if a is not None)
 
 
 class _Inject(torch.autograd.Function):

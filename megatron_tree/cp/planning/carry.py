@@ -1,4 +1,4 @@
-"""The order a step's carry microbatches run in, inside one Megatron schedule (host side, no torch).
+"""The order a step's carry microbatches run in, inside one Megatron schedule (host side, numpy).
 
 A microbatch whose rows later microbatches read (it *exports* rows, `tree.carry.CarryInfo.exported`)
 runs twice: a **fill** forward without autograd that writes the exported rows' layer state into the
@@ -8,41 +8,62 @@ restoration) and backpropagates its own loss. Every other microbatch runs once (
 cost of carry is one extra forward (without saved activations) of each exporting microbatch, and
 each row is computed once by forward + backward, as with an unlimited budget.
 
-Order for the microbatches of one data-parallel rank, in step order: each in turn as fill (exports)
-or run (does not), then the restores in reverse step order. An owner always precedes its readers
-(`pack(..., carry=True)` puts them first), so every read finds its state filled, and a reader that
-exports itself restores before the owners it reads: its restore's backward accumulates into theirs.
+Order for the microbatches of one data-parallel rank: those without carry first, then one carry group
+(the microbatches cut from one tree: nothing reads across groups) after the other, each as its
+microbatches in step order as fill (exports) or run (does not), then its restores in reverse step
+order. An owner always precedes its readers (`pack(..., carry=True)` puts them first), so every read
+finds its state filled, and a reader that exports itself restores before the owners it reads: its
+restore's backward accumulates into theirs.
 Megatron runs backward passes in forward order (no pipelining and 1F1B alike), so the order holds for
 backward too.
+
+Lifetimes (`carry_lifetimes`): an owner's stored state is released once its last reader's backward is
+done, its gradient accumulators once its own restore's backward is done (the carry store does it at
+the start of the next schedule item: without pipelining, which carry needs, each item's backward ends
+before the next item's forward). `carry_store_timeline` predicts the store's bytes item by item.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["carry_phases", "PHASES", "CarryGeometry", "carry_store_bytes"]
+import numpy as np
+
+__all__ = ["carry_phases", "PHASES", "CarryGeometry", "carry_store_bytes", "carry_lifetimes", "carry_store_timeline"]
 
 PHASES = ("fill", "run", "restore")
 
 
 def carry_phases(microbatches: list) -> list[tuple[int, str]]:
     """``[(position in microbatches, phase)]`` for one rank's microbatches (step order, as
-    `tree.carry.assign_carry_groups` gives them). Microbatches without carry info run once."""
-    order, restores = [], []
-    for i, mb in enumerate(microbatches):
-        info = getattr(mb, "carry", None)
-        exports = info is not None and len(info.exported) > 0
-        order.append((i, "fill" if exports else "run"))
-        if exports:
-            restores.append((i, "restore"))
-    seen = {getattr(mb, "carry", None).index for mb in microbatches if getattr(mb, "carry", None) is not None}
-    for mb in microbatches:
-        info = getattr(mb, "carry", None)
+    `tree.carry.assign_carry_groups` gives them). Microbatches without carry (no info, or group -1)
+    run first, once each; then one carry group after the other (in the order they first appear): its
+    microbatches in step order as fill (exports) or run (does not), then its restores in reverse step
+    order. A group's state is released before the next group fills (`carry_lifetimes`), so the store
+    peaks at one group's, not at the step's."""
+    infos = [getattr(mb, "carry", None) for mb in microbatches]
+    seen = {info.index for info in infos if info is not None}
+    for info in infos:
         if info is not None and not set(info.reads_from) <= seen:
             missing = sorted(set(info.reads_from) - seen)
             raise ValueError(f"carry microbatch {info.index} reads rows of microbatches {missing}, which this rank "
                              "does not run: a carry group must stay on one data-parallel rank "
                              "(megatron_tree.tree.carry.assign_carry_groups)")
-    return order + restores[::-1]
+    groups: dict = {}
+    order = []
+    for i, info in enumerate(infos):
+        if info is None or info.group < 0:
+            order.append((i, "run"))
+        else:
+            groups.setdefault(info.group, []).append(i)
+    for members in groups.values():
+        restores = []
+        for i in members:
+            exports = len(infos[i].exported) > 0
+            order.append((i, "fill" if exports else "run"))
+            if exports:
+                restores.append((i, "restore"))
+        order += restores[::-1]
+    return order
 
 
 @dataclass(frozen=True)
@@ -92,4 +113,70 @@ def carry_store_bytes(microbatches: list, geometry: CarryGeometry) -> list[int]:
             out.append(0)
             continue
         out.append(len(info.exported) * geometry.row_bytes() + len(info.state_rows) * geometry.state_row_bytes())
+    return out
+
+
+def _state_readers(mb) -> set:
+    """The owners whose recurrent state ``mb`` reads: those of the carried rows its own rows hang off
+    (a recurrent layer's own segment under a carried row starts from that row's stored state)."""
+    info = mb.carry
+    own = info.own
+    pp = np.asarray(mb.layout.path_prev.cpu() if hasattr(mb.layout.path_prev, "cpu") else mb.layout.path_prev)
+    is_own = np.zeros(len(info.keys), bool)
+    is_own[own] = True
+    par = pp[own]
+    par = par[(par >= 0) & ~is_own[np.maximum(par, 0)]]
+    if not len(par):
+        return set()
+    return set(np.asarray(info.carried_owner)[np.searchsorted(info.carried, par)].tolist())
+
+
+def carry_lifetimes(microbatches: list) -> dict[int, tuple[int, int, int, int, int]]:
+    """``{owner: (fill, first_row_read, first_state_read, last_read, restore)}``: schedule positions
+    (`carry_phases` order) of each exporting microbatch's fill; of the first item that reads its rows'
+    state (K / V, pre-conv channels) with autograd, and of the first that reads its recurrent states so
+    (a run or restore: its backward makes the gradient accumulators; -1: none); of the last item that
+    reads anything of it (its state is needed until that item's backward is done); and of its restore
+    (its accumulators are needed until that item's backward is done). Owners: `CarryInfo.index`."""
+    phases = carry_phases(microbatches)
+    fill, restore, first_rows, first_state, last = {}, {}, {}, {}, {}
+    for k, (i, phase) in enumerate(phases):
+        mb = microbatches[i]
+        info = mb.carry
+        if info is None:
+            continue
+        if phase == "fill":
+            fill[info.index] = k
+        elif phase == "restore":
+            restore[info.index] = k
+        for o in info.reads_from:
+            last[o] = k
+            if phase != "fill":
+                first_rows.setdefault(o, k)
+        if phase != "fill" and info.reads_from:
+            for o in _state_readers(mb):
+                first_state.setdefault(o, k)
+    return {o: (fill[o], first_rows.get(o, -1), first_state.get(o, -1), last.get(o, -1), restore[o]) for o in fill}
+
+
+def carry_store_timeline(microbatches: list, geometry: CarryGeometry) -> list[tuple[int, int]]:
+    """``[(state bytes, accumulator bytes)]`` the carry store holds at the end of each schedule item
+    (after its backward, before the next item's releases), for one rank's microbatches (step order).
+    State: from the owner's fill to its last reader; accumulators (the shapes of what they collect)
+    from the first reader's backward to the owner's restore: the rows' part from the first reader of
+    its rows, the recurrent states' part from the first reader of those. The peak of the sum is the
+    store's memory."""
+    rows, states = {}, {}
+    for mb in microbatches:
+        info = getattr(mb, "carry", None)
+        if info is not None:
+            rows[info.index] = len(info.exported) * geometry.row_bytes()
+            states[info.index] = len(info.state_rows) * geometry.state_row_bytes()
+    lives = carry_lifetimes(microbatches)
+    out = []
+    for k in range(len(carry_phases(microbatches))):
+        state = sum(rows[o] + states[o] for o, (f, _, _, last, _) in lives.items() if f <= k <= max(last, f))
+        acc = sum((rows[o] if 0 <= fr <= k <= r else 0) + (states[o] if 0 <= fs <= k <= r else 0)
+                  for o, (_, fr, fs, _, r) in lives.items())
+        out.append((state, acc))
     return out

@@ -368,9 +368,8 @@ SCORE_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads"
 SCORE_FLAGS = {
     "gpt": SCORE_GPT,
     "hybrid": SCORE_GPT[2:] + ["--hybrid-override-pattern", "MG*-"],
-    "gpt_mtp": SCORE_GPT + ["--mtp-num-layers", "2"],
     "mamba_mtp": SCORE_GPT[2:] + ["--model-family", "mamba", "--hybrid-override-pattern", "M*-M", "--mtp-num-layers",
-                                  "1", "--mtp-pattern", "M*"],
+                                  "2", "--mtp-pattern", "M*"],
 }
 _SCORE_SCRIPT = """
 import json, sys
@@ -570,13 +569,13 @@ def _logged(out: str, key: str) -> dict:
 
 #: MTP through pretrain(): (script, model flags, MTP depths, the layout compared with one rank, its ranks)
 MTP_MODELS = {
-    # (CP2 alone: a 4-rank TP2 + SP + CP2 launch cost CI ~3 minutes; MTP under TP2 + SP is verify's,
-    # tests/test_mtp.py ws2, and pretrain()'s TP2 + SP + CP2 is the fresh GPT run of the test above)
-    "gpt": (GPT, ["--num-layers", "2", "--mtp-num-layers", "2"], 2, ["--context-parallel-size", "2"], 2),
-    # megatron-core 0.19's unified hybrid pattern: main stack "M*-M", one MTP depth of a Mamba and an attention layer
+    # One family (CI minutes: each case is two pretrain() launches and a score run). MambaModel with megatron-core
+    # 0.19's unified hybrid pattern: main stack "M*-M", two MTP depths of a Mamba and an attention layer each (the
+    # second depth's input crosses CP ranks too). GPT's MTP: the hooks in-process (tests/test_mtp.py
+    # test_megatron_lm_hooks_train_mtp_on_the_tree) and verify under CP2, CP4 and TP2 + SP (tests/test_mtp.py).
     "mamba": (ROOT / "examples" / "pretrain_tree_mamba.py",
-              ["--hybrid-layer-pattern", "M*-M/M*", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
-               "--mamba-num-groups", "2"], 1, ["--context-parallel-size", "2"], 2),
+              ["--hybrid-layer-pattern", "M*-M/M*/M*", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
+               "--mamba-num-groups", "2"], 2, ["--context-parallel-size", "2"], 2),
 }
 
 
@@ -584,13 +583,12 @@ MTP_MODELS = {
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
 @pytest.mark.parametrize("model", sorted(MTP_MODELS))
 def test_pretrain_tree_mtp_under_cp_equals_one_rank(model, tmp_path):
-    """Multi-token prediction through Megatron-LM's pretrain() with our hooks: one rank vs tree CP2 (GPT: two
-    MTP depths; MambaModel: MTP depths from the "main/mtp" pattern), same seed; each depth's input crosses
-    CP ranks. Every iteration's loss agrees to float32 rounding (iterations
-    2-4 after updates that carry the MTP gradients), and so does each depth's loss Megatron-LM logs; that
-    logged value is the step's per-token mean, about ln(128) for this fresh model at iteration 1 (stock's
-    mean of per-microbatch means read 1.2 for GPT here: the tree step's 8 samples fill one of the 4
-    microbatches, the 3 padding ones add 0). The one-rank run's iteration-2 checkpoint, MTP layers and
+    """Multi-token prediction through Megatron-LM's pretrain() with our hooks: one rank vs tree CP2 (MambaModel:
+    two MTP depths from the "main/mtp/mtp" pattern), same seed; each depth's input crosses CP ranks. Every
+    iteration's loss agrees to float32 rounding (iterations 2-4 after updates that carry the MTP gradients),
+    and so does each depth's loss Megatron-LM logs; that logged value is the step's per-token mean, about
+    ln(128) for this fresh model at iteration 1 (stock's mean of per-microbatch means read 1.2 for GPT here:
+    the tree step's 8 samples fill one of the 4 microbatches, the 3 padding ones add 0). The one-rank run's iteration-2 checkpoint, MTP layers and
     all, loads in ``megatron-tree score`` (`_check_score_of_megatron_lm_checkpoint`)."""
     script, model_args, depths, layout, ranks = MTP_MODELS[model]
     data = _write_data(tmp_path / "train.jsonl")

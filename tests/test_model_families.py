@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from megatron_tree.training.verify import VerifyConfig, run_verify_many
+from selection import run_selected  # tests/selection.py
 from per_sample import coef, randomize, stock_logprobs, tree_logprobs  # tests/per_sample.py
 from verify_checks import check_verify  # tests/verify_checks.py
 
@@ -239,22 +240,33 @@ def test_tree_logprobs_equal_stock_logits(interop, family):
 
 
 # ---------------------------------------------------------------------------------------------- verify
+# Every case runs in the main tier; the latest tier (conftest.py) runs the cases wrapped in both(): each family
+# once per parallel flavour (one rank, TP2 + SP, PP2, DP2 x EP2) plus a planted fault each. The others repeat
+# those paths with another loss, pattern, recomputation or fault.
+LATEST: set = set()
+
+
+def both(cfg: VerifyConfig) -> VerifyConfig:
+    LATEST.add(id(cfg))
+    return cfg
+
+
 WS1 = [
-    VerifyConfig(model="mamba", dtype="float64"),  # M * - E (MoE: router softmax in fp32)
+    both(VerifyConfig(model="mamba", dtype="float64")),  # M * - E (MoE: router softmax in fp32)
     VerifyConfig(model="mamba", pattern="M*M-", dtype="float64", loss="grpo", recompute="selective"),
-    VerifyConfig(model="qwen3next", dtype="float64"),
+    both(VerifyConfig(model="qwen3next", dtype="float64")),
     VerifyConfig(model="qwen3next", dtype="float64", loss="grpo", recompute="full"),
-    VerifyConfig(model="mamba", pattern="M*M-", fault="zero_state"),
+    both(VerifyConfig(model="mamba", pattern="M*M-", fault="zero_state")),
     VerifyConfig(model="mamba", pattern="M*M-", fault="rope_physical"),
-    VerifyConfig(model="qwen3next", fault="zero_state"),
+    both(VerifyConfig(model="qwen3next", fault="zero_state")),
     VerifyConfig(model="qwen3next", fault="sibling_mask"),
 ]
 WS2 = [
-    VerifyConfig(model="mamba", tp=2, sp=True, dtype="float64", loss="grpo"),
-    VerifyConfig(model="mamba", pattern="M*M-", pp=2, dtype="float64", recompute="selective"),
-    VerifyConfig(model="mamba", pattern="ME*E", dp=2, ep=2, dtype="float64"),
-    VerifyConfig(model="qwen3next", tp=2, sp=True, dtype="float64"),
-    VerifyConfig(model="qwen3next", pp=2, dtype="float64", loss="grpo", recompute="full"),
+    both(VerifyConfig(model="mamba", tp=2, sp=True, dtype="float64", loss="grpo")),
+    both(VerifyConfig(model="mamba", pattern="M*M-", pp=2, dtype="float64", recompute="selective")),
+    both(VerifyConfig(model="mamba", pattern="ME*E", dp=2, ep=2, dtype="float64")),
+    both(VerifyConfig(model="qwen3next", tp=2, sp=True, dtype="float64")),
+    both(VerifyConfig(model="qwen3next", pp=2, dtype="float64", loss="grpo", recompute="full")),
     VerifyConfig(model="qwen3next", dp=2, ep=2, dtype="float64", recompute="selective"),
     # `megatron-tree verify --model qwen3next --tp 2 --sp` as typed (float32): its tiny GDN decay gradients
     # once read 3.2e-2 against their own scale and failed (`verify.GRAD_SCALE_FLOOR`)
@@ -262,22 +274,27 @@ WS2 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ws1():
-    return run_verify_many(WS1)
+def _cases(configs: list) -> list:
+    return [pytest.param(i, marks=[] if id(cfg) in LATEST else [pytest.mark.main_tier_only])
+            for i, cfg in enumerate(configs)]
 
 
 @pytest.fixture(scope="module")
-def ws2():
-    return run_verify_many(WS2)
+def ws1(request):
+    return run_selected(request, "test_verify_world_size_1", WS1, run_verify_many)
 
 
-@pytest.mark.parametrize("i", range(len(WS1)))
+@pytest.fixture(scope="module")
+def ws2(request):
+    return run_selected(request, "test_verify_world_size_2", WS2, run_verify_many)
+
+
+@pytest.mark.parametrize("i", _cases(WS1))
 def test_verify_world_size_1(ws1, i):
     check_verify(WS1[i], ws1[i])
 
 
-@pytest.mark.parametrize("i", range(len(WS2)))
+@pytest.mark.parametrize("i", _cases(WS2))
 def test_verify_world_size_2(ws2, i):
     check_verify(WS2[i], ws2[i])
 

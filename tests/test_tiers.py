@@ -47,6 +47,7 @@ def test_makefile_tiers_and_ci_run_all_three():
     assert "--dist loadscope --no-loadscope-reorder --tier latest $(PYTEST_ARGS) tests" in mk  # the latest tier: conftest.py's selection
     ci = (ROOT / ".ci" / "run").read_text()
     assert "for target in test test-latest test-kernels" in ci and "exit $status" in ci
+    assert "make venv-latest venv-kernels" in ci  # built in the background while the main tier runs
     dry = subprocess.run(["make", "-n", "test-kernels"], cwd=ROOT, capture_output=True, text=True)
     assert dry.returncode == 0 and "tests_kernels" in dry.stdout
 

@@ -459,6 +459,7 @@ def test_megatron_lm_save_failure_is_named_and_not_retried_by_torchrun(tmp_path,
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 10)).sum().backward()
     optimizer.step()  # exp_avg, exp_avg_sq (440 bytes each) and two step counters (4 bytes each)
+    monkeypatch.setattr(lm_saves, "_checked", False)  # a new process (each call below that looks: likewise)
     lm_saves.guard_saves(args)
     lm_saves.guard_saves(args)  # idempotent: wrapped once
     assert training.save_checkpoint.__wrapped__ is save_checkpoint
@@ -477,10 +478,13 @@ def test_megatron_lm_save_failure_is_named_and_not_retried_by_torchrun(tmp_path,
     assert (ckpt / FAILED_SAVE_MARKER).exists() and (ckpt / lm_saves.TRACKER).read_text() == "2"
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarts the job's ranks
+    lm_saves.guard_saves(args)  # this process looked already (once per process: every forward step calls it)
+    monkeypatch.setattr(lm_saves, "_checked", False)
     with pytest.raises(CheckpointSaveError, match="torchrun restart 1 of this job does not train again") as again:
         lm_saves.guard_saves(args)
     assert str(again.value).startswith(msg)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # a new launch after the disk was cleaned up
+    monkeypatch.setattr(lm_saves, "_checked", False)
     lm_saves.guard_saves(args)
     fail[0] = False
     assert training.save_checkpoint(6, [model], optimizer, None, 0.0) == "saved"

@@ -32,7 +32,7 @@ WS1 = [
     VerifyConfig(model="hybrid", pattern="GM*-", dtype="float32"),
     VerifyConfig(model="gpt", dtype="float32", window=5, sinks=True),
 ] + [VerifyConfig(model="gpt", fault=f) for f in FAULTS if f not in ("zero_state", "mla_rope_physical")] + [
-    both(VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", fault="zero_state")),
+    VerifyConfig(model="hybrid", pattern="GM*-", dtype="float64", fault="zero_state"),
     VerifyConfig(model="hybrid", pattern="G-", dtype="float64", fault="zero_state"),
     VerifyConfig(model="hybrid", pattern="M-", dtype="float64", fault="zero_state"),
     # carry (issue 25): budget 16 < the longest sample (19) and every tree, so paths are cut into chains of
@@ -52,18 +52,17 @@ WS2 = [
     VerifyConfig(model="hybrid", pattern="MG*-", pp=2, dtype="float64", recompute="selective"),
     VerifyConfig(model="gpt", dp=2, ep=2, dtype="float64"),  # MoE in every layer, experts split over 2 ranks
     both(VerifyConfig(model="hybrid", pattern="GE*M", dp=2, ep=2, dtype="float64", loss="grpo")),
-    # tree context parallelism (the per-sample side runs on one CP rank, so it shares no cross-rank code)
+    # tree context parallelism (the per-sample side runs on one CP rank, so it shares no cross-rank code); MoE
+    # experts over the CP ranks: tests/test_routing_replay.py ws2
     both(VerifyConfig(model="gpt", cp=2, dtype="float64")),
     VerifyConfig(model="gpt", cp=2, cp_strategy="zigzag", dtype="float64", loss="grpo", window=5, sinks=True,
                  recompute="selective"),
-    VerifyConfig(model="gpt", cp=2, ep=2, dtype="float64"),  # MoE experts over the CP ranks
     VerifyConfig(model="gpt", cp=2, fault="sibling_mask"),
     # Mamba-2 under tree CP: the token -> head transpose (2 groups == cp: one group per rank)
     both(VerifyConfig(model="hybrid", pattern="M*-", cp=2, dtype="float64")),
     VerifyConfig(model="hybrid", pattern="M-", cp=2, fault="zero_state"),
     # Gated DeltaNet under tree CP (cp/execution/gdn.py; "auto" picks summary mode here, heads mode at CP4)
     both(VerifyConfig(model="hybrid", pattern="G*-", cp=2, dtype="float64")),
-    VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", dtype="float64", loss="grpo"),
     VerifyConfig(model="hybrid", pattern="G-", cp=2, fault="zero_state"),
     # GDN layout islands (on by default under CP): "GG-G" and "GM" run on the island ownership, rows move
     # only at the two attention boundaries (zigzag: the small batch's balanced plan equals the island plan)

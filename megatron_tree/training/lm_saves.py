@@ -20,8 +20,11 @@ what Megatron-LM writes or when:
   marker raises that error before its first iteration (`checkpoint_errors.refuse_restart_after_failed_save`),
   so the remaining restarts end at once and the job fails with the save's error.
 
-`megatron_lm.train_valid_test_datasets_provider` calls `guard_saves`: ``pretrain()`` calls it on every
-rank after the model and a ``--load`` are set up and before the first iteration.
+The hooks call `guard_saves`: `megatron_lm.train_valid_test_datasets_provider` (``pretrain()`` calls it
+after the model and a ``--load`` are set up, before the first iteration, on tensor-parallel rank 0 only:
+Megatron-LM builds the data there) and `megatron_lm.forward_step` (every rank, every microbatch: the
+other tensor-parallel ranks' saves are guarded from their first forward on; after the first call it
+only checks a flag).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ __all__ = ["guard_saves", "TRACKER"]
 
 #: Megatron-LM's marker of the last complete checkpoint in ``--save``.
 TRACKER = "latest_checkpointed_iteration.txt"
+_checked = False  # this process looked for a failed save's marker (a torchrun restart refuses once)
 
 
 def _tracker_iteration(directory: str) -> Optional[int]:
@@ -136,7 +140,10 @@ def guard_saves(args) -> None:
     ``save_checkpoint`` as the module docstring says (idempotent; ``args``: Megatron-LM's parsed args,
     whose ``save`` names the checkpoint directory). Outside ``pretrain()`` (``megatron.training.training``
     not imported: the hooks called on their own) there is nothing to wrap."""
-    refuse_restart_after_failed_save(getattr(args, "save", None))
+    global _checked
+    if not _checked:  # once per process: every microbatch's forward step calls this
+        refuse_restart_after_failed_save(getattr(args, "save", None))
+        _checked = True
     training = sys.modules.get("megatron.training.training")  # imported by pretrain(), which calls the hooks
     if training is not None and not getattr(training.save_checkpoint, "_megatron_tree_guard", False):
         training.save_checkpoint = _guarded(training.save_checkpoint, args)

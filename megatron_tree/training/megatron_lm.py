@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..tree.layout import TreeLayout
 from ..tree.loss_map import LossMap
 from .arguments import validate_tree_args
+from .lm_saves import guard_saves
 
 __all__ = ["model_provider", "mamba_model_provider", "get_batch", "forward_step", "loss_func", "train_valid_test_datasets_provider",
            "encode_tree_batch", "decode_tree_batch", "MicrobatchStream", "broadcast_tree_batch", "build_pipeline"]
@@ -428,13 +429,15 @@ def loss_func(loss_map: LossMap, output_tensor, *, loss_type: str = "sft", clip_
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, args=None):
     """Megatron ``forward_step_func``: ``(output, partial(loss_func, loss_map, ...))`` with the
-    ``--tree-loss`` settings. Every pipeline stage reads the batch (see `get_batch`)."""
+    ``--tree-loss`` settings. Every pipeline stage reads the batch (see `get_batch`). The first call
+    on each rank also guards Megatron-LM's checkpoint saves (`lm_saves.guard_saves`)."""
     if return_schedule_plan:
         raise ValueError("tree training does not support --overlap-moe-expert-parallel-comm schedule plans or "
                          "partial activation checkpointing per microbatch")
     from ..megatron.forward_step import context_parallel_params
 
     args = _args(args)
+    guard_saves(args)  # the ranks that build no data (tensor-parallel rank > 0) too; a flag check after the first
     timers = _timers()
     if timers is not None:
         timers("batch-generator", log_level=2).start()
@@ -616,8 +619,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage
         raise ValueError("--tree-carry through the Megatron-LM hooks runs without tensor parallelism for now (the "
                          "carry items are read by every rank itself, not broadcast over TP); megatron-tree train "
                          "runs it with TP")
-    from .lm_saves import guard_saves
-
     guard_saves(args)  # a failed save: one clear error, and torchrun's restarts do not retrain it
     start = int(getattr(args, "iteration", 0) or 0)
     train = MicrobatchStream(build_pipeline(args.tree_data_path, args, dp_rank=dp_rank, dp_size=dp_size,

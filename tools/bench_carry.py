@@ -57,7 +57,7 @@ def rows_table() -> None:
         print(f"\n{name}: {len(samples)} samples, {flat:,} flat tokens, unlimited budget {unlimited:,} rows "
               f"({flat / unlimited:.2f}x)")
         print(f"{'budget':>7} | {'split rows':>10} {'x':>5} {'mbs':>4} | {'carry rows':>10} {'x':>5} {'mbs':>4} "
-              f"{'carried':>8} {'stored':>7} {'plan s':>6}")
+              f"{'carried':>8} {'stored':>7} {'plan s':>6} | {'fills GiB':>9} {'peak GiB':>8}")
         for budget in (8192, 16384, 32768):
             longest = max(len(s.tokens) if hasattr(s, "tokens") else len(s) for s in samples)
             sp = summarize(pack(samples, budget)) if longest <= budget else None
@@ -68,8 +68,25 @@ def rows_table() -> None:
             real = c["rows_computed"] - sum(mb.stats.padding_tokens for mb in mbs)
             split = ("refused" if sp is None else f"{sp['tree_tokens']:>10,} {flat / sp['tree_tokens']:>5.2f} "
                      f"{sp['num_microbatches']:>4}")
+            fills, peak = _store_gib(mbs)
             print(f"{budget:>7} | {split:>21} | {real:>10,} {flat / real:>5.2f} {len(mbs):>4} "
-                  f"{c['carried_rows']:>8,} {c['stored_rows']:>7,} {dt:>6.2f}")
+                  f"{c['carried_rows']:>8,} {c['stored_rows']:>7,} {dt:>6.2f} | {fills:>9.2f} {peak:>8.2f}")
+    print(f"\nfills GiB: what the step's fills write into the carry store (all of it was held to the step's end before "
+          f"the store had lifetimes); peak GiB: the most it holds with lifetimes, state plus gradient accumulators "
+          f"(`carry_store_timeline`, one DP rank); both for {STORE_GEOMETRY}")
+
+
+#: A store geometry for the figures: 32 GQA attention layers (8 KV heads of 128), bf16 (an 8B-class model)
+STORE_GEOMETRY = "32 attention layers, 8 KV heads x 128, bf16"
+
+
+def _store_gib(mbs) -> tuple:
+    from megatron_tree.cp.planning.carry import CarryGeometry, carry_store_bytes, carry_store_timeline
+
+    geom = CarryGeometry("*" * 32, kv=(8, 128), act_bytes=2)
+    fills = sum(carry_store_bytes(mbs, geom))
+    peak = max((a + b for a, b in carry_store_timeline(mbs, geom)), default=0)
+    return fills / 2 ** 30, peak / 2 ** 30
 
 
 

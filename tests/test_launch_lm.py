@@ -500,8 +500,8 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
       three steps, each reading the same samples as CP1 (each sample once per step and CP rank);
       before the CPU layer kept Megatron-LM's JIT warm-up off the weights' generator, the model
       depended on CP and TP (GPT iteration 1: 4.8522 CP1, 4.8658 CP2, 4.8755 CP2 + TP2 + SP);
-    * hybrid: resumed at iteration 2 as DP2: bit-identical continuation; and afresh with --tree-carry at
-      an 8-row budget: the DP2 run's samples and losses;
+    * hybrid: resumed at iteration 2 as DP2: bit-identical continuation; and resumed there under TP2 + SP
+      with --tree-carry at an 8-row budget: the DP2 run's samples and losses;
     * GPT: resumed as TP2 + SP with flat packing (no prefix shared; the checkpoint resharded): the
       tree's losses to float32 rounding."""
     script, model_args = MODELS[model]
@@ -537,16 +537,19 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
         assert dp2 == {3: full[3], 4: full[4]}, (dp2, full)  # bit-identical continuation
         # --tree-carry at an 8-row budget (below every tree and most samples: paths are cut into chains that
         # read carried Mamba-2 / GDN / attention state; more schedule items: fill + restore, so a larger
-        # --global-batch-size, which changes no number under the per-token loss): the DP2 run's samples and
-        # losses (float32 rounding)
+        # --global-batch-size, which changes no number under the per-token loss) under TP2 + SP, resumed from
+        # the DP2 run's iteration-2 checkpoint (TP rank 0 reads the data and sends each step's microbatches to
+        # its TP peer): iterations 3 and 4 read the DP2 run's samples and give its losses (float32 rounding)
         carry_args = list(args)
         carry_args[carry_args.index("--global-batch-size") + 1] = "16"
         carry_args[carry_args.index("--tree-max-tokens-per-mb") + 1] = "8"
         carry_samples: dict = {}
-        rc, out, carry = _launch(tmp_path, "carry", script, carry_args + ["--tree-carry"], samples=carry_samples)
-        _check(rc, out, "DP2 --tree-carry run")
-        assert sorted(carry) == [1, 2, 3, 4] and carry_samples == full_samples, (carry_samples, full_samples)
-        for it in (1, 2, 3, 4):
+        rc, out, carry = _launch(tmp_path, "carry", script, carry_args + load + TP2_SP + ["--tree-carry"],
+                                 samples=carry_samples)
+        _check(rc, out, "TP2 + SP --tree-carry run resumed at iteration 2")
+        assert sorted(carry) == [3, 4] and carry_samples == {it: full_samples[it] for it in (3, 4)}, \
+            (carry_samples, full_samples)
+        for it in (3, 4):
             assert carry[it] == pytest.approx(full[it], rel=2e-5), (it, carry, full)
     if model == "gpt":  # the resharded flat-packing resume
         rc, out, tp2 = _launch(tmp_path, "resume_tp2_flat", script, args + load + TP2_SP + ["--tree-flat-packing"])

@@ -276,6 +276,46 @@ def test_get_batch_broadcasts_tree_metadata_over_tp():
     assert results[1]["err"].startswith("RuntimeError: rank 0 ") and results[3]["err"].startswith("RuntimeError: rank 2 ")
 
 
+def _carry_tp_body():
+    import torch.distributed as dist
+
+    from megatron_tree.cpu import megatron_core as cpu
+
+    cpu.enable()
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.megatron.carry import carry_items
+    from megatron_tree.training import megatron_lm as hooks
+    from megatron_tree.tree import pack
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    steps = [[list(range(1, 20)), list(range(1, 12)) + [60, 61, 62, 63], [70, 71, 72]],
+             [list(range(30, 47)), list(range(30, 40)) + [90, 91]]]
+    # TP rank 0 holds the stream of carry items, step after step (what MicrobatchStream(carry=True) yields)
+    it = iter([item for tokens in steps for item in carry_items(pack(tokens, 8, carry=True))]) \
+        if ps.get_tensor_model_parallel_rank() == 0 else None
+    got, stores = [], []
+    for _ in range(sum(len(carry_items(pack(tokens, 8, carry=True))) for tokens in steps)):
+        item = hooks._next_carry_item(it)
+        got.append((item.position, item.phase, None if item.mb.carry is None else item.mb.carry.index,
+                    tuple(item.mb.sample_ids), item.mb.layout.input_ids.tolist(), item.mb.owned_rows))
+        if item.store not in stores:
+            stores.append(item.store)
+    return dict(rank=dist.get_rank(), got=got, stores=len(stores), lifetimes=[len(st._lifetimes) for st in stores],
+                left=len(hooks._peer_items))
+
+
+def test_carry_items_reach_the_tensor_parallel_peer():
+    """``--tree-carry`` through the hooks under TP 2: Megatron-LM builds the data on TP rank 0 only; the
+    peer gets each step's microbatches once and makes the same items (order, phase, rows, samples), with
+    a store of its own per step, its lifetimes set."""
+    r0, r1 = run_distributed(_carry_tp_body, 2, timeout=120)
+    assert r0["got"] == r1["got"] and len(r0["got"]) > 8
+    assert {phase for _, phase, *_ in r0["got"]} == {"fill", "run", "restore"}
+    assert r0["stores"] == r1["stores"] == 2 and r1["lifetimes"] == r0["lifetimes"] and min(r0["lifetimes"]) > 0
+    assert r1["left"] == 0
+
+
 # ---------------------------------------------------------------------------------------------- forward_step
 def _lm_args(*extra):
     a = _parse(["--tree-packing", "--tree-max-tokens-per-mb", "48", *extra])

@@ -45,6 +45,7 @@ def carry_items(microbatches: list, store: CarryStore | None = None) -> list[Car
     """The schedule items of one rank's carry microbatches (step order) for one optimizer step."""
     store = CarryStore() if store is None else store
     microbatches = list(microbatches)
+    store.microbatches = microbatches  # the step's (a tensor-parallel source hands them to its peers)
     phases = carry_phases(microbatches)
     store.set_lifetimes(carry_lifetimes(microbatches))  # state released after its last reader's backward
     return [CarryItem(microbatches[i], p, store, k) for k, (i, p) in enumerate(phases)]

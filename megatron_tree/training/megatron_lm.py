@@ -456,16 +456,43 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, ar
                            check_for_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
 
 
-def _carry_forward_step(data_iterator, model, args, timers):
-    """``--tree-carry``: the next carry item (fill, run or restore; `megatron.carry`) of this rank's
-    step. One process reads its own items: carry runs without tensor, context or pipeline parallelism
-    here (refused by `arguments.validate_tree_args`)."""
-    from ..megatron.carry import CarryItem
-    from ..megatron.forward_step import carry_forward
+#: a tensor-parallel peer's carry items of the current step, made from the microbatches its source sent
+_peer_items: deque = deque()
 
-    item = next(data_iterator)
+
+def _next_carry_item(data_iterator):
+    """The next carry item of this rank's step. Without tensor parallelism: ``data_iterator``'s. With it,
+    Megatron-LM builds the data on tensor-parallel rank 0 only: that rank reads its items and, at each
+    step's first, sends the step's microbatches to its TP peers (one object broadcast per step), which
+    make the same items from them (`carry_items`: the same order, each rank its own carry store of its
+    own heads' state)."""
+    from ..megatron.carry import CarryItem, carry_items
+
+    group, src = _tp_source()
+    if group is None or dist.get_world_size(group) == 1:
+        item = next(data_iterator)
+    elif dist.get_rank() == src:
+        item = next(data_iterator)
+        if isinstance(item, CarryItem) and item.position == 0:
+            dist.broadcast_object_list([item.store.microbatches], src=src, group=group)
+    else:
+        if not _peer_items:
+            box = [None]
+            dist.broadcast_object_list(box, src=src, group=group)
+            _peer_items.extend(carry_items(box[0]))
+        item = _peer_items.popleft()
     if not isinstance(item, CarryItem):
         raise ValueError("--tree-carry: the data iterator must yield carry items (MicrobatchStream(carry=True))")
+    return item
+
+
+def _carry_forward_step(data_iterator, model, args, timers):
+    """``--tree-carry``: the next carry item (fill, run or restore; `megatron.carry`) of this rank's
+    step (`_next_carry_item`: under tensor parallelism the source's step reaches its peers). Carry runs
+    without context or pipeline parallelism (refused by `arguments.validate_tree_args`)."""
+    from ..megatron.forward_step import carry_forward
+
+    item = _next_carry_item(data_iterator)
     if timers is not None:
         timers("batch-generator").stop()
     make_loss = lambda loss_map: partial(
@@ -615,10 +642,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage
     if getattr(args, "tree_global_batch_samples", None) is None:
         raise ValueError("set --tree-global-batch-samples (samples per optimizer step over all DP ranks)")
     dp_rank, dp_size = _data_parallel()
-    if getattr(args, "tree_carry", False) and int(getattr(args, "tensor_model_parallel_size", 1) or 1) > 1:
-        raise ValueError("--tree-carry through the Megatron-LM hooks runs without tensor parallelism for now (the "
-                         "carry items are read by every rank itself, not broadcast over TP); megatron-tree train "
-                         "runs it with TP")
     guard_saves(args)  # a failed save: one clear error, and torchrun's restarts do not retrain it
     start = int(getattr(args, "iteration", 0) or 0)
     train = MicrobatchStream(build_pipeline(args.tree_data_path, args, dp_rank=dp_rank, dp_size=dp_size,

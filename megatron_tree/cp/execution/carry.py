@@ -59,6 +59,7 @@ class CarryStore:
 
     def __init__(self):
         self._entries: dict = {}
+        self.microbatches: list = []  # the step's microbatches the items were made from (`carry_items`)
         self._lifetimes: dict = {}
         self._released: set = set()
         self.history: list = []  # [(position, state bytes, accumulator bytes)] held when each item began

@@ -8,12 +8,12 @@ restoration) and backpropagates its own loss. Every other microbatch runs once (
 cost of carry is one extra forward (without saved activations) of each exporting microbatch, and
 each row is computed once by forward + backward, as with an unlimited budget.
 
-Order for the microbatches of one data-parallel rank: those without carry first, then one carry group
+Order for the microbatches of one data-parallel rank: one carry group
 (the microbatches cut from one tree: nothing reads across groups) after the other, each as its
 microbatches in step order as fill (exports) or run (does not), then its restores in reverse step
-order. An owner always precedes its readers (`pack(..., carry=True)` puts them first), so every read
-finds its state filled, and a reader that exports itself restores before the owners it reads: its
-restore's backward accumulates into theirs.
+order, then those without carry. An owner always precedes its readers (`pack(..., carry=True)` puts
+them first), so every read finds its state filled, and a reader that exports itself restores before
+the owners it reads: its restore's backward accumulates into theirs.
 Megatron runs backward passes in forward order (no pipelining and 1F1B alike), so the order holds for
 backward too.
 
@@ -35,10 +35,9 @@ PHASES = ("fill", "run", "restore")
 
 def carry_phases(microbatches: list) -> list[tuple[int, str]]:
     """``[(position in microbatches, phase)]`` for one rank's microbatches (step order, as
-    `tree.carry.assign_carry_groups` gives them). Microbatches without carry (no info, or group -1)
-    run first, once each; then one carry group after the other (in the order they first appear): its
-    microbatches in step order as fill (exports) or run (does not), then its restores in reverse step
-    order. A group's state is released before the next group fills (`carry_lifetimes`), so the store
+    `tree.carry.assign_carry_groups` gives them). One carry group after the other (in the order they
+    first appear): its microbatches in step order as fill (exports) or run (does not), then its restores
+    in reverse step order; then the microbatches without carry (no info, or group -1), once each. A group's state is released before the next group fills (`carry_lifetimes`), so the store
     peaks at one group's, not at the step's."""
     infos = [getattr(mb, "carry", None) for mb in microbatches]
     seen = {info.index for info in infos if info is not None}
@@ -49,10 +48,10 @@ def carry_phases(microbatches: list) -> list[tuple[int, str]]:
                              "does not run: a carry group must stay on one data-parallel rank "
                              "(megatron_tree.tree.carry.assign_carry_groups)")
     groups: dict = {}
-    order = []
+    order, free = [], []
     for i, info in enumerate(infos):
         if info is None or info.group < 0:
-            order.append((i, "run"))
+            free.append((i, "run"))
         else:
             groups.setdefault(info.group, []).append(i)
     for members in groups.values():
@@ -63,7 +62,9 @@ def carry_phases(microbatches: list) -> list[tuple[int, str]]:
             if exports:
                 restores.append((i, "restore"))
         order += restores[::-1]
-    return order
+    # free microbatches last: a step that carries starts with a fill, as Megatron-LM's logging expects (it
+    # reads the report keys of a step's first microbatch; a fill reports the loss alone)
+    return order + free
 
 
 @dataclass(frozen=True)

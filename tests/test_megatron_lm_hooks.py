@@ -292,10 +292,10 @@ def _carry_tp_body():
     steps = [[list(range(1, 20)), list(range(1, 12)) + [60, 61, 62, 63], [70, 71, 72]],
              [list(range(30, 47)), list(range(30, 40)) + [90, 91]]]
     # TP rank 0 holds the stream of carry items, step after step (what MicrobatchStream(carry=True) yields)
-    it = iter([item for tokens in steps for item in carry_items(pack(tokens, 8, carry=True))]) \
-        if ps.get_tensor_model_parallel_rank() == 0 else None
+    items = [item for tokens in steps for item in carry_items(pack(tokens, 8, carry=True))]
+    it = iter(items) if ps.get_tensor_model_parallel_rank() == 0 else None
     got, stores = [], []
-    for _ in range(sum(len(carry_items(pack(tokens, 8, carry=True))) for tokens in steps)):
+    for _ in range(len(items)):
         item = hooks._next_carry_item(it)
         got.append((item.position, item.phase, None if item.mb.carry is None else item.mb.carry.index,
                     tuple(item.mb.sample_ids), item.mb.layout.input_ids.tolist(), item.mb.owned_rows))

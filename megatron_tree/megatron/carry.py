@@ -47,7 +47,7 @@ def carry_items(microbatches: list, store: CarryStore | None = None) -> list[Car
     microbatches = list(microbatches)
     store.microbatches = microbatches  # the step's (a tensor-parallel source hands them to its peers)
     phases = carry_phases(microbatches)
-    store.set_lifetimes(carry_lifetimes(microbatches))  # state released after its last reader's backward
+    store.set_lifetimes(carry_lifetimes(microbatches, phases))  # state released after its last reader's backward
     return [CarryItem(microbatches[i], p, store, k) for k, (i, p) in enumerate(phases)]
 
 

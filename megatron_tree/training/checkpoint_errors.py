@@ -28,8 +28,8 @@ import re
 from typing import Optional
 
 __all__ = ["CheckpointSaveError", "FAILED_SAVE_MARKER", "capture_logged_errors", "clear_failed_save", "describe_failure",
-           "failing_ranks", "format_bytes", "record_failed_save", "refuse_restart_after_failed_save",
-           "save_failure_message"]
+           "dir_bytes", "failing_ranks", "format_bytes", "iteration_dir", "record_failed_save",
+           "refuse_restart_after_failed_save", "save_failure_message"]
 
 #: Left in the ``--save`` directory by a save that failed under torchrun (`record_failed_save`).
 FAILED_SAVE_MARKER = "save_failed.json"
@@ -38,6 +38,16 @@ FAILED_SAVE_MARKER = "save_failed.json"
 # dist_checkpointing's collective error report does (the writer's OSError is re-raised as a
 # RuntimeError and pickled to the coordinator without its __cause__)
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
+def iteration_dir(directory: str, step: int) -> str:
+    """The checkpoint directory of ``step`` in ``directory`` (``iter_0000012``: Megatron-LM's naming, ours too)."""
+    return os.path.join(directory, f"iter_{step:07d}")
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (a checkpoint's size on disk)."""
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -208,7 +218,7 @@ def save_failure_message(*, stage: str, directory: str, step: int, final: str, f
     if previous is None:
         msg += f". {marker} was not written (no earlier checkpoint there)"
     else:
-        where = os.path.join(directory, f"iter_{previous:07d}")
+        where = iteration_dir(directory, previous)
         msg += (f". {marker} still names step {previous} ({where}), " + (
             "a complete checkpoint" if previous_complete else
             "which is NOT a complete checkpoint (no metadata.json): a load refuses it"))

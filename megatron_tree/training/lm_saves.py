@@ -35,8 +35,8 @@ import sys
 from typing import Optional
 
 from .checkpoint_errors import (CheckpointSaveError, capture_logged_errors, clear_failed_save, describe_failure,
-                                failing_ranks, record_failed_save, refuse_restart_after_failed_save,
-                                save_failure_message)
+                                dir_bytes, failing_ranks, iteration_dir, record_failed_save,
+                                refuse_restart_after_failed_save, save_failure_message)
 
 __all__ = ["guard_saves", "TRACKER"]
 
@@ -87,10 +87,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _iteration_dir(directory: str, iteration: int) -> str:
-    return os.path.join(directory, f"iter_{iteration:07d}")
-
-
 def _guarded(original, args):
     @functools.wraps(original)
     def save_checkpoint(iteration, model, optimizer, *rest, **kwargs):
@@ -118,16 +114,15 @@ def _failure(args, iteration, model, optimizer, exc, logged, free, previous) -> 
     except Exception:  # noqa: BLE001 (an estimate for the message only)
         need = None
     records = [None] * rank + [{"failure": describe_failure(exc, logged), "need": need, "free": free}]
-    if previous is not None and os.path.isdir(_iteration_dir(directory, previous)):
-        records[rank]["previous_bytes"] = sum(os.path.getsize(os.path.join(root, f))
-                                              for root, _, files in os.walk(_iteration_dir(directory, previous))
-                                              for f in files)
+    if previous is not None and os.path.isdir(iteration_dir(directory, previous)):
+        records[rank]["previous_bytes"] = dir_bytes(iteration_dir(directory, previous))
     failures = failing_ranks(records)
+    final = iteration_dir(directory, iteration)
     message = save_failure_message(
         who="megatron-tree (Megatron-LM's save_checkpoint through the hooks)", stage="Megatron-LM's save_checkpoint",
-        directory=directory, step=iteration, final=_iteration_dir(directory, iteration), failures=failures,
+        directory=directory, step=iteration, final=final, failures=failures,
         records=records, previous=previous, previous_complete=previous is not None,
-        cleanup=f"Megatron-LM leaves the partial {_iteration_dir(directory, iteration)} in place; a --load follows "
+        cleanup=f"Megatron-LM leaves the partial {final} in place; a --load follows "
                 f"its tracker ({os.path.join(directory, TRACKER)}), never that directory",
         unreachable="each rank raises with what it saw itself (Megatron-LM exchanges no outcome)", latest=TRACKER)
     error = CheckpointSaveError(message, directory=directory, step=iteration, failures=failures)

@@ -81,6 +81,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import add_tree_args, validate_tree_args
+from .checkpoint_errors import dir_bytes as _dir_bytes, iteration_dir as _iter_dir
 
 __all__ = ["add_train_args", "build_train_parser", "check_train_args", "load_train_samples", "train", "main",
            "latest_checkpoint", "format_progress", "format_skipped", "exit_status", "PREEMPTED_EXIT_CODE",
@@ -566,10 +567,6 @@ def latest_checkpoint(directory: Optional[str]) -> Optional[int]:
     return step
 
 
-def _iter_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f"iter_{step:07d}")
-
-
 def _sharded_state(ddp, opt, *, is_loading: bool) -> dict:
     # per-layer keys: a hybrid stack's layers differ (a Mamba layer has no input_layernorm), so
     # Megatron's stacked [num_layers, ...] tensors would have holes
@@ -660,10 +657,6 @@ def _commit_checkpoint(directory: str, step: int, partial: str, final: str) -> N
         except OSError as e:
             print(f"megatron-tree train: warning: saved {final} and named it in {directory}/latest, but {what} "
                   f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
 def _exchange_outcome(error: Optional[BaseException], record: dict, *, device, group=None, directory: str = "",

@@ -37,8 +37,9 @@ def carry_phases(microbatches: list) -> list[tuple[int, str]]:
     """``[(position in microbatches, phase)]`` for one rank's microbatches (step order, as
     `tree.carry.assign_carry_groups` gives them). One carry group after the other (in the order they
     first appear): its microbatches in step order as fill (exports) or run (does not), then its restores
-    in reverse step order; then the microbatches without carry (no info, or group -1), once each. A group's state is released before the next group fills (`carry_lifetimes`), so the store
-    peaks at one group's, not at the step's."""
+    in reverse step order; then the microbatches without carry (no info, or group -1), once each. A
+    group's state is released before the next group fills (`carry_lifetimes`), so the store peaks at
+    one group's, not at the step's."""
     infos = [getattr(mb, "carry", None) for mb in microbatches]
     seen = {info.index for info in infos if info is not None}
     for info in infos:
@@ -104,17 +105,15 @@ class CarryGeometry:
         return self.state_bytes * sum(per.get(c, 0) for c in self.pattern)
 
 
+def _fill_bytes(info, geometry: CarryGeometry) -> tuple[int, int]:
+    """What one microbatch's fill stores: (its exported rows' state, its recurrent states)."""
+    return len(info.exported) * geometry.row_bytes(), len(info.state_rows) * geometry.state_row_bytes()
+
+
 def carry_store_bytes(microbatches: list, geometry: CarryGeometry) -> list[int]:
-    """Bytes each microbatch writes into the step's carry store (its fill), in order; the store holds
-    their sum from the last fill until the step ends."""
-    out = []
-    for mb in microbatches:
-        info = getattr(mb, "carry", None)
-        if info is None:
-            out.append(0)
-            continue
-        out.append(len(info.exported) * geometry.row_bytes() + len(info.state_rows) * geometry.state_row_bytes())
-    return out
+    """Bytes each microbatch writes into the step's carry store (its fill), in order (what the store
+    holds over time: `carry_store_timeline`)."""
+    return [0 if getattr(mb, "carry", None) is None else sum(_fill_bytes(mb.carry, geometry)) for mb in microbatches]
 
 
 def _state_readers(mb) -> set:
@@ -132,14 +131,15 @@ def _state_readers(mb) -> set:
     return set(np.asarray(info.carried_owner)[np.searchsorted(info.carried, par)].tolist())
 
 
-def carry_lifetimes(microbatches: list) -> dict[int, tuple[int, int, int, int, int]]:
+def carry_lifetimes(microbatches: list, phases: list | None = None) -> dict[int, tuple[int, int, int, int, int]]:
     """``{owner: (fill, first_row_read, first_state_read, last_read, restore)}``: schedule positions
     (`carry_phases` order) of each exporting microbatch's fill; of the first item that reads its rows'
     state (K / V, pre-conv channels) with autograd, and of the first that reads its recurrent states so
     (a run or restore: its backward makes the gradient accumulators; -1: none); of the last item that
     reads anything of it (its state is needed until that item's backward is done); and of its restore
-    (its accumulators are needed until that item's backward is done). Owners: `CarryInfo.index`."""
-    phases = carry_phases(microbatches)
+    (its accumulators are needed until that item's backward is done). Owners: `CarryInfo.index`.
+    ``phases``: `carry_phases` of ``microbatches`` where the caller has it already."""
+    phases = carry_phases(microbatches) if phases is None else phases
     fill, restore, first_rows, first_state, last = {}, {}, {}, {}, {}
     for k, (i, phase) in enumerate(phases):
         mb = microbatches[i]
@@ -169,13 +169,12 @@ def carry_store_timeline(microbatches: list, geometry: CarryGeometry) -> list[tu
     store's memory."""
     rows, states = {}, {}
     for mb in microbatches:
-        info = getattr(mb, "carry", None)
-        if info is not None:
-            rows[info.index] = len(info.exported) * geometry.row_bytes()
-            states[info.index] = len(info.state_rows) * geometry.state_row_bytes()
-    lives = carry_lifetimes(microbatches)
+        if getattr(mb, "carry", None) is not None:
+            rows[mb.carry.index], states[mb.carry.index] = _fill_bytes(mb.carry, geometry)
+    phases = carry_phases(microbatches)
+    lives = carry_lifetimes(microbatches, phases)
     out = []
-    for k in range(len(carry_phases(microbatches))):
+    for k in range(len(phases)):
         state = sum(rows[o] + states[o] for o, (f, _, _, last, _) in lives.items() if f <= k <= max(last, f))
         acc = sum((rows[o] if 0 <= fr <= k <= r else 0) + (states[o] if 0 <= fs <= k <= r else 0)
                   for o, (_, fr, fs, _, r) in lives.items())

@@ -59,10 +59,10 @@ demo: venv
 	$(BIN)/megatron-tree demo
 
 test: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=40 $(PYTEST_ARGS) tests
 
 test-latest: venv-latest
-	$(BIN_LATEST)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --tier latest $(PYTEST_ARGS) tests
+	$(BIN_LATEST)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --tier latest --durations=40 $(PYTEST_ARGS) tests
 
 test-kernels: venv-kernels
 	TRITON_INTERPRET=1 PYTHONPATH=$(abspath $(KERNELS)) \

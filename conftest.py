@@ -96,6 +96,8 @@ MAIN_TIER_ONLY = {
     "test_checkpoint_faults.py::test_the_launcher_carries*": "our launcher's exception transport",
     "test_trainer.py::test_dp2_hybrid_carry*": "megatron-tree train's carry items; verify --carry and pretrain() "
                                                "--tree-carry run in latest",
+    "test_activations.py::*": "the activation profile's fit against saved-tensor hooks (our meter and features; "
+                              "a profile is per stack and model: tools/calibrate_activations.py on the one you run)",
 }
 
 

@@ -88,6 +88,42 @@ def test_carry_groups_stay_on_one_rank():
             assert set(mbs[i].carry.reads_from) <= have
 
 
+def test_route_aware_carry_cuts_the_route_forest_and_gives_every_row_its_routes():
+    """Routing replay with carry: the (token, route) forest is cut, so carry computes its rows once
+    (more than the token forest's where routes fork inside a shared prompt), and every microbatch's
+    ``routes`` give each sample crossing it (carried rows included) that sample's own routes."""
+    rng = np.random.default_rng(3)
+
+    def route(n):  # distinct experts per token and MoE layer: 2 layers, top-2 of 4
+        return np.stack([rng.permutation(4)[:2] for _ in range(2 * n)]).reshape(n, 2, 2)
+
+    samples = []
+    for g in range(3):
+        prompt, proutes = rng.integers(1, 50, 20).tolist(), route(20)
+        for c in range(3):
+            comp = rng.integers(1, 50, int(rng.integers(5, 30))).tolist()
+            r = np.concatenate([proutes, route(len(comp))])
+            if c == 2:  # this rollout was routed differently at prompt token 10: the route forest forks there
+                r[10] = r[10, :, ::-1]
+            samples.append(dict(tokens=prompt + comp, loss_mask=[0] * 20 + [1] * len(comp), routed_experts=r))
+    mbs = pack(samples, 16, carry=True, route_aware=True, pad_to_multiple_of=4)
+    rows = sum(mb.owned_rows - mb.stats.padding_tokens for mb in mbs)
+    route_forest = pack(samples, 10 ** 6, route_aware=True)[0].stats.tree_tokens
+    token_forest = pack(samples, 10 ** 6)[0].stats.tree_tokens
+    # each group's forked rollout owns the prompt's last 10 rows (and shares nothing after them)
+    assert rows == route_forest >= token_forest + 3 * 10, (rows, route_forest, token_forest)
+    assert sum(1 for mb in mbs if mb.carry.reads_from) >= 3
+    seen = set()
+    for mb in mbs:
+        assert mb.routes.shape == (mb.layout.num_rows, 2, 2)
+        assert (mb.routes[mb.layout.num_rows - mb.stats.padding_tokens:] == torch.arange(2)).all()  # padding
+        for i in mb.carry.path_sample_ids:
+            r = mb.routes[mb.sample_rows(i)].numpy()
+            assert np.array_equal(r, samples[i]["routed_experts"][: len(r)]), (mb.carry.index, i)
+            seen.add(i)
+    assert seen == set(range(len(samples)))
+
+
 def test_without_carry_a_long_sample_is_refused_and_carry_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="sample 0"):
         pack([list(range(1, 40))], 16)
@@ -110,6 +146,10 @@ def _train_body(cases):
         res = {}
         for side in ("carry", "whole"):
             init_megatron(seed=7, kernels=True)
+            if case.get("kind") == "dsa":
+                from megatron_tree.cpu import dsa as cpu_dsa
+
+                cpu_dsa.enable()  # the torch Hadamard rotation (stock's needs bf16 and CUDA) and loss tracker
             torch.set_default_dtype(torch.float64)
             margs = ModelArgs(kind=case.get("kind", "gpt"), num_layers=2, window_size=case.get("window"),
                               sinks=case.get("sinks", False))
@@ -150,13 +190,13 @@ def _train_body(cases):
 
 # `megatron-tree verify --carry` (tests/test_megatron_verify.py) checks GPT with window + sinks, MG*-*E,
 # MLA, qwen3next, TP2 + SP, DP2, full recompute and the stale-store and detach faults against per-sample
-# stock training; these cases add what it does not: GDN under full recompute, MambaModel, the store's
-# predicted bytes, the injected-twice fault on attention and Mamba state, and DSA's refusal.
+# stock training; these cases add what it does not: GDN under full recompute, MambaModel, DSA (its K / V
+# and indexer keys carried) under full recompute, the store's predicted bytes, the injected-twice fault on
+# attention and Mamba state.
 CASES = [dict(budget=8, kind="hybrid", pattern="GG", recompute="full"),
          dict(budget=8, kind="mamba", pattern="MM*E", recompute="selective"),
          dict(budget=12, fault="twice"), dict(budget=12, kind="hybrid", pattern="MM", fault="twice"),
-         dict(budget=12, kind="dsa")]
-REFUSED = [4]
+         dict(budget=12, kind="dsa", recompute="full")]
 FAULTS = [k for k, c in enumerate(CASES) if "fault" in c]
 
 
@@ -165,7 +205,7 @@ def trained():
     return run_distributed(_train_body, 1, CASES, timeout=600)[0]
 
 
-@pytest.mark.parametrize("k", [k for k in range(len(CASES)) if k not in FAULTS + REFUSED])
+@pytest.mark.parametrize("k", [k for k in range(len(CASES)) if k not in FAULTS])
 def test_carry_training_equals_whole_trees(trained, k):
     r = trained[k]
     assert r["tokens"][0] == r["tokens"][1]
@@ -185,10 +225,6 @@ def test_carry_training_equals_whole_trees(trained, k):
 @pytest.mark.parametrize("k", FAULTS)
 def test_planted_carry_faults_fail(trained, k):
     assert trained[k]["grads"] > 1e-3, (CASES[k], trained[k])
-
-
-def test_dsa_refuses_carry_clearly(trained):
-    assert "TreeDSAttention does not carry state across microbatches yet" in trained[REFUSED[0]]["error"]
 
 
 def test_data_pipeline_with_carry_shards_groups_and_equalises_items():

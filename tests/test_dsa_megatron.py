@@ -278,7 +278,12 @@ WS1 = [
     VerifyConfig(model="dsa", families=4),
     VerifyConfig(model="dsa", families=4, dsa_sparse_loss=True, dsa_topk_freq=2, recompute="full", loss="grpo"),
     VerifyConfig(model="dsa", families=4, fault="dsa_tie_order"),
-    VerifyConfig(model="dsa", families=4, fault="dsa_loss_weight"),
+    # carry (issue 25) at a 16-row budget: K / V and indexer keys carried, each reader's top-k over its carried
+    # rows and its own, the indexer loss weighted by each sample's whole length (a path in one microbatch may
+    # be a prefix of it: the planted one-weight-per-row fault must still fail there)
+    VerifyConfig(model="dsa", families=4, fault="dsa_loss_weight", budget=16, carry=True),
+    VerifyConfig(model="dsa", families=4, dsa_sparse_loss=True, dsa_topk_freq=2, recompute="full", loss="grpo",
+                 budget=16, carry=True),
 ]
 WS2 = [
     VerifyConfig(model="dsa", families=4, tp=2),
@@ -302,7 +307,8 @@ def _check(cfg, out):
                  fault_seen="selected_ids" if cfg.fault == "dsa_tie_order" else "indexer_loss")
 
 
-@pytest.mark.parametrize("i", range(len(WS1)), ids=[f"{c.dsa_sparse_loss}-{c.dsa_topk_freq}-{c.fault}" for c in WS1])
+@pytest.mark.parametrize("i", range(len(WS1)), ids=[f"{c.dsa_sparse_loss}-{c.dsa_topk_freq}-{c.fault}" + ("-carry" if c.carry else "")
+                                              for c in WS1])
 def test_verify_dsa_world_size_1(ws1, i):
     _check(WS1[i], ws1[i])
 

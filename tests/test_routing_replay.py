@@ -38,6 +38,11 @@ WS1 = [
     VerifyConfig(model="mla", **R),  # DeepSeek-style: the first layer dense, MoE after it
     VerifyConfig(model="qwen3next", **R),  # GDN + gated attention, MoE with a shared expert
     VerifyConfig(model="dsa", **R),  # MLA + DeepSeek sparse attention (indexer top-k), MoE after the first layer
+    # carry (issue 25) at a 16-row budget: route-aware carry packing (the (token, route) forest cut into
+    # chains; each microbatch's routes cover its carried and own rows, the MoE layers replay the own ones),
+    # the MoE routing recomputed inside the backward from the FIFO, fills routing without autograd
+    VerifyConfig(model="hybrid", recompute="selective", **{**R, "budget": 16, "carry": True}),
+    VerifyConfig(model="gpt", fault="route_row_shift", **{**R, "budget": 16, "carry": True}),
 ]
 
 WS2 = [
@@ -68,7 +73,8 @@ def ws2(request):
 
 def _id(c: VerifyConfig) -> str:
     return (f"{c.model}{'(' + c.pattern + ')' if c.pattern else ''}-tp{c.tp}-pp{c.pp}-dp{c.dp}-ep{c.ep}-cp{c.cp}"
-            f"{'-sp' if c.sp else ''}-{c.recompute}-{c.loss}" + (f"-{c.fault}" if c.fault else ""))
+            f"{'-sp' if c.sp else ''}-{c.recompute}-{c.loss}" + ("-carry" if c.carry else "")
+            + (f"-{c.fault}" if c.fault else ""))
 
 
 def _cases(configs):
@@ -195,6 +201,10 @@ def _train_body(paths):
     for name in ("a", "b"):
         res = train(build_train_parser().parse_args(_train_argv(paths[name], "--routing-replay")))
         out[name] = [(h["loss"], h["tree_rows"], h["flat_tokens"]) for h in res["history"]]
+    # --tree-carry at a 16-row budget (below the longest record): the same samples, every row once
+    res = train(build_train_parser().parse_args(_train_argv(paths["a"], "--routing-replay", "--tree-carry",
+                                                            "--tree-max-tokens-per-mb", "16")))
+    out["carry"] = [(h["loss"], h["tree_rows"], h["flat_tokens"]) for h in res["history"]]
     for name in ("missing", "layers"):
         try:
             train(build_train_parser().parse_args(_train_argv(paths[name], "--routing-replay")))
@@ -205,8 +215,9 @@ def _train_body(paths):
 
 def test_train_routing_replay(tmp_path):
     """``megatron-tree train --routing-replay`` packs route-aware (the logged rows are the (token, route)
-    trie's), replays the records' routes (another routing of the same tokens gives another loss), and
-    refuses a record without routes."""
+    trie's), replays the records' routes (another routing of the same tokens gives another loss), gives
+    the same losses with ``--tree-carry`` at a budget below the longest record, and refuses a record
+    without routes."""
     from dist import run_distributed
     from megatron_tree.data.io import write_jsonl
     from megatron_tree.tree import Sample, pack
@@ -225,6 +236,10 @@ def test_train_routing_replay(tmp_path):
     assert np.isfinite([h[0] for h in out["a"]]).all() and loss_a != loss_b
     # every step's rows: the route-aware trie of its window (12 samples), more than token-only sharing
     assert rows_a < flat_a
+    # with carry: the same losses (float32 rounding) and records, no more rows (a cut tree computes its shared rows once)
+    for (la, ra, fa), (lc, rc, fc) in zip(out["a"], out["carry"]):
+        assert lc == pytest.approx(la, rel=1e-5) and rc <= ra and fc == fa, (out["a"], out["carry"])
+    print(f"\ntrain --routing-replay, budget 64: {out['a']}\n  --tree-carry, budget 16: {out['carry']}")
     assert "has no routed_experts" in out["missing"] and "re-routed" in out["missing"]
     # what only the built model knows (its MoE layer count) is checked in the rank, named by file and line
     assert out["layers"].startswith(f"{paths['layers']}:6: routed_experts has 1 MoE layers per token but the model "

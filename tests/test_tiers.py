@@ -43,8 +43,10 @@ def test_makefile_tiers_and_ci_run_all_three():
         assert var in mk
     assert "--no-deps --no-build-isolation --target $(KERNELS)" in mk
     assert "TRITON_INTERPRET=1" in mk and "-c tests_kernels/pytest.ini" in mk
-    assert "\ntest: venv\n\t$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS) tests\n" in mk  # README's
-    assert "--dist loadscope --no-loadscope-reorder --tier latest $(PYTEST_ARGS) tests" in mk  # the latest tier: conftest.py's selection
+    # README's; --durations: CI's log names the slowest cases (where its minutes go)
+    assert ("\ntest: venv\n\t$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=40 "
+            "$(PYTEST_ARGS) tests\n") in mk
+    assert "--dist loadscope --no-loadscope-reorder --tier latest --durations=40 $(PYTEST_ARGS) tests" in mk  # the latest tier: conftest.py's selection
     ci = (ROOT / ".ci" / "run").read_text()
     assert "for target in test test-latest test-kernels" in ci and "exit $status" in ci
     assert "make venv-latest venv-kernels" in ci  # built in the background while the main tier runs

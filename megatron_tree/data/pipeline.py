@@ -300,8 +300,8 @@ class TreeDataPipeline:
         self.route_aware, self.route_spec = bool(route_aware), route_spec
         self.mtp_tail = int(mtp_tail)
         self.carry = bool(carry)
-        if self.carry and (route_aware or mtp_tail or not share_prefixes):
-            raise ValueError("carry packing does not run with route-aware packing, MTP tail rows or flat packing yet")
+        if self.carry and (mtp_tail or not share_prefixes):
+            raise ValueError("carry packing does not run with MTP tail rows or flat packing yet")
         self._float_fields = self._validate(vocab_size)
         self._group_code, self._num_groups = self._group_codes()
         self._fingerprint = self._dataset_fingerprint()

@@ -11,7 +11,8 @@ restore's); make new items (a new store) for every step.
 A carry view is the CP-style local view of the microbatch: the modules run on its own rows
 (``local_rows``; input ids and depths gathered there), the loss map indexes them, and the whole
 layout (carried rows included) stays visible, so the mixers place carried state by the layout's
-predicate. Layers that cannot read carried state refuse such a view (`refuse_carry`).
+predicate. Every tree layer kind reads carried state (attention, MLA, DSA, Gated DeltaNet, Mamba-2;
+MLPs and MoE hold none); multi-token prediction, CP and PP are refused in `tree_forward_step`.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from ..cp.execution.carry import CarryStore, CarryView
 from ..cp.planning.carry import carry_lifetimes, carry_phases
 
-__all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "refuse_carry", "carry_geometry"]
+__all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "carry_geometry"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +64,7 @@ def carry_view(psp, mb, phase: str, store: CarryStore):
                      carried_owner=np.asarray(info.carried_owner), exported=torch.from_numpy(exp_pos).to(dev),
                      exported_keys=info.keys[info.exported],
                      state_rows=torch.from_numpy(np.searchsorted(own_np, info.state_rows)).to(dev),
-                     state_keys=info.keys[info.state_rows])
+                     state_keys=info.keys[info.state_rows], keys=info.keys)
     lm = psp.loss_map
     if lm is not None:  # every occurrence's source row is owned here (pack routes it to its owner)
         lm = dataclasses.replace(lm, source_rows=torch.searchsorted(own, lm.source_rows))
@@ -85,28 +86,25 @@ def fill_loss(output):
     return output, zero, {"lm loss": torch.zeros(2, dtype=acc, device=output.device)}
 
 
-def refuse_carry(packed_seq_params, who: str) -> None:
-    """Stop with a clear error where a module cannot read carried rows' state yet."""
-    view = getattr(packed_seq_params, "carry", None)
-    if view is not None and (len(view.carried_keys) or len(view.exported_keys)):
-        raise ValueError(f"{who} does not carry state across microbatches yet (pack(..., carry=True) / --tree-carry): "
-                         "attention (MLA included), Gated DeltaNet and Mamba-2 layers do; pack this model without carry")
-
-
 def carry_geometry(model):
     """The `cp.planning.carry.CarryGeometry` of ``model`` (this process's modules: one TP rank's heads,
     one pipeline stage's layers), for predicting the carry store (`carry_store_bytes`).
 
-    Attention stores K and V per head group (MLA: its per-head K and V); GDN its pre-conv channels and
-    state; Mamba-2 its pre-conv ``x | B | C`` and state. Element sizes follow the parameters' dtype
+    Attention stores K and V per head group (MLA: its per-head K and V); DSA MLA's K and V and its
+    indexer key; GDN its pre-conv channels and state; Mamba-2 its pre-conv ``x | B | C`` and state. Element sizes follow the parameters' dtype
     (states fp32, float64 in a float64 model)."""
     from ..cp.planning.carry import CarryGeometry
     from .attention import TreeDotProductAttention
     from .gdn import TreeGatedDeltaNet
 
-    pattern, kv, gdn, mamba = [], None, None, None
+    pattern, kv, gdn, mamba, dsa_index = [], None, None, None, None
     for m in model.modules():
-        if isinstance(m, TreeDotProductAttention):
+        if type(m).__name__ == "TreeDSAttention":  # MLA's K / V per head, and the indexer key
+            pattern.append("*" if m.skip_topk else "D")  # an IndexShare layer reuses selections: no index key
+            heads = m.config.num_attention_heads // m.config.tensor_model_parallel_size
+            kv = (heads, (m.k_channels + m.v_channels) / 2)
+            dsa_index = m.config.dsa_indexer_head_dim
+        elif isinstance(m, TreeDotProductAttention):
             pattern.append("*")
             heads = m.num_query_groups_per_partition
             if getattr(m.config, "multi_latent_attention", False):
@@ -124,5 +122,5 @@ def carry_geometry(model):
             mamba = (m.nheads_local_tp, m.headdim, m.ngroups_local_tp, m.d_state)
     dtype = next(model.parameters()).dtype
     act = torch.finfo(dtype).bits // 8
-    kw = {k: v for k, v in (("kv", kv), ("gdn", gdn), ("mamba", mamba)) if v is not None}
+    kw = {k: v for k, v in (("kv", kv), ("gdn", gdn), ("mamba", mamba), ("dsa_index", dsa_index)) if v is not None}
     return CarryGeometry("".join(pattern), act_bytes=act, state_bytes=8 if dtype == torch.float64 else 4, **kw)

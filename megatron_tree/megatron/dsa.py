@@ -59,7 +59,6 @@ from megatron.core.transformer.spec_utils import build_module
 from ..compat import dsa as cdsa
 from ..ops.dsa import sparse_attention, tree_dsa_indexer_loss, tree_dsa_topk
 from .mla import _TREE_ROTARY
-from .carry import refuse_carry
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeDSAIndexer", "TreeDSAttention", "capture_selected", "capture_token", "capture_layer",
@@ -177,6 +176,7 @@ class TreeDSAttention(MegatronModule):
         if dropout:
             raise ValueError(f"tree DSA has no attention dropout (got {dropout}); set attention_dropout=0")
         self.layer_number = layer_number
+        self.k_channels, self.v_channels = k_channels, v_channels  # per head (the carry store's widths)
         self.topk = int(config.dsa_indexer_topk)
         freq, offset = cdsa.index_share_settings(config)
         self.skip_topk = cdsa.is_skip_topk_layer(layer_number, offset, freq)
@@ -215,20 +215,26 @@ class TreeDSAttention(MegatronModule):
             raise ValueError("TreeDSAttention does not take an attention_bias")
         psp = packed_seq_params
         layout = get_tree_layout(psp)
-        refuse_carry(psp, type(self).__name__)
         s, b = query.shape[:2]
         if b != 1:
             raise ValueError(f"tree DSA expects micro-batch size 1 (the tree is the batch), got {b}")
         holder = psp.__dict__.setdefault(_SELECTED_KEY, {})
         cp = self.config.context_parallel_size > 1
+        view = getattr(psp, "carry", None)
         if cp:
             n = psp.cp_owned_rows(s, type(self).__name__)
             rows = psp.local_rows.to(query.device).long()
+        elif view is not None:
+            if s != len(view.own):
+                raise ValueError(f"carry: the input covers {s} rows but the microbatch owns {len(view.own)}")
+            n, rows = s, torch.arange(layout.num_rows, device=query.device)
         else:
             if s != layout.num_rows:
                 raise ValueError(f"sequence length {s} != tree layout rows {layout.num_rows}")
             n, rows = s, torch.arange(s, device=query.device)
         q, k, v = query[:n, 0], key[:n, 0], value[:n, 0]
+        if view is not None:  # K / V through the carry phase (stored, or given the readers' gradient)
+            k, v = view.state(("dsa", self.layer_number), [k, v])
         coeff = float(self.config.dsa_indexer_loss_coeff or 0.0)
         use_loss = not self.skip_topk and self.training and torch.is_grad_enabled() and coeff > 0
         tp = self.pg_collection.tp
@@ -252,8 +258,14 @@ class TreeDSAttention(MegatronModule):
             with torch.enable_grad() if use_loss else torch.no_grad():
                 iq, w, ik = self.indexer.tree_inputs(x.detach(), qr.detach(), psp.position_ids, layout.num_rows)
             iq, w, ik = iq[:n], w[:n], ik[:n]
+            if view is not None:
+                (ik,) = view.state(("dsa", self.layer_number, "index_k"), [ik])
             if not cp and self.layer_number in holder:  # recomputation: the same selections, exactly
                 selected = holder[self.layer_number]
+        own_q = q
+        if view is not None:  # the whole layout: carried rows' K / V / index keys from the store
+            q, k, v, iq, w, ik = _carry_full(view, layout.num_rows, self.layer_number, q, k, v, iq, w, ik,
+                                             self.skip_topk)
 
         if cp:
             from ..cp.execution.dsa import tree_dsa_cp  # the CP executor sits below this package
@@ -271,19 +283,28 @@ class TreeDSAttention(MegatronModule):
                     ids = _larger_id_ties(iq.detach(), w.detach(), ik.detach(), layout, self.topk)
             else:
                 ids = selected
-            o, _ = sparse_attention(q, k, v, ids, softmax_scale=self.softmax_scale)
+            own_ids = ids if view is None else ids[view.own]
+            o, _ = sparse_attention(own_q, k, v, own_ids, softmax_scale=self.softmax_scale)
             loss = None
             if use_loss:
-                loss = tree_dsa_indexer_loss(iq, w, ik, q.detach(), k.detach(), layout, ids,
-                                             self._loss_weight(psp, rows), softmax_scale=self.softmax_scale,
+                rw = self._loss_weight(psp, rows)
+                if view is not None:  # carried rows' queries are their owners' (zero here)
+                    rw = torch.zeros_like(rw).index_copy(0, view.own, rw[view.own])
+                loss = tree_dsa_indexer_loss(iq, w, ik, q.detach(), k.detach(), layout, ids, rw,
+                                             softmax_scale=self.softmax_scale,
                                              sparse_loss=sparse, head_group=head_group, kl_form=self.kl_form,
                                              fp32_grad_sum=self.fault != "dsa_bf16_grad_sum")
         if not self.skip_topk:
             holder[self.layer_number] = ids
         if _HOOKS:
             token = capture_token(psp)
+            got_rows, got_ids = rows, ids
+            if view is not None:  # its own queries, rows and selections as step-global rows (carry spans mbs)
+                keys = torch.as_tensor(view.keys, device=ids.device)
+                got_ids = ids[view.own]
+                got_rows, got_ids = keys[view.own], torch.where(got_ids >= 0, keys[got_ids.clamp_min(0)], got_ids)
             for store in _HOOKS:
-                store.append((token, capture_layer(self), rows.detach().cpu(), ids.detach().cpu()))
+                store.append((token, capture_layer(self), got_rows.detach().cpu(), got_ids.detach().cpu()))
         out = o.reshape(n, 1, o.shape[1] * o.shape[2]).to(query.dtype)  # n may be 0: a CP rank owning nothing
         if s > n:  # CP padding rows: attend to nothing
             out = torch.cat([out, out.new_zeros(s - n, 1, out.shape[-1])])
@@ -293,6 +314,27 @@ class TreeDSAttention(MegatronModule):
                                                                  num_layers=self.config.num_layers)
             out = mod.DSAIndexerLossAutoScaler.apply(out, loss)
         return out
+
+
+def _carry_full(view, N: int, layer: int, q, k, v, iq, w, ik, skip_topk: bool):
+    """A carry microbatch's DSA tensors over its whole layout ([N, ...]): own rows from this forward,
+    carried rows' K / V and index keys from the store (leaves whose gradient goes to their owner),
+    zero queries and weights at carried rows (their queries are their owners'; their outputs and loss
+    terms are dropped). Selection then runs on the layout as without carry, so a reader's top-k spans
+    its carried rows exactly as the whole tree's does."""
+    own, car = view.own, view.carried
+
+    def full(x, carried=None):
+        out = x.new_zeros((N,) + tuple(x.shape[1:])).index_copy(0, own, x)
+        return out if carried is None else out.index_copy(0, car, carried.to(x.dtype))
+
+    kv = view.carried_state(("dsa", layer))
+    kc, vc = kv if kv is not None else (None, None)
+    q, k, v = full(q), full(k, kc), full(v, vc)
+    if not skip_topk:
+        ikc = view.carried_state(("dsa", layer, "index_k"))
+        iq, w, ik = full(iq), full(w), full(ik, None if ikc is None else ikc[0])
+    return q, k, v, iq, w, ik
 
 
 def _larger_id_ties(iq, w, ik, layout, topk):

@@ -84,10 +84,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "store's bytes for --pattern / --kv / --gdn-heads / --mamba-dims")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks the carry plan is spread over (default 1)")
     parser.add_argument("--pattern", default="*-" * 16, metavar="LETTERS",
-                        help="--carry: the model's layers (* attention, G GDN, M Mamba-2, - MLP, E MoE; default 16 x '*-')")
+                        help="--carry: the model's layers (* attention, D DeepSeek sparse attention, G GDN, M Mamba-2, - MLP, "
+                             "E MoE; default 16 x '*-')")
     parser.add_argument("--kv", type=lambda t: _shape(t, 2, "--kv"), default=(8, 128), metavar="HEADS,DIM",
                         help="--carry: attention key/value heads and head dim of one TP rank (default 8,128)")
     parser.add_argument("--act-bytes", type=int, default=2, help="--carry: bytes per activation element (default 2)")
+    parser.add_argument("--activation-profile", default=None, metavar="FILE.json",
+                        help="--carry: the model's activation profile (tools/calibrate_activations.py): adds the bytes "
+                             "each schedule item keeps for its backward, and the peak of store + activations")
     parser.add_argument("--gdn-cost", default=None, metavar="gpu|cpu|FILE.json",
                         help="GDN cost model: GPU defaults, the shipped CPU fit (tools/bench_cp_gdn.py --calibrate) or "
                              "a JSON; default: gpu with CUDA, else cpu")
@@ -217,6 +221,14 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
 
     geom = CarryGeometry(args.pattern, kv=tuple(args.kv), gdn=tuple(args.gdn_heads[:4]), mamba=tuple(args.mamba_dims),
                          act_bytes=args.act_bytes)
+    profile = None
+    if getattr(args, "activation_profile", None):
+        from ..cp.planning.activations import ActivationProfile
+
+        if not os.path.exists(args.activation_profile):
+            raise ValueError(f"--activation-profile: no such file {args.activation_profile!r} "
+                             "(tools/calibrate_activations.py writes one)")
+        profile = ActivationProfile.from_json(args.activation_profile)
     mbs = pack(samples, budget, carry=True)
     unlimited = summarize(pack(samples, 1 << 62))["tree_tokens"]
     store = carry_store_bytes(mbs, geom)
@@ -225,18 +237,30 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
              f"{geom.row_bytes():,} B stored per carried row, {geom.state_row_bytes():,} B per state row "
              f"(pattern {args.pattern})",
              f"{'rank':>4} {'item':>4} {'mb':>4} {'phase':>7} {'group':>5} {'owned':>7} {'carried':>8} {'stored':>7} "
-             f"{'states':>6} {'fill MiB':>9} {'held MiB':>9} {'grad MiB':>9}"]
+             f"{'states':>6} {'fill MiB':>9} {'held MiB':>9} {'grad MiB':>9}" + (f" {'act MiB':>9}" if profile else "")]
+    if profile is not None:
+        lines.insert(2, f"activations: profile {args.activation_profile} (pattern {profile.pattern}; "
+                        f"{', '.join(f'{k}={v}' for k, v in sorted(profile.about.items()))})")
     for r, idx in enumerate(assign_carry_groups(mbs, max(1, args.dp))):
         rank = [mbs[i] for i in idx]
         held = carry_store_timeline(rank, geom)  # after each item: state, accumulators
+        acts = []
         for k, (j, phase) in enumerate(carry_phases(rank)):
             mb = rank[j]
             c = mb.carry
             wrote = store[c.index] if phase == "fill" else 0
+            act = ""
+            if profile is not None:
+                acts.append(profile.predict(mb, phase))
+                act = f" {acts[-1] / 2**20:>9.2f}"
             lines.append(f"{r:>4} {k:>4} {c.index:>4} {phase:>7} {c.group:>5} {mb.owned_rows:>7,} {len(c.carried):>8,} "
                          f"{len(c.exported):>7,} {len(c.state_rows):>6,} {wrote / 2**20:>9.2f} "
-                         f"{held[k][0] / 2**20:>9.2f} {held[k][1] / 2**20:>9.2f}")
+                         f"{held[k][0] / 2**20:>9.2f} {held[k][1] / 2**20:>9.2f}{act}")
         peak = max((a + b for a, b in held), default=0)
+        if acts:  # an item's activations live from its forward to its backward, beside the store
+            both = max(a + b + x for (a, b), x in zip(held, acts))
+            lines.append(f"rank {r}: activations peak {max(acts) / 2**20:,.2f} MiB; store + activations peak "
+                         f"<= {both / 2**20:,.2f} MiB")
         lines.append(f"rank {r}: {len(rank)} microbatches, {len(held)} schedule items, "
                      f"{sum(mb.owned_rows for mb in rank):,} rows computed, carry store peak {peak / 2**20:,.2f} MiB "
                      f"(state and gradient accumulators; the fills write {sum(store[m.carry.index] for m in rank) / 2**20:,.2f} MiB)")

@@ -459,6 +459,28 @@ def _tree_selected_tables(tree_sel: list, mine: list, topk: int, num_layers: int
     return out
 
 
+def _carry_selected_tables(tree_sel: list, mine: list, topk: int) -> list:
+    """`_tree_selected_tables` of a carry step: each row's selection comes from the microbatch that owns
+    it, captured as step-global rows (`megatron.dsa`); a sample's path is read from the microbatch that
+    completes it (its carried rows and its own)."""
+    entries = list(_dedupe_selected(tree_sel).values())
+    R = 1 + max([int(mb.carry.keys.max()) for mb in mine if mb.carry is not None] + [0])
+    tables: dict = {}
+    for _, layer, rows, ids in entries:
+        t = tables.setdefault(layer, torch.full((R, ids.shape[1]), -3, dtype=torch.long))
+        real = rows >= 0  # padding rows have no step-global row
+        t[rows[real].long()] = ids[real].long()
+    out = []
+    for mb in mine:
+        for i in mb.sample_ids:
+            path = torch.from_numpy(mb.carry.keys[mb.sample_rows(i).numpy()]).long()
+            inv = torch.full((R,), -2, dtype=torch.long)  # -2: a row off the sample's path
+            inv[path] = torch.arange(path.shape[0])
+            out.append((i, {layer: _pad_topk(torch.where(t[path] >= 0, inv[t[path].clamp_min(0)], t[path]), topk)
+                            for layer, t in sorted(tables.items())}))
+    return out
+
+
 def _flat_selected_tables(flat_sel: list, mine: list, flat_mbs: list, topk: int, num_layers: int, *,
                           is_stock: bool, cp_group=None) -> list:
     """`_tree_selected_tables` of a per-sample side (stock: positions; tree modules on one sample: the
@@ -629,7 +651,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     if cfg.carry:
         from ..tree.carry import assign_carry_groups
 
-        mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, carry=True)
+        mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, carry=True, route_aware=cfg.routing_replay)
         ranks = assign_carry_groups(mbs, dp)
         mine = [mbs[i] for i in ranks[dpr]]
     else:
@@ -848,6 +870,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         return [(f"sample {i}", next(it)[: len(mb.sample_rows(i))]) for mb in mine for i in mb.sample_ids]
 
     def selected_tables(side):
+        if side == "tree" and cfg.carry:
+            return _carry_selected_tables(runs[side]["selected"], mine, topk)
         if side == "tree":
             return _tree_selected_tables(runs[side]["selected"], mine, topk, margs.layers(), cp_group)
         if side not in per_sample:
@@ -1039,7 +1063,6 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
             raise ValueError(f"fault {cfg.fault} plants a bug in carry: it needs carry=True (--carry)")
         if cfg.carry:
             bad = [what for what, on in (("--cp", cfg.cp > 1), ("--pp", cfg.pp > 1), ("--mtp-num-layers", cfg.mtp_num_layers),
-                                         ("--routing-replay", cfg.routing_replay), ("--model dsa", cfg.model == "dsa"),
                                          ("--inject-fault nan", cfg.fault == "nan")) if on]
             if bad:
                 raise ValueError(f"verify --carry does not run with {', '.join(bad)} yet")

@@ -44,6 +44,7 @@ from .layout import TreeLayout
 from .loss_map import LossMap
 from .microbatch import MicrobatchStats, TreeMicrobatch
 from .sample import Sample
+from .routes import padding_routes, row_routes
 
 __all__ = ["CarryInfo", "pack_carry", "assign_carry_groups", "carry_summary"]
 
@@ -61,6 +62,7 @@ class CarryInfo:
     state_rows       [P] the exported rows a later microbatch's own row hangs off: recurrent layers
                      export their state after these (ascending)
     path_sample_ids  ids of the samples whose path crosses one of its owned rows
+    path_sample_lengths  their whole lengths (a path inside this layout may be a prefix of one)
     """
 
     index: int
@@ -71,6 +73,7 @@ class CarryInfo:
     exported: np.ndarray
     state_rows: np.ndarray
     path_sample_ids: tuple[int, ...]
+    path_sample_lengths: tuple[int, ...] = ()
 
     @property
     def reads_from(self) -> tuple[int, ...]:
@@ -159,9 +162,12 @@ def _bins(units: list, tree_start: np.ndarray, budget: int) -> list[list[int]]:
 
 
 def pack_carry(samples: list[Sample], toks: list, order: np.ndarray, lcp: np.ndarray, budget: int, *,
-               pad_multiple: int, pad_id: int, pad_to_budget: bool) -> list[TreeMicrobatch]:
+               pad_multiple: int, pad_id: int, pad_to_budget: bool, routes: list | None = None) -> list[TreeMicrobatch]:
     """The carry plan of `pack` (see the module docstring). ``order`` / ``lcp`` from `sort_and_lcp`
-    of the samples' tokens; every sample already validated (any length)."""
+    of the samples' tokens (of their (token, route) symbols under route-aware packing, so rows are
+    shared only where routes agree); every sample already validated (any length). ``routes``: every
+    sample's ``routed_experts`` (caller's order) or None; each microbatch then gets the routes of its
+    layout's rows (``TreeMicrobatch.routes``: carried rows, own rows, padding)."""
     lens = np.array([len(toks[i]) for i in order], dtype=np.int64)
     parent, depth, gids, paths, path_off, tail_start = _global_forest(toks, order, lcp, lens)
     units, tree_start = _units(tail_start, lcp, budget)
@@ -222,13 +228,17 @@ def pack_carry(samples: list[Sample], toks: list, order: np.ndarray, lcp: np.nda
     touch = np.unique(path_owner * len(lens) + path_sample)
     touch_mb, touch_sample = touch // len(lens), touch % len(lens)
 
+    forest_routes = None
+    if routes is not None:  # one route per global row (every path through it agrees: route-aware order)
+        forest_routes = row_routes(paths, [routes[i] for i in order.tolist()], R)
     out = []
     for m, rows in enumerate(needed):
         out.append(_carry_microbatch(
             m, rows, carried_of[m], owner, parent, depth, gids, read_anywhere, state_point, order, paths, path_off,
             lens, {k: v[occ_mb == m] for k, v in occ.items()}, np.flatnonzero(completes == m),
             touch_sample[touch_mb == m], budget, pad_multiple, pad_id, pad_to_budget,
-            group=_group(bins[m], units, tree_start, group_of_tree)))
+            group=_group(bins[m], units, tree_start, group_of_tree),
+            routes=None if forest_routes is None else forest_routes[rows]))
     return out
 
 
@@ -243,7 +253,7 @@ def _group(us: list, units: list, tree_start: np.ndarray, group_of_tree: dict) -
 def _carry_microbatch(m, rows, carried, owner, parent, depth, gids, read_anywhere, state_point, sorted_ids, paths,
                       path_off,
                       lens, occ, complete, touching, budget, pad_multiple, pad_id, pad_to_budget, *,
-                      group) -> TreeMicrobatch:
+                      group, routes=None) -> TreeMicrobatch:
     n_real = len(rows)
     n_own = n_real - len(carried)
     n_pad = (budget - n_own) if pad_to_budget else (-n_own) % pad_multiple
@@ -297,11 +307,14 @@ def _carry_microbatch(m, rows, carried, owner, parent, depth, gids, read_anywher
     info = CarryInfo(index=m, group=group, keys=keys, carried=car_local.astype(np.int64),
                      carried_owner=owner[carried], exported=exported.astype(np.int64),
                      state_rows=state_rows.astype(np.int64),
-                     path_sample_ids=tuple(path_ids.tolist()))
+                     path_sample_ids=tuple(path_ids.tolist()),
+                     path_sample_lengths=tuple(lens[by_id[path_ids]].tolist()) if len(path_ids) else ())
+    if routes is not None:
+        routes = torch.from_numpy(np.concatenate([routes, padding_routes(n_pad, *routes.shape[1:])]))
     return TreeMicrobatch(layout=layout, loss_map=loss_map, sample_ids=tuple(done.tolist()), stats=stats,
                           _path_rows=np.concatenate(pr) if pr else np.zeros(0, np.int64),
                           _path_offsets=np.asarray(po, np.int64), carry=info,
-                          _path_ids=tuple(path_ids.tolist()))
+                          _path_ids=tuple(path_ids.tolist()), routes=routes)
 
 
 def assign_carry_groups(microbatches: list, dp_size: int) -> list[list[int]]:

@@ -140,11 +140,14 @@ class TreeMicrobatch:
         whose path passes through each row, and the sum of ``1 / len(s)`` over those samples (0 on
         padding rows). Per-row weights of losses that stock Megatron averages over each sample's
         tokens (e.g. DSA's indexer loss): summing ``inverse_length[i] * term(i)`` over physical rows
-        equals summing the per-sample means."""
+        equals summing the per-sample means. Under carry ``len(s)`` is the sample's whole length, and
+        each row's terms are summed in the microbatch that owns it."""
         n = self.layout.num_rows
-        lens = np.diff(self._path_offsets)
+        lens = np.diff(self._path_offsets)  # each path inside this layout
+        whole = lens if self.carry is None else np.asarray(self.carry.path_sample_lengths, np.int64)  # carry: a
+        # path here may be a prefix of its sample, whose whole length is the one stock divides by
         count = np.bincount(self._path_rows, minlength=n).astype(np.float64)
-        inv = np.bincount(self._path_rows, weights=np.repeat(1.0 / np.maximum(lens, 1), lens), minlength=n)
+        inv = np.bincount(self._path_rows, weights=np.repeat(1.0 / np.maximum(whole, 1), lens), minlength=n)
         return torch.from_numpy(count), torch.from_numpy(inv.astype(np.float64))
 
     @property

@@ -71,7 +71,9 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
     carry              every row of the step computed by exactly one microbatch at any budget (`tree.carry`):
                        a tree over the budget is cut into microbatches that read their ancestors' state from
                        earlier ones (``mb.carry``, ``mb.owned_rows``); a sample may be longer than the budget.
-                       Needs ``share_prefixes``; not with ``route_aware`` or ``mtp_tail`` (refused)
+                       Needs ``share_prefixes``; not with ``mtp_tail`` (refused). With ``route_aware`` the
+                       forest is the (token, route) trie's and each microbatch's ``routes`` cover its
+                       layout's rows, carried ones included
 
     Every sample lands in exactly one microbatch. Raises ValueError naming the sample for an empty
     sample, a sample longer than the budget (without ``carry``), malformed fields, or (route_aware)
@@ -84,8 +86,8 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
                          f"pad_to_multiple_of={pad_to_multiple_of}")
     if mtp_tail < 0:
         raise ValueError(f"mtp_tail must be >= 0, got {mtp_tail}")
-    if carry and (route_aware or mtp_tail or not share_prefixes):
-        what = "route_aware" if route_aware else ("mtp_tail" if mtp_tail else "share_prefixes=False")
+    if carry and (mtp_tail or not share_prefixes):
+        what = "mtp_tail" if mtp_tail else "share_prefixes=False"
         raise ValueError(f"pack(carry=True) does not support {what} yet: carried rows hold one state per row of "
                          "the shared prefix forest")
     samples = [as_sample(s) for s in samples]
@@ -113,7 +115,7 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
         from .carry import pack_carry
 
         return pack_carry(samples, toks, order, lcp, max_tokens_per_mb, pad_multiple=pad_to_multiple_of,
-                          pad_id=pad_id, pad_to_budget=pad_to_budget)
+                          pad_id=pad_id, pad_to_budget=pad_to_budget, routes=routes)
     lens = np.array([len(t) for t in toks], dtype=np.int64)[order] + mtp_tail  # a tail is never shared
     units, bins, bin_rows = _plan_bins(lens, lcp, max_tokens_per_mb)
     out = []

@@ -30,6 +30,7 @@ from ...ops.causal_conv1d import tree_causal_conv1d
 from ...ops.gated_delta_rule import gated_delta_rule_forest, l2norm
 from ...ops.ssd import tree_ssd
 from ...tree.layout import TreeLayout
+from ..planning.carry import own_forest
 
 __all__ = ["CarryStore", "CarryView", "inject_gradient", "tie_gradient", "carried_attention", "carried_gdn",
            "carried_conv", "carried_mamba_ssd"]
@@ -231,6 +232,7 @@ class CarryView:
     exported_keys: np.ndarray
     state_rows: torch.Tensor  # [P] positions in ``own`` of the rows whose recurrent state is exported
     state_keys: np.ndarray
+    keys: np.ndarray | None = None  # [N] step-global row of every layout row (-1: padding)
     memo: dict = field(default_factory=dict, repr=False)  # per-microbatch host work shared by its layers
 
     def state(self, key, values: list, positions=None, keys=None) -> list:
@@ -296,30 +298,8 @@ def _own_forest(layout, view: CarryView):
 
 
 def _make_own_forest(layout, view: CarryView):
-    own = view.own.cpu().numpy()
-    n = len(own)
-    pos_of = np.full(layout.num_rows, -1, np.int64)
-    pos_of[own] = np.arange(n)
-    pp = layout.path_prev.cpu().numpy()[own]
-    ppos = np.where(pp >= 0, pos_of[np.maximum(pp, 0)], -1)
-    kids = np.bincount(ppos[ppos >= 0], minlength=n)
-    is_state = np.zeros(n, bool)
-    is_state[view.state_rows.cpu().numpy()] = True
-    prev = np.arange(n) - 1
-    start = (ppos != prev) | np.concatenate([[True], (kids[:-1] > 1) | is_state[:-1]])
-    seg_start = np.flatnonzero(start)
-    seg_len = np.diff(np.append(seg_start, n))
-    seg_of = np.cumsum(start) - 1
-    first_parent = ppos[seg_start]
-    seg_parent = np.where(first_parent >= 0, seg_of[np.maximum(first_parent, 0)], -1)
-    carried_np = view.carried.cpu().numpy()
-    cparent = pp[seg_start]
-    from_carried = (cparent >= 0) & (first_parent < 0)
-    uniq = np.unique(cparent[from_carried])
-    initial_index = np.full(len(seg_start), -1, np.int64)
-    initial_index[from_carried] = np.searchsorted(uniq, cparent[from_carried])
-    return (seg_start, seg_len, seg_parent, initial_index, np.searchsorted(carried_np, uniq),
-            seg_of[view.state_rows.cpu().numpy()])
+    return own_forest(layout.path_prev.cpu().numpy(), view.own.cpu().numpy(), view.carried.cpu().numpy(),
+                      view.state_rows.cpu().numpy())
 
 
 def carried_conv(x, weight, bias, layout, view: CarryView, key, *, activation="silu") -> torch.Tensor:

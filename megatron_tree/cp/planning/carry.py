@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["carry_phases", "PHASES", "CarryGeometry", "carry_store_bytes", "carry_lifetimes", "carry_store_timeline"]
+__all__ = ["carry_phases", "PHASES", "CarryGeometry", "carry_store_bytes", "carry_lifetimes", "carry_store_timeline",
+           "own_forest", "mb_own_forest", "forest_levels"]
 
 PHASES = ("fill", "run", "restore")
 
@@ -72,10 +73,12 @@ def carry_phases(microbatches: list) -> list[tuple[int, str]]:
 class CarryGeometry:
     """What one process stores per carried row and per state row, by layer kind (one TP rank's heads).
 
-    pattern      one letter per layer: ``*`` attention (K and V of every exported row), ``G`` Gated
-                 DeltaNet (pre-conv channels of every exported row, one recurrent state per state row),
-                 ``M`` Mamba-2 (the same); other letters (``-`` MLP, ``E`` MoE) store nothing
+    pattern      one letter per layer: ``*`` attention (K and V of every exported row), ``D`` DeepSeek
+                 sparse attention (K, V and the indexer key), ``G`` Gated DeltaNet (pre-conv channels of
+                 every exported row, one recurrent state per state row), ``M`` Mamba-2 (the same); other
+                 letters (``-`` MLP, ``E`` MoE) store nothing
     kv           (key/value heads, head dim) of attention
+    dsa_index    the DSA indexer's key width
     gdn          (key heads, value heads, key dim, value dim) of GDN
     mamba        (heads, head dim, groups, state dim) of Mamba-2
     act_bytes    bytes of an activation element (2 for bf16, 8 for a float64 model)
@@ -86,6 +89,7 @@ class CarryGeometry:
     kv: tuple = (8, 128)
     gdn: tuple = (16, 32, 128, 128)
     mamba: tuple = (64, 64, 8, 128)
+    dsa_index: int = 128
     act_bytes: int = 2
     state_bytes: int = 4
 
@@ -94,7 +98,7 @@ class CarryGeometry:
         hk, d = self.kv
         H, HV, K, V = self.gdn
         mh, mp, mg, ms = self.mamba
-        per = {"*": 2 * hk * d, "G": 2 * H * K + HV * V, "M": mh * mp + 2 * mg * ms}
+        per = {"*": 2 * hk * d, "D": 2 * hk * d + self.dsa_index, "G": 2 * H * K + HV * V, "M": mh * mp + 2 * mg * ms}
         return int(self.act_bytes * sum(per.get(c, 0) for c in self.pattern))
 
     def state_row_bytes(self) -> int:
@@ -116,19 +120,68 @@ def carry_store_bytes(microbatches: list, geometry: CarryGeometry) -> list[int]:
     return [0 if getattr(mb, "carry", None) is None else sum(_fill_bytes(mb.carry, geometry)) for mb in microbatches]
 
 
+def _path_prev(mb) -> np.ndarray:
+    pp = mb.layout.path_prev
+    return np.asarray(pp.cpu() if hasattr(pp, "cpu") else pp)
+
+
+def mb_own_forest(mb):
+    """`own_forest` of a carry microbatch (`TreeMicrobatch` with ``carry``)."""
+    info = mb.carry
+    own = info.own
+    return own_forest(_path_prev(mb), own, info.carried, np.searchsorted(own, info.state_rows))
+
+
 def _state_readers(mb) -> set:
     """The owners whose recurrent state ``mb`` reads: those of the carried rows its own rows hang off
     (a recurrent layer's own segment under a carried row starts from that row's stored state)."""
-    info = mb.carry
-    own = info.own
-    pp = np.asarray(mb.layout.path_prev.cpu() if hasattr(mb.layout.path_prev, "cpu") else mb.layout.path_prev)
-    is_own = np.zeros(len(info.keys), bool)
-    is_own[own] = True
-    par = pp[own]
-    par = par[(par >= 0) & ~is_own[np.maximum(par, 0)]]
-    if not len(par):
-        return set()
-    return set(np.asarray(info.carried_owner)[np.searchsorted(info.carried, par)].tolist())
+    parents = mb_own_forest(mb)[4]
+    return set(np.asarray(mb.carry.carried_owner)[parents].tolist())
+
+
+def own_forest(path_prev: np.ndarray, own: np.ndarray, carried: np.ndarray, state_rows: np.ndarray):
+    """A carry microbatch's own rows as the forest its recurrent layers run (host numpy).
+
+    ``path_prev`` [N]: the layout's previous row on each row's root path (-1 at a root); ``own`` /
+    ``carried``: the layout rows it computes / reads (sorted); ``state_rows``: positions in ``own`` of
+    the rows whose state later microbatches start from. A segment ends at a fork, before a row whose
+    parent is not the previous own row, and after every state row; a segment whose parent row is
+    carried is a root that starts from that row's stored state. Returns ``(seg_start, seg_len,
+    seg_parent, initial_index, parents_in_carried, final_segments)``: segments over positions
+    0..len(own)-1, ``initial_index[s]`` the index among the distinct carried parents a root starts from
+    (-1: zero state), ``parents_in_carried`` their positions in ``carried``, ``final_segments`` the
+    segments that end at the state rows."""
+    n = len(own)
+    pos_of = np.full(len(path_prev), -1, np.int64)
+    pos_of[own] = np.arange(n)
+    pp = path_prev[own]
+    ppos = np.where(pp >= 0, pos_of[np.maximum(pp, 0)], -1)
+    kids = np.bincount(ppos[ppos >= 0], minlength=n)
+    is_state = np.zeros(n, bool)
+    is_state[state_rows] = True
+    start = (ppos != np.arange(n) - 1) | np.concatenate([[True], (kids[:-1] > 1) | is_state[:-1]])
+    seg_start = np.flatnonzero(start)
+    seg_len = np.diff(np.append(seg_start, n))
+    seg_of = np.cumsum(start) - 1
+    first_parent = ppos[seg_start]
+    seg_parent = np.where(first_parent >= 0, seg_of[np.maximum(first_parent, 0)], -1)
+    cparent = pp[seg_start]
+    from_carried = (cparent >= 0) & (first_parent < 0)
+    uniq = np.unique(cparent[from_carried])
+    initial_index = np.full(len(seg_start), -1, np.int64)
+    initial_index[from_carried] = np.searchsorted(uniq, cparent[from_carried])
+    return seg_start, seg_len, seg_parent, initial_index, np.searchsorted(carried, uniq), seg_of[state_rows]
+
+
+def forest_levels(seg_parent: np.ndarray) -> np.ndarray:
+    """Depth of every segment of a forest whose parents precede their children (0 at a root)."""
+    level = np.zeros(len(seg_parent), np.int64)
+    has = seg_parent >= 0
+    while True:  # one pass per depth
+        nxt = np.where(has, level[np.maximum(seg_parent, 0)] + 1, 0)
+        if np.array_equal(nxt, level):
+            return level
+        level = nxt
 
 
 def carry_lifetimes(microbatches: list, phases: list | None = None) -> dict[int, tuple[int, int, int, int, int]]:

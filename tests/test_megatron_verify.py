@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tree.training.verify import FAULTS, VerifyConfig, format_report, run_verify_many
+from megatron_tree.training.verify import FAULTS, format_report, run_verify_many
+from verify_checks import verify_config as VerifyConfig  # tests/verify_checks.py: 4 families
 from selection import run_selected  # tests/selection.py
 from verify_checks import check_verify  # tests/verify_checks.py
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_tree.training.verify import VerifyConfig, run_verify_many
+from megatron_tree.training.verify import run_verify_many
+from verify_checks import verify_config as VerifyConfig  # tests/verify_checks.py: 4 families
 from selection import run_selected  # tests/selection.py
 from per_sample import coef, randomize, stock_logprobs, tree_logprobs  # tests/per_sample.py
 from verify_checks import check_verify  # tests/verify_checks.py

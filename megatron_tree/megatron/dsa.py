@@ -301,8 +301,7 @@ class TreeDSAttention(MegatronModule):
             got_rows, got_ids = rows, ids
             if view is not None:  # its own queries, rows and selections as step-global rows (carry spans mbs)
                 keys = torch.as_tensor(view.keys, device=ids.device)
-                got_ids = ids[view.own]
-                got_rows, got_ids = keys[view.own], torch.where(got_ids >= 0, keys[got_ids.clamp_min(0)], got_ids)
+                got_rows, got_ids = keys[view.own], torch.where(own_ids >= 0, keys[own_ids.clamp_min(0)], own_ids)
             for store in _HOOKS:
                 store.append((token, capture_layer(self), got_rows.detach().cpu(), got_ids.detach().cpu()))
         out = o.reshape(n, 1, o.shape[1] * o.shape[2]).to(query.dtype)  # n may be 0: a CP rank owning nothing

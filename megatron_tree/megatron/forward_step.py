@@ -31,6 +31,7 @@ from ..cp.planning.lru import lru_get
 from ..cp.planning.planner import layout_key
 from .carry import CarryItem, carry_view, fill_loss, fill_output
 from .loss import tree_loss_func
+from .model import unwrap_model as _unwrap
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
 __all__ = ["tree_forward_step", "carry_forward", "context_parallel_params", "check_same_plan", "gdn_island_plan",
@@ -53,13 +54,6 @@ def gdn_island_plan(layout, cp_size: int, attention_plan=None, **geometry):
     key = (layout_key(layout), int(cp_size), None if attention_plan is None else attention_plan.hash,
            tuple(sorted(geometry.items())))
     return lru_get(_GDN_PLANS, key, lambda: plan_gdn_layout(layout, cp_size, attention_plan=attention_plan, **geometry))
-
-
-def _unwrap(model):
-    m = model
-    while hasattr(m, "module"):  # DDP / Float16Module wrappers
-        m = m.module
-    return m
 
 
 def uses_gdn_islands(model) -> bool:

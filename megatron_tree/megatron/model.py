@@ -56,6 +56,14 @@ from ..cp.execution.redistribute import redistribute_rows
 from .loss import vocab_parallel_logprobs, vocab_parallel_logprobs_entropy
 from .packed_seq import TreePackedSeqParams
 
+
+def unwrap_model(model):
+    """The model inside Megatron's wrappers (DDP, Float16Module: each holds it as ``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 # Test-only fault switch (None in normal use): "skip_exit" leaves the hidden states in GDN ownership
 # after an island; "attention_rows" runs the island layers on the attention view while the hidden
 # states are in GDN ownership.

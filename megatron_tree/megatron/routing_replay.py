@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from .model import unwrap_model as _unwrap
 from .packed_seq import TreePackedSeqParams
 
 __all__ = ["TreeRouterReplay", "install_routing_replay", "reset_routing_replay", "local_routes", "moe_layers_of",
@@ -44,12 +45,6 @@ __all__ = ["TreeRouterReplay", "install_routing_replay", "reset_routing_replay",
 # replays, in a selective MoE recomputation, the routes last set by any forward instead of the FIFO's
 # (the planted faults of ``megatron-tree verify --routing-replay``).
 _FAULT = None
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def moe_layers_of(model) -> list:

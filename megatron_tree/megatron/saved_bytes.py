@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from .model import unwrap_model as _unwrap
+
 __all__ = ["SavedBytes", "layer_kinds"]
 
 _MIXER_SLOTS = ("self_attention", "mixer", "input_layernorm", "norm")
 _MLP_SLOTS = ("mlp", "pre_mlp_layernorm")
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _present(mod) -> bool:

@@ -336,10 +336,10 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from ..megatron.model import unwrap_model
+
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    inner = chunks[0]
-    while hasattr(inner, "module"):
-        inner = inner.module
+    inner = unwrap_model(chunks[0])
     if not forward_only and not getattr(inner.config, "calculate_per_token_loss", False):
         raise ValueError("rl.forward_backward trains with Megatron's per-token loss: build the model's config with "
                          "calculate_per_token_loss=True")

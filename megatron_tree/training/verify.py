@@ -438,9 +438,14 @@ def _sample_table(mb, i: int, layer: int, num_layers: int, trows, tids, topk: in
     """[L, topk] ordered top-k of sample ``i`` in ``layer`` as positions (canonical rows mapped through
     `_layer_rows`; -2: a row off the sample's path) from a tree-format capture ``(trows, tids)``."""
     rows = _layer_rows(mb, i, layer, num_layers)
-    inv = torch.full((mb.layout.num_rows,), -2, dtype=torch.long)  # -2: a row off the sample's path
-    inv[rows] = torch.arange(rows.shape[0])
-    ids = _rows_to_table(mb.layout.num_rows, trows, tids)[rows]  # [L, topk] canonical rows
+    return _path_positions(_rows_to_table(mb.layout.num_rows, trows, tids)[rows], rows, mb.layout.num_rows, topk)
+
+
+def _path_positions(ids: torch.Tensor, path: torch.Tensor, num_rows: int, topk: int) -> torch.Tensor:
+    """[L, topk] selections ``ids`` (rows of a space of ``num_rows``; < 0 kept) as positions on ``path``
+    (those rows in position order; -2: a row off the path)."""
+    inv = torch.full((num_rows,), -2, dtype=torch.long)
+    inv[path] = torch.arange(path.shape[0])
     return _pad_topk(torch.where(ids >= 0, inv[ids.clamp_min(0)], ids), topk)
 
 
@@ -463,21 +468,18 @@ def _carry_selected_tables(tree_sel: list, mine: list, topk: int) -> list:
     """`_tree_selected_tables` of a carry step: each row's selection comes from the microbatch that owns
     it, captured as step-global rows (`megatron.dsa`); a sample's path is read from the microbatch that
     completes it (its carried rows and its own)."""
-    entries = list(_dedupe_selected(tree_sel).values())
     R = 1 + max([int(mb.carry.keys.max()) for mb in mine if mb.carry is not None] + [0])
-    tables: dict = {}
-    for _, layer, rows, ids in entries:
-        t = tables.setdefault(layer, torch.full((R, ids.shape[1]), -3, dtype=torch.long))
+    by_layer: dict = {}
+    for _, layer, rows, ids in _dedupe_selected(tree_sel).values():
         real = rows >= 0  # padding rows have no step-global row
-        t[rows[real].long()] = ids[real].long()
+        by_layer.setdefault(layer, []).append((rows[real], ids[real]))
+    tables = {layer: _rows_to_table(R, torch.cat([r for r, _ in parts]), torch.cat([i for _, i in parts]))
+              for layer, parts in sorted(by_layer.items())}
     out = []
     for mb in mine:
         for i in mb.sample_ids:
             path = torch.from_numpy(mb.carry.keys[mb.sample_rows(i).numpy()]).long()
-            inv = torch.full((R,), -2, dtype=torch.long)  # -2: a row off the sample's path
-            inv[path] = torch.arange(path.shape[0])
-            out.append((i, {layer: _pad_topk(torch.where(t[path] >= 0, inv[t[path].clamp_min(0)], t[path]), topk)
-                            for layer, t in sorted(tables.items())}))
+            out.append((i, {layer: _path_positions(t[path], path, R, topk) for layer, t in tables.items()}))
     return out
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .carry import _host, forest_levels, mb_own_forest
+
 __all__ = ["KIND_FEATURES", "FEATURES", "ATTENTION_BLOCK", "CHUNK", "MAMBA_CHUNK", "microbatch_features", "ActivationProfile",
            "fit_activation_profile", "nnls"]
 
@@ -49,10 +51,6 @@ KIND_FEATURES = {
     "model": ("one", "n", "t", "s", "samples"),
 }
 FEATURES = ("one", "n", "qpad", "c", "cpad", "qpad2", "n2", "gP", "gA", "gK", "mP", "mA", "mK", "t", "s", "samples")
-
-
-def _host(t) -> np.ndarray:
-    return np.asarray(t.cpu() if hasattr(t, "cpu") else t)
 
 
 def _pad(x: int, block: int) -> int:
@@ -99,8 +97,6 @@ def _recurrent_features(seg_len: np.ndarray, level: np.ndarray, real: np.ndarray
 def microbatch_features(mb, phase: str = "run", *, gdn_chunk: int = CHUNK, mamba_chunk: int = MAMBA_CHUNK) -> dict:
     """The features (module docstring) of one microbatch (`TreeMicrobatch`; a carry microbatch in
     ``phase`` "fill" / "run" / "restore"). A fill's are all zero (it keeps nothing)."""
-    from .carry import forest_levels, mb_own_forest
-
     lay, info = mb.layout, getattr(mb, "carry", None)
     N = lay.num_rows
     if phase == "fill":

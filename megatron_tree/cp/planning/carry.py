@@ -120,16 +120,16 @@ def carry_store_bytes(microbatches: list, geometry: CarryGeometry) -> list[int]:
     return [0 if getattr(mb, "carry", None) is None else sum(_fill_bytes(mb.carry, geometry)) for mb in microbatches]
 
 
-def _path_prev(mb) -> np.ndarray:
-    pp = mb.layout.path_prev
-    return np.asarray(pp.cpu() if hasattr(pp, "cpu") else pp)
+def _host(t) -> np.ndarray:
+    """A layout tensor (any device) or array as a host array."""
+    return np.asarray(t.cpu() if hasattr(t, "cpu") else t)
 
 
 def mb_own_forest(mb):
     """`own_forest` of a carry microbatch (`TreeMicrobatch` with ``carry``)."""
     info = mb.carry
     own = info.own
-    return own_forest(_path_prev(mb), own, info.carried, np.searchsorted(own, info.state_rows))
+    return own_forest(_host(mb.layout.path_prev), own, info.carried, np.searchsorted(own, info.state_rows))
 
 
 def _state_readers(mb) -> set:

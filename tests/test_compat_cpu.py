@@ -252,6 +252,19 @@ def _world_body():
     return dist.get_rank(), dist.get_world_size()
 
 
+def test_harness_retries_only_rendezvous_failures_of_the_machine():
+    """What `run_distributed` retries (fn has not run): the port taken, or gloo's full mesh losing a
+    connection while the ranks connect (a CI run under load); anything else is raised at once."""
+    from megatron_tree.training.launch import _port_taken
+
+    assert _port_taken(RuntimeError("The server socket has failed to listen on any local network address. "
+                                    "port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE"))
+    assert _port_taken(RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:553] "
+                                    "Connection closed by peer [127.0.0.1]:56965"))
+    assert not _port_taken(RuntimeError("Gloo connectFullMesh failed with [pair.cc:1] Timed out"))
+    assert not _port_taken(RuntimeError("boom on rank one"))
+
+
 def test_harness_retries_when_its_port_is_taken_before_rank_0_binds_it(monkeypatch):
     """The port run_distributed picks is free when picked; a process elsewhere (pytest's other worker)
     may bind it first. Rank 0 then fails before ``fn`` runs, and the run starts again on a new port."""

@@ -509,8 +509,9 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
       three steps, each reading the same samples as CP1 (each sample once per step and CP rank);
       before the CPU layer kept Megatron-LM's JIT warm-up off the weights' generator, the model
       depended on CP and TP (GPT iteration 1: 4.8522 CP1, 4.8658 CP2, 4.8755 CP2 + TP2 + SP);
-      then resumed at iteration 2 under TP2 + SP with --tree-carry at an 8-row budget: the DP2 run's
-      samples and losses (the same-layout resume is bit for bit in tests/test_preemption.py);
+      then resumed at iteration 2 under TP2 + SP, and under PP2 (1F1B), with --tree-carry at an 8-row
+      budget: the DP2 run's samples and losses (the same-layout resume is bit for bit in
+      tests/test_preemption.py);
     * GPT: resumed as TP2 + SP with flat packing (no prefix shared; the checkpoint resharded): the
       tree's losses to float32 rounding."""
     script, model_args = MODELS[model]
@@ -560,13 +561,25 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
             (carry_samples, full_samples)
         for it in (3, 4):
             assert carry[it] == pytest.approx(full[it], rel=2e-5), (it, carry, full)
+        # the same resume on two 1F1B pipeline stages (Mamba-2 + GDN | attention + MLP), each stage with its
+        # own carry store, the fills' hidden states sent on; both stages read every sample of the step
+        pp_samples: dict = {}
+        rc, out, pp = _launch(tmp_path, "carry_pp", script, carry_args + load +
+                              ["--pipeline-model-parallel-size", "2", "--tree-carry", "--override-opt_param-scheduler"],
+                              samples=pp_samples)
+        _check(rc, out, "PP2 --tree-carry run resumed at iteration 2")
+        assert sorted(pp) == [3, 4] and pp_samples == {it: Counter({i: 2 for i in full_samples[it]}) for it in (3, 4)}, \
+            (pp_samples, full_samples)
+        for it in (3, 4):
+            assert pp[it] == pytest.approx(full[it], rel=2e-5), (it, pp, full)
+        carry = {"TP2+SP": carry, "PP2": pp}
     if model == "gpt":  # the resharded flat-packing resume
         rc, out, tp2 = _launch(tmp_path, "resume_tp2_flat", script, args + load + TP2_SP + ["--tree-flat-packing"])
         _check(rc, out, "TP2+SP flat-packing resume")
         assert sorted(tp2) == [3, 4]
         for it in (3, 4):
             assert tp2[it] == pytest.approx(full[it], rel=2e-6), (it, tp2, full)
-    print(f"\n{model}: DP2 {full}\n{model}: fresh CP2 {cp}\n{model}: resumed TP2+SP carry {carry}, TP2+SP flat {tp2}")
+    print(f"\n{model}: DP2 {full}\n{model}: fresh CP2 {cp}\n{model}: resumed carry {carry}, TP2+SP flat {tp2}")
 
 
 def _logged(out: str, key: str) -> dict:

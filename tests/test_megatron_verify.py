@@ -71,6 +71,9 @@ WS2 = [
     # carry under TP + SP and over two DP ranks (a carry group stays on one rank)
     VerifyConfig(model="hybrid", pattern="MG*-", tp=2, sp=True, budget=16, carry=True),
     VerifyConfig(model="qwen3next", dp=2, budget=16, carry=True, recompute="full"),
+    # carry on two 1F1B pipeline stages (Mamba-2 + GDN | attention + MLP), full recomputation re-reading the store:
+    # each stage releases state only past the items whose backward 1F1B may still owe
+    both(VerifyConfig(model="hybrid", pattern="MG*-", pp=2, budget=16, carry=True, recompute="full")),
 ]
 
 # 4 ranks on this 2-core machine cost ~4x a 2-rank config: one case per 4-rank flavour (CI minutes). CP4 is the

@@ -70,14 +70,17 @@ def _tree_flat_body(data):
 
 
 def _carry_body(data):
-    """DP2 hybrid (Mamba-2, GDN, attention): --tree-carry at a 16-row budget (every sample is longer, so
-    every path is cut and carried) against the same run with a budget that holds every tree whole."""
+    """Hybrid (Mamba-2, GDN, attention): --tree-carry at a 16-row budget (every sample is longer, so
+    every path is cut and carried) against the same run with a budget that holds every tree whole, on
+    DP2, then on two 1F1B pipeline stages (Mamba-2 + GDN on the first, attention + MLP on the second:
+    each stage its own carry store, the fills' hidden states sent on)."""
     from megatron_tree.training.trainer import train
 
-    common = ("--hybrid-override-pattern", "MG*-", "--train-iters", "3")
-    carry = train(_args(data, *common, "--tree-carry", "--tree-max-tokens-per-mb", "16"))
-    whole = train(_args(data, *common))
-    return carry, whole
+    out = []
+    for extra in ((), ("--pipeline-model-parallel-size", "2")):
+        common = ("--hybrid-override-pattern", "MG*-", "--train-iters", "3", *extra)
+        out += [train(_args(data, *common, "--tree-carry", "--tree-max-tokens-per-mb", "16")), train(_args(data, *common))]
+    return out
 
 
 # --------------------------------------------------------------------------------------------- tests
@@ -271,11 +274,16 @@ def test_dp2_hybrid_carry_at_a_small_budget_equals_whole_trees(tmp_path):
     per_rank = run_distributed(_carry_body, 2, data, timeout=600)
     for run in range(2):
         _check_dp_shares([r[run]["history"] for r in per_rank], samples)
-    carry, whole = per_rank[0]
-    ch, wh = carry["history"], whole["history"]
-    assert len(ch) == len(wh) == 3
-    for a, b in zip(ch, wh):  # the same samples and targets; the same numbers up to float32 rounding
-        assert a["sample_ids"] == b["sample_ids"] and a["num_targets"] == b["num_targets"]
-        assert a["tree_rows"] == b["tree_rows"]  # carry computes every row once, as the whole trees do
-        assert a["loss"] == pytest.approx(b["loss"], rel=2e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
+    dp_carry, dp_whole, pp_carry, pp_whole = per_rank[0]
+    # both pipeline stages report the last stage's losses
+    assert [m["loss"] for m in per_rank[0][2]["history"]] == [m["loss"] for m in per_rank[1][2]["history"]]
+    for carry, whole in ((dp_carry, dp_whole), (pp_carry, pp_whole)):
+        ch, wh = carry["history"], whole["history"]
+        assert len(ch) == len(wh) == 3
+        for a, b in zip(ch, wh):  # the same samples and targets; the same numbers up to float32 rounding
+            assert a["sample_ids"] == b["sample_ids"] and a["num_targets"] == b["num_targets"]
+            assert a["tree_rows"] == b["tree_rows"]  # carry computes every row once, as the whole trees do
+            assert a["loss"] == pytest.approx(b["loss"], rel=2e-5)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
+    # one DP replica under PP: every step trains its whole window
+    assert all(m["rank_sample_ids"] == m["sample_ids"] for m in pp_carry["history"])

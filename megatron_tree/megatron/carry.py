@@ -12,7 +12,9 @@ A carry view is the CP-style local view of the microbatch: the modules run on it
 (``local_rows``; input ids and depths gathered there), the loss map indexes them, and the whole
 layout (carried rows included) stays visible, so the mixers place carried state by the layout's
 predicate. Every tree layer kind reads carried state (attention, MLA, DSA, Gated DeltaNet, Mamba-2;
-MLPs and MoE hold none); multi-token prediction, CP and PP are refused in `tree_forward_step`.
+MLPs and MoE hold none); multi-token prediction and CP are refused in `tree_forward_step`. Under 1F1B pipelining every
+stage runs the same items (its own store of its own layers' state) and releases state only once the
+items 1F1B may still owe a backward (`forward_step.pending_backwards`) are past it.
 """
 from __future__ import annotations
 
@@ -73,11 +75,25 @@ def carry_view(psp, mb, phase: str, store: CarryStore):
     return out
 
 
-def fill_output(model) -> torch.Tensor:
+def fill_output(model, output=None) -> torch.Tensor:
     """What a fill item hands the schedule: a zero that depends on one parameter, so Megatron's
-    backward of it runs (and adds zero) without the fill forward keeping any graph."""
+    backward of it runs (and adds zero) without the fill forward keeping any graph.
+
+    Under pipelining a stage before the last hands on ``output`` (its hidden states, computed without
+    autograd: the next stage's fill reads them) plus that zero, and a stage after the first adds zero
+    times one element of the tensor it received, so the gradient it sends back is a zero tensor of
+    the right shape (every stage's backward of a fill runs and sends, as for any microbatch)."""
+    from .model import unwrap_model
+
+    m = unwrap_model(model)
     p = next(model.parameters())
-    return p.reshape(-1)[:1].sum() * 0.0
+    zero = p.reshape(-1)[:1].sum() * 0.0
+    received = getattr(getattr(m, "decoder", None), "input_tensor", None)
+    if isinstance(received, torch.Tensor) and received.requires_grad:
+        zero = zero + received.reshape(-1)[:1].sum().to(zero.dtype) * 0.0
+    if getattr(m, "post_process", True) or output is None:
+        return zero
+    return output.detach() + zero.to(output.dtype)
 
 
 def fill_loss(output):

@@ -176,17 +176,38 @@ def _carry_forward_step(item, model, *, device, loss_type, clip_eps, clip_eps_hi
     return carry_forward(item, model, make_loss, device=device, return_entropy=bool(return_entropy or entropy_coef))
 
 
+def pending_backwards(model) -> int:
+    """How many schedule items before the one starting now may still await their backward on this
+    pipeline stage: none without pipelining; under 1F1B (Megatron's ``forward_backward_pipelining_
+    without_interleaving``) stage ``r`` of ``p`` runs ``p - r - 1`` warmup forwards, then item
+    ``k``'s forward follows the backward of item ``k - (p - r) ``. Interleaved (virtual) stages are
+    refused: a chunk's backward order then mixes the items of two model chunks."""
+    config = _unwrap(model).config
+    pp = config.pipeline_model_parallel_size
+    if pp == 1:
+        return 0
+    if getattr(config, "virtual_pipeline_model_parallel_size", None):
+        raise ValueError("carry (--tree-carry) does not run with interleaved (virtual) pipeline stages: use "
+                         "1F1B (no --num-layers-per-virtual-pipeline-stage)")
+    group = getattr(getattr(_unwrap(model), "pg_collection", None), "pp", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_pipeline_model_parallel_group()
+    return pp - dist.get_rank(group) - 1
+
+
 def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool = False, logits: bool = False):
     """One carry item (`megatron.carry`) through ``model``: fill (forward without autograd, state
     into the store; the schedule backpropagates a zero), or run / restore (forward with autograd and
     ``make_loss(loss_map)`` as the loss function). ``logits``: the model returns its own rows' logits
     (no loss map). Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
-    if config.context_parallel_size > 1 or config.pipeline_model_parallel_size > 1:
-        raise ValueError("carry (--tree-carry) does not run with context or pipeline parallelism yet")
+    if config.context_parallel_size > 1:
+        raise ValueError("carry (--tree-carry) does not run with context parallelism yet")
     if getattr(config, "mtp_num_layers", None):
         raise ValueError("carry (--tree-carry) does not run with multi-token prediction yet")
-    item.store.advance(item.position)  # every earlier item's backward is done (no pipelining under carry)
+    item.store.advance(item.position - pending_backwards(model))  # the items whose backward is done
     dev = device if device is not None else next(model.parameters()).device
     psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)
     psp = carry_view(psp, item.mb, item.phase, item.store)
@@ -195,7 +216,7 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
         psp.loss_map = None
     if item.phase == "fill":
         with torch.no_grad():
-            model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
-        return fill_output(model), fill_loss
+            out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
+        return fill_output(model, out), fill_loss
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
     return out, make_loss(loss_map)

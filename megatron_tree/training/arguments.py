@@ -204,17 +204,15 @@ def validate_tree_args(args) -> argparse.Namespace:
         errors.append("--tree-routing-replay packs route-aware prefix trees: drop --tree-flat-packing")
 
     if _get(args, "tree_carry"):
-        for flag, name in (("context_parallel_size", "--context-parallel-size"),
-                           ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
-            if int(_get(args, flag, 1) or 1) > 1:
-                errors.append(f"--tree-carry does not run with {name} > 1 yet")
+        if int(_get(args, "context_parallel_size", 1) or 1) > 1:
+            errors.append("--tree-carry does not run with --context-parallel-size > 1 yet")
+        if _get(args, "num_layers_per_virtual_pipeline_stage") or _get(args, "virtual_pipeline_model_parallel_size"):
+            errors.append("--tree-carry runs 1F1B pipelining, not interleaved virtual stages (a chunk's backward "
+                          "order then mixes two chunks' items): drop --num-layers-per-virtual-pipeline-stage")
         if _get(args, "mtp_num_layers"):
             errors.append("--tree-carry does not run with --mtp-num-layers yet")
-        if _get(args, "tree_routing_replay") or _get(args, "tree_flat_packing"):
-            errors.append("--tree-carry does not run with --tree-routing-replay or --tree-flat-packing yet")
-        if _get(args, "experimental_attention_variant") == "dsa":
-            errors.append("--tree-carry carries attention (MLA included), Gated DeltaNet and Mamba-2 state: not yet "
-                          "DeepSeek sparse attention")
+        if _get(args, "tree_flat_packing"):
+            errors.append("--tree-carry carries the state of shared rows: drop --tree-flat-packing")
 
     # -- parallelism
     if _get(args, "num_experts") and _get(args, "moe_token_dispatcher_type") == "allgather":

@@ -488,8 +488,9 @@ def _next_carry_item(data_iterator):
 
 def _carry_forward_step(data_iterator, model, args, timers):
     """``--tree-carry``: the next carry item (fill, run or restore; `megatron.carry`) of this rank's
-    step (`_next_carry_item`: under tensor parallelism the source's step reaches its peers). Carry runs
-    without context or pipeline parallelism (refused by `arguments.validate_tree_args`)."""
+    step (`_next_carry_item`: under tensor parallelism the source's step reaches its peers). Under 1F1B
+    pipelining every stage reads the step and runs the same items on its own layers' store; context
+    parallelism and interleaved stages are refused (`arguments.validate_tree_args`)."""
     from ..megatron.forward_step import carry_forward
 
     item = _next_carry_item(data_iterator)

@@ -512,7 +512,8 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
       then resumed at iteration 2 under TP2 + SP, and under PP2 (1F1B), with --tree-carry at an 8-row
       budget: the DP2 run's samples and losses (the same-layout resume is bit for bit in
       tests/test_preemption.py);
-    * GPT: resumed as TP2 + SP with flat packing (no prefix shared; the checkpoint resharded): the
+    * GPT: resumed under tree CP2 with --tree-carry at an 8-row budget (the DP2 run's samples and
+      losses), and as TP2 + SP with flat packing (no prefix shared; the checkpoint resharded): the
       tree's losses to float32 rounding."""
     script, model_args = MODELS[model]
     data = _write_data(tmp_path / "train.jsonl")
@@ -573,6 +574,21 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
         for it in (3, 4):
             assert pp[it] == pytest.approx(full[it], rel=2e-5), (it, pp, full)
         carry = {"TP2+SP": carry, "PP2": pp}
+    if model == "gpt":  # --tree-carry under tree CP2 (attention layers), resumed like the hybrid's carry runs
+        carry_args = list(args)
+        carry_args[carry_args.index("--global-batch-size") + 1] = "16"
+        carry_args[carry_args.index("--tree-max-tokens-per-mb") + 1] = "8"
+        cp_samples = {}
+        rc, out, cp_carry = _launch(tmp_path, "carry_cp", script, carry_args + load + [
+            "--context-parallel-size", "2", "--tree-cp-planner", "zigzag", "--tree-carry",
+            "--override-opt_param-scheduler"], samples=cp_samples)
+        _check(rc, out, "CP2 --tree-carry run resumed at iteration 2")
+        # both CP ranks of the one DP group read every sample of the step
+        assert sorted(cp_carry) == [3, 4] and cp_samples == {it: Counter({i: 2 for i in full_samples[it]})
+                                                             for it in (3, 4)}, (cp_samples, full_samples)
+        for it in (3, 4):
+            assert cp_carry[it] == pytest.approx(full[it], rel=2e-5), (it, cp_carry, full)
+        carry = {"CP2": cp_carry}
     if model == "gpt":  # the resharded flat-packing resume
         rc, out, tp2 = _launch(tmp_path, "resume_tp2_flat", script, args + load + TP2_SP + ["--tree-flat-packing"])
         _check(rc, out, "TP2+SP flat-packing resume")

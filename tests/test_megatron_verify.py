@@ -74,6 +74,13 @@ WS2 = [
     # carry on two 1F1B pipeline stages (Mamba-2 + GDN | attention + MLP), full recomputation re-reading the store:
     # each stage releases state only past the items whose backward 1F1B may still owe
     both(VerifyConfig(model="hybrid", pattern="MG*-", pp=2, budget=16, carry=True, recompute="full")),
+    # carry under tree CP: the plan covers carried rows too, whose stored K / V enter the CP attention on the rank
+    # the plan gives them (zero queries); fills gather the exported rows over CP, restores sum the readers'
+    # gradients over CP
+    both(VerifyConfig(model="gpt", cp=2, cp_strategy="zigzag", window=9, sinks=True, budget=16, carry=True,
+                      recompute="full")),
+    VerifyConfig(model="mla", cp=2, budget=16, carry=True, loss="grpo"),
+    VerifyConfig(model="gpt", cp=2, cp_strategy="zigzag", budget=16, carry=True, fault="carry_twice"),
 ]
 
 # 4 ranks on this 2-core machine cost ~4x a 2-rank config: one case per 4-rank flavour (CI minutes). CP4 is the

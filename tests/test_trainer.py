@@ -73,12 +73,15 @@ def _carry_body(data):
     """Hybrid (Mamba-2, GDN, attention): --tree-carry at a 16-row budget (every sample is longer, so
     every path is cut and carried) against the same run with a budget that holds every tree whole, on
     DP2, then on two 1F1B pipeline stages (Mamba-2 + GDN on the first, attention + MLP on the second:
-    each stage its own carry store, the fills' hidden states sent on)."""
+    each stage its own carry store, the fills' hidden states sent on); and GPT under tree CP2 (zigzag:
+    both ranks hold rows of every microbatch)."""
     from megatron_tree.training.trainer import train
 
     out = []
-    for extra in ((), ("--pipeline-model-parallel-size", "2")):
-        common = ("--hybrid-override-pattern", "MG*-", "--train-iters", "3", *extra)
+    for extra in (("--hybrid-override-pattern", "MG*-"), ("--hybrid-override-pattern", "MG*-",
+                                                          "--pipeline-model-parallel-size", "2"),
+                  ("--num-layers", "2", "--context-parallel-size", "2", "--tree-cp-planner", "zigzag")):
+        common = ("--train-iters", "3", *extra)
         out += [train(_args(data, *common, "--tree-carry", "--tree-max-tokens-per-mb", "16")), train(_args(data, *common))]
     return out
 
@@ -274,10 +277,10 @@ def test_dp2_hybrid_carry_at_a_small_budget_equals_whole_trees(tmp_path):
     per_rank = run_distributed(_carry_body, 2, data, timeout=600)
     for run in range(2):
         _check_dp_shares([r[run]["history"] for r in per_rank], samples)
-    dp_carry, dp_whole, pp_carry, pp_whole = per_rank[0]
+    dp_carry, dp_whole, pp_carry, pp_whole, cp_carry, cp_whole = per_rank[0]
     # both pipeline stages report the last stage's losses
     assert [m["loss"] for m in per_rank[0][2]["history"]] == [m["loss"] for m in per_rank[1][2]["history"]]
-    for carry, whole in ((dp_carry, dp_whole), (pp_carry, pp_whole)):
+    for carry, whole in ((dp_carry, dp_whole), (pp_carry, pp_whole), (cp_carry, cp_whole)):
         ch, wh = carry["history"], whole["history"]
         assert len(ch) == len(wh) == 3
         for a, b in zip(ch, wh):  # the same samples and targets; the same numbers up to float32 rounding
@@ -285,5 +288,5 @@ def test_dp2_hybrid_carry_at_a_small_budget_equals_whole_trees(tmp_path):
             assert a["tree_rows"] == b["tree_rows"]  # carry computes every row once, as the whole trees do
             assert a["loss"] == pytest.approx(b["loss"], rel=2e-5)
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
-    # one DP replica under PP: every step trains its whole window
-    assert all(m["rank_sample_ids"] == m["sample_ids"] for m in pp_carry["history"])
+    # one DP replica under PP and under CP: every step trains its whole window
+    assert all(m["rank_sample_ids"] == m["sample_ids"] for m in pp_carry["history"] + cp_carry["history"])

@@ -143,9 +143,16 @@ class TreeDotProductAttention(MegatronModule):
         n = psp.cp_owned_rows(s, type(self).__name__)
         from ..cp import tree_attention_cp  # the executor sits below this package
 
-        out = tree_attention_cp(query[:n, 0], key[:n, 0], value[:n, 0], plan, self.pg_collection.cp,
-                                softmax_scale=self.softmax_scale, window=self.window, sinks=sinks,
-                                backend=self.backend)
+        if getattr(psp, "carry", None) is not None:  # carry under CP: carried K / V enter the CP attention
+            from ..cp.execution.carry import carried_attention_cp
+
+            out = carried_attention_cp(query[:n, 0], key[:n, 0], value[:n, 0], psp.carry,
+                                       ("attention", self.layer_number), softmax_scale=self.softmax_scale,
+                                       window=self.window, sinks=sinks, backend=self.backend)
+        else:
+            out = tree_attention_cp(query[:n, 0], key[:n, 0], value[:n, 0], plan, self.pg_collection.cp,
+                                    softmax_scale=self.softmax_scale, window=self.window, sinks=sinks,
+                                    backend=self.backend)
         out = out.reshape(n, 1, out.shape[1] * out.shape[2])  # n may be 0: a rank that owns nothing
         if s > n:
             out = torch.cat([out, out.new_zeros(s - n, 1, out.shape[-1])])

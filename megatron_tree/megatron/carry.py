@@ -12,9 +12,11 @@ A carry view is the CP-style local view of the microbatch: the modules run on it
 (``local_rows``; input ids and depths gathered there), the loss map indexes them, and the whole
 layout (carried rows included) stays visible, so the mixers place carried state by the layout's
 predicate. Every tree layer kind reads carried state (attention, MLA, DSA, Gated DeltaNet, Mamba-2;
-MLPs and MoE hold none); multi-token prediction and CP are refused in `tree_forward_step`. Under 1F1B pipelining every
-stage runs the same items (its own store of its own layers' state) and releases state only once the
-items 1F1B may still owe a backward (`forward_step.pending_backwards`) are past it.
+MLPs and MoE hold none); multi-token prediction is refused in `forward_step.carry_forward`. Under
+1F1B pipelining every stage runs the same items (its own store of its own layers' state) and
+releases state only once the items 1F1B may still owe a backward (`forward_step.pending_backwards`)
+are past it. Under tree CP the view is this CP rank's share of the own rows (``carry_view(...,
+cp=)``; attention layers: `cp.execution.carry.carried_attention_cp`).
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..cp.execution.carry import CarryStore, CarryView
 from ..cp.planning.carry import carry_lifetimes, carry_phases
+from .packed_seq import _padding, local_loss_map
 
 __all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "carry_geometry"]
 
@@ -54,24 +58,47 @@ def carry_items(microbatches: list, store: CarryStore | None = None) -> list[Car
     return [CarryItem(microbatches[i], p, store, k) for k, (i, p) in enumerate(phases)]
 
 
-def carry_view(psp, mb, phase: str, store: CarryStore):
-    """The local view of ``psp`` (the whole microbatch's `TreePackedSeqParams`) for a carry phase."""
+def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
+    """The local view of ``psp`` (the whole microbatch's `TreePackedSeqParams`) for a carry phase.
+
+    ``cp``: ``(plan, group, pad_to_multiple_of)`` under tree CP: the plan covers the whole layout
+    (carried rows too); the modules then run on the own rows this CP rank owns (padded to the TP size
+    under sequence parallelism), and the view's `CarryCP` tells the attention layers the rest."""
     info = mb.carry
     dev = psp.layout.device
     own_np = info.own
+    carry_cp, pad = None, 0
+    if cp is not None:
+        from ..cp.execution.carry import CarryCP
+        plan, group, multiple = cp
+        rank = dist.get_rank(group)
+        exported_rank = plan.owner[info.exported].astype(np.int64)
+        mine = np.flatnonzero(exported_rank == rank)
+        own_np = own_np[plan.owner[own_np] == rank]
+        carry_cp = CarryCP(plan=plan, group=group, rank=rank, exported_keys=info.keys[info.exported],
+                           exported_rank=exported_rank, exported_mine=torch.from_numpy(mine).to(dev))
+        pad = _padding(len(own_np), multiple)
     own = torch.from_numpy(own_np).to(dev)
-    exp_pos = np.searchsorted(own_np, info.exported)
+    exported = info.exported if cp is None else info.exported[mine]
+    state_rows = info.state_rows if cp is None else info.state_rows[:0]  # recurrent layers are refused under CP
     view = CarryView(phase=phase, store=store, index=info.index, own=own,
                      carried=torch.from_numpy(info.carried).to(dev), carried_keys=info.keys[info.carried],
-                     carried_owner=np.asarray(info.carried_owner), exported=torch.from_numpy(exp_pos).to(dev),
-                     exported_keys=info.keys[info.exported],
-                     state_rows=torch.from_numpy(np.searchsorted(own_np, info.state_rows)).to(dev),
-                     state_keys=info.keys[info.state_rows], keys=info.keys)
+                     carried_owner=np.asarray(info.carried_owner),
+                     exported=torch.from_numpy(np.searchsorted(own_np, exported)).to(dev),
+                     exported_keys=info.keys[exported],
+                     state_rows=torch.from_numpy(np.searchsorted(own_np, state_rows)).to(dev),
+                     state_keys=info.keys[state_rows], keys=info.keys, cp=carry_cp)
     lm = psp.loss_map
     if lm is not None:  # every occurrence's source row is owned here (pack routes it to its owner)
-        lm = dataclasses.replace(lm, source_rows=torch.searchsorted(own, lm.source_rows))
-    out = dataclasses.replace(psp, loss_map=lm, local_rows=own, num_local_padding=0, carry=view)
+        if cp is not None:  # ... and under CP, the occurrences whose source row this CP rank computes
+            lm = local_loss_map(lm, torch.from_numpy(plan.owner.astype(np.int64)).to(dev), own, rank)
+        else:
+            lm = dataclasses.replace(lm, source_rows=torch.searchsorted(own, lm.source_rows))
+    extra = {} if cp is None else dict(cp_plan=plan, cp_rank=rank)
+    out = dataclasses.replace(psp, loss_map=lm, local_rows=own, num_local_padding=pad, carry=view, **extra)
     out.max_seqlen_q = out.max_seqlen_kv = psp.layout.num_rows
+    if cp is not None:  # Megatron's rotary table is zigzag-sliced over CP ranks: a multiple of 2 * cp
+        out.max_seqlen_q = out.max_seqlen_kv = -(-psp.layout.num_rows // (2 * plan.cp_size)) * 2 * plan.cp_size
     return out
 
 

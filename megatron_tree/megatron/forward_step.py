@@ -34,8 +34,8 @@ from .loss import tree_loss_func
 from .model import unwrap_model as _unwrap
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
-__all__ = ["tree_forward_step", "carry_forward", "context_parallel_params", "check_same_plan", "gdn_island_plan",
-           "uses_gdn_islands", "island_plan_fn"]
+__all__ = ["tree_forward_step", "carry_forward", "carry_cp", "pending_backwards", "context_parallel_params",
+           "check_same_plan", "gdn_island_plan", "uses_gdn_islands", "island_plan_fn"]
 
 # Plans made here (microbatches that arrive without one), shared by the pipeline stages of a process.
 _PLANS = PlanCache(maxsize=16)
@@ -153,7 +153,7 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
     if isinstance(item, CarryItem):
         return _carry_forward_step(item, model, device=device, loss_type=loss_type, clip_eps=clip_eps,
                                    clip_eps_high=clip_eps_high, kl_coef=kl_coef, return_entropy=return_entropy,
-                                   entropy_coef=entropy_coef)
+                                   entropy_coef=entropy_coef, cp_strategy=cp_strategy)
     # (mb, plan), (mb, (plan, gdn_plan)), (mb, plan, gdn_plan) or a bare microbatch
     mb, plan = (item[0], item[1] if len(item) == 2 else tuple(item[1:])) if isinstance(item, tuple) else (item, None)
     dev = device if device is not None else next(model.parameters()).device
@@ -170,10 +170,11 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
 
 
 def _carry_forward_step(item, model, *, device, loss_type, clip_eps, clip_eps_high, kl_coef, return_entropy,
-                        entropy_coef):
+                        entropy_coef, cp_strategy):
     make_loss = lambda loss_map: partial(tree_loss_func, loss_map, loss_type=loss_type, clip_eps=clip_eps,
                                          clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
-    return carry_forward(item, model, make_loss, device=device, return_entropy=bool(return_entropy or entropy_coef))
+    return carry_forward(item, model, make_loss, device=device, return_entropy=bool(return_entropy or entropy_coef),
+                         cp_strategy=cp_strategy)
 
 
 def pending_backwards(model) -> int:
@@ -197,20 +198,45 @@ def pending_backwards(model) -> int:
     return pp - dist.get_rank(group) - 1
 
 
-def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool = False, logits: bool = False):
+def carry_cp(model, layout, strategy: str = "balanced"):
+    """``(plan, group, pad_to_multiple_of)`` of a carry microbatch under tree CP (`carry_view`'s ``cp``),
+    or None without CP. The plan covers the whole layout, carried rows included (they hold K / V the
+    CP attention exchanges), made here like `context_parallel_params` makes one and checked the same
+    on every CP rank. Carry under CP runs attention layers (MLA included) with MLPs and MoE; recurrent
+    layers, DeepSeek sparse attention and pipelining are refused: their carried state under CP is not
+    built yet."""
+    config, cp_group = _config_and_cp_group(model)
+    cp = config.context_parallel_size
+    if cp == 1:
+        return None
+    from .carry import carry_geometry
+
+    kinds = {"G": "Gated DeltaNet", "M": "Mamba-2", "D": "DeepSeek sparse attention"}
+    bad = sorted({kinds[c] for c in carry_geometry(model).pattern if c in kinds})
+    if bad or config.pipeline_model_parallel_size > 1:
+        what = ", ".join(bad + (["pipeline parallelism"] if config.pipeline_model_parallel_size > 1 else []))
+        raise ValueError(f"carry (--tree-carry) under context parallelism runs attention layers (MLA included), "
+                         f"MLPs and MoE, without pipelining; not yet {what}")
+    layout = layout if layout.device.type == "cpu" else layout.to("cpu")
+    plan = _PLANS.get_or_plan(layout, cp, strategy=strategy)
+    check_same_plan(plan, cp_group)
+    return plan, cp_group, config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool = False, logits: bool = False,
+                  cp_strategy: str = "balanced"):
     """One carry item (`megatron.carry`) through ``model``: fill (forward without autograd, state
     into the store; the schedule backpropagates a zero), or run / restore (forward with autograd and
     ``make_loss(loss_map)`` as the loss function). ``logits``: the model returns its own rows' logits
-    (no loss map). Returns ``(output, loss_func)`` for the schedule."""
+    (this CP rank's, under CP; no loss map). Under tree CP ``cp_strategy`` plans each microbatch
+    (`carry_cp`). Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
-    if config.context_parallel_size > 1:
-        raise ValueError("carry (--tree-carry) does not run with context parallelism yet")
     if getattr(config, "mtp_num_layers", None):
         raise ValueError("carry (--tree-carry) does not run with multi-token prediction yet")
     item.store.advance(item.position - pending_backwards(model))  # the items whose backward is done
     dev = device if device is not None else next(model.parameters()).device
     psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)
-    psp = carry_view(psp, item.mb, item.phase, item.store)
+    psp = carry_view(psp, item.mb, item.phase, item.store, cp=carry_cp(model, item.mb.layout, cp_strategy))
     loss_map = psp.loss_map
     if logits:
         psp.loss_map = None

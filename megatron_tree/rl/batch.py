@@ -308,7 +308,8 @@ def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss
     if isinstance(mb, CarryItem):
         if mb.mb.carry is not None:
             return carry_forward(mb, model, lambda lm: partial(_loss_func, lm, loss=loss, loss_fn=loss_fn,
-                                                               loss_kwargs=loss_kwargs), return_entropy=True)
+                                                               loss_kwargs=loss_kwargs), return_entropy=True,
+                                 cp_strategy=cp_strategy)
         mb = mb.mb  # a padding microbatch
     dev = next(model.parameters()).device
     psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True), model, strategy=cp_strategy)

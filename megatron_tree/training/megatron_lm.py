@@ -489,9 +489,10 @@ def _next_carry_item(data_iterator):
 def _carry_forward_step(data_iterator, model, args, timers):
     """``--tree-carry``: the next carry item (fill, run or restore; `megatron.carry`) of this rank's
     step (`_next_carry_item`: under tensor parallelism the source's step reaches its peers). Under 1F1B
-    pipelining every stage reads the step and runs the same items on its own layers' store; context
-    parallelism and interleaved stages are refused (`arguments.validate_tree_args`)."""
-    from ..megatron.forward_step import carry_forward
+    pipelining every stage reads the step and runs the same items on its own layers' store; under tree
+    CP every CP rank plans each item with ``--tree-cp-planner`` (`forward_step.carry_cp`: attention
+    layers); interleaved stages are refused (`arguments.validate_tree_args`)."""
+    from ..megatron.forward_step import carry_forward, context_parallel_params
 
     item = _next_carry_item(data_iterator)
     if timers is not None:
@@ -505,9 +506,10 @@ def _carry_forward_step(data_iterator, model, args, timers):
         from ..megatron.packed_seq import tree_packed_seq_params
 
         psp = tree_packed_seq_params(item.mb, next(model.parameters()).device, return_entropy=True)
+        psp = context_parallel_params(psp, model, strategy=args.tree_cp_planner)
         out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
         return out, make_loss(psp.loss_map)
-    return carry_forward(item, model, make_loss, return_entropy=True)
+    return carry_forward(item, model, make_loss, return_entropy=True, cp_strategy=args.tree_cp_planner)
 
 
 # -------------------------------------------------------------------------------------------- data

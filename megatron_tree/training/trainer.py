@@ -1195,7 +1195,9 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     from ..megatron.mtp import mtp_tail_rows
 
     kw["mtp_tail"] = mtp_tail_rows(model.config)  # DSA in the MTP layers: each sample's trailing MTP positions
-    if args.context_parallel_size > 1:  # every CP rank plans its DP rank's microbatches ahead, identically
+    # every CP rank plans its DP rank's microbatches ahead, identically (carry plans each item's layout as it
+    # runs, carried rows included: `forward_step.carry_cp`)
+    if args.context_parallel_size > 1 and not getattr(args, "tree_carry", False):
         from ..cp import make_plan_fn
 
         dsa = None
@@ -1231,7 +1233,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     loggers = _Loggers(args, active=rank == 0)
     stop = min(args.train_iters, args.exit_interval or args.train_iters)
     loss_kwargs = dict(loss_type=args.tree_loss, clip_eps=args.tree_clip_eps, clip_eps_high=args.tree_clip_eps_high,
-                       kl_coef=args.tree_kl_coef, return_entropy=True, entropy_coef=args.tree_entropy_coef)
+                       kl_coef=args.tree_kl_coef, return_entropy=True, entropy_coef=args.tree_entropy_coef,
+                       cp_strategy=args.tree_cp_planner)
     dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     cp_group = ps.get_context_parallel_group() if args.context_parallel_size > 1 else None
     if cp_group is not None:
@@ -1305,10 +1308,11 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                     every = [torch.zeros_like(att) for _ in range(dist.get_world_size(cp_group))]
                     dist.all_gather(every, att, group=cp_group)
                     every = torch.cat(every)
-                    m.update(cp_predicted_imbalance=float(np.mean([(p[0] if isinstance(p, tuple) else p).imbalance
-                                                                    for p in step.plans])),
-                             cp_attention_s=float(every.max()),
+                    m.update(cp_attention_s=float(every.max()),
                              cp_attention_imbalance=float(every.max() / every.mean()) if every.mean() > 0 else 1.0)
+                    if step.plans:  # made ahead (carry plans each item as it runs)
+                        m.update(cp_predicted_imbalance=float(np.mean([(p[0] if isinstance(p, tuple) else p).imbalance
+                                                                        for p in step.plans])))
                 for k in range(mtp_k):  # each MTP depth's per-token loss, named as Megatron-LM logs it
                     m[f"mtp_{k + 1} loss"] = float(red[3 + 2 * k]) / max(float(red[4 + 2 * k]), 1.0)
                 history.append(m)

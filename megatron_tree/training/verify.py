@@ -346,17 +346,22 @@ def _logits_step(store, cp_strategy, data_iterator, model):
     if isinstance(item, CarryItem):
         if item.mb.carry is None:
             item = item.mb  # a padding microbatch
-        else:  # this microbatch's own rows: logits keyed by their step-global rows
-            keys = item.mb.carry.keys[item.mb.carry.own]
+        else:  # this microbatch's own rows (this CP rank's under CP): logits keyed by their step-global rows
+            from ..megatron.forward_step import carry_cp
+
+            own, cp = item.mb.carry.own, carry_cp(model, item.mb.layout, cp_strategy)
+            if cp is not None:
+                own = own[cp[0].owner[own] == torch.distributed.get_rank(cp[1])]
+            keys = item.mb.carry.keys[own]
 
             def carry_logits(loss_map):
                 def loss_func(output):
-                    store.append((keys, output.detach()[0].to(torch.float64 if output.dtype == torch.float64
-                                                              else torch.float32).cpu()))
+                    store.append((keys, output.detach()[0, :len(keys)].to(
+                        torch.float64 if output.dtype == torch.float64 else torch.float32).cpu()))
                     return output.sum() * 0, {}
                 return loss_func
 
-            out, loss_func = carry_forward(item, model, carry_logits, logits=True)
+            out, loss_func = carry_forward(item, model, carry_logits, logits=True, cp_strategy=cp_strategy)
             if item.phase == "fill":
                 return out, lambda output: (output.sum() * 0, {})
             return out, loss_func
@@ -748,7 +753,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     if cfg.cp > 1:  # the tree side runs the planner's plan; the per-sample side stays on one CP rank
         from ..cp import plan_context_parallel
 
-        tree_mbs = [(mb, plan_context_parallel(mb.layout, cfg.cp, strategy=cfg.cp_strategy)) for mb in tree_mbs]
+        if not cfg.carry:  # carry plans each item's layout (carried rows included) as it runs
+            tree_mbs = [(mb, plan_context_parallel(mb.layout, cfg.cp, strategy=cfg.cp_strategy)) for mb in tree_mbs]
         flat_mbs = [(mb, _single_owner_plan(mb, cfg.cp)) for mb in flat_mbs]
         if cfg.routing_replay:  # each CP rank's routers see its rows of the single-owner plan
             cpr, mult = ps.get_context_parallel_rank(), (cfg.tp if cfg.sp else 1)
@@ -837,6 +843,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         if opt is not None:
             opt.step()
             params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
+        if cfg.carry and side == "tree" and cfg.cp > 1:  # each CP rank holds its rows' logits: gather them
+            parts = [None] * cfg.cp
+            torch.distributed.all_gather_object(parts, [x for x in store if isinstance(x, tuple)],
+                                                group=ps.get_context_parallel_group())
+            store = [x for part in parts for x in part]
         runs[side] = dict(logits=store, loss=tot, grads=grads, params=params)
         if cfg.mtp_num_layers:
             from .verify_mtp import mtp_totals, set_mtp_fault
@@ -1064,7 +1075,13 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.fault in CARRY_FAULTS and not cfg.carry:
             raise ValueError(f"fault {cfg.fault} plants a bug in carry: it needs carry=True (--carry)")
         if cfg.carry:
-            bad = [what for what, on in (("--cp", cfg.cp > 1), ("--mtp-num-layers", cfg.mtp_num_layers),
+            # under tree CP carry runs attention layers (`forward_step.carry_cp`)
+            recurrent = cfg.model in ("mamba", "qwen3next", "dsa") or (
+                cfg.model == "hybrid" and (cfg.pattern is None or bool(set(cfg.pattern) & set("MG"))))
+            bad = [what for what, on in (("--cp with --pp", cfg.cp > 1 and cfg.pp > 1),
+                                         (f"--cp with --model {cfg.model} (recurrent or sparse attention layers)",
+                                          cfg.cp > 1 and recurrent),
+                                         ("--mtp-num-layers", cfg.mtp_num_layers),
                                          ("--inject-fault nan", cfg.fault == "nan")) if on]
             if bad:
                 raise ValueError(f"verify --carry does not run with {', '.join(bad)} yet")

@@ -32,8 +32,8 @@ from ...ops.ssd import tree_ssd
 from ...tree.layout import TreeLayout
 from ..planning.carry import own_forest
 
-__all__ = ["CarryStore", "CarryView", "inject_gradient", "tie_gradient", "carried_attention", "carried_gdn",
-           "carried_conv", "carried_mamba_ssd"]
+__all__ = ["CarryStore", "CarryView", "CarryCP", "inject_gradient", "tie_gradient", "carried_attention",
+           "carried_attention_cp", "carried_gdn", "carried_conv", "carried_mamba_ssd", "gather_rows"]
 
 #: TEST-ONLY fault switch (tests/test_carry.py, verify --inject-fault carry_*): "detach" (readers' gradients
 #: are dropped: no restoration), "twice" (the accumulated gradient is injected twice), "stale" (every
@@ -48,6 +48,7 @@ class _Entry:
     values: list  # detached tensors [E, ...] (emptied once the last reader's backward is done)
     acc: list  # gradient accumulators (None until a reader's backward adds one)
     meta: list  # (shape, dtype, device) of each value: the accumulators' shapes
+    reduced: bool = False  # tree CP: the accumulators were summed over the CP group (once, at the restore)
 
 
 class CarryStore:
@@ -143,6 +144,22 @@ class CarryStore:
         e = self._entries.get((key, owner))
         return None if e is None else e.acc[t]
 
+    def reduce_accumulators(self, key, owner: int, group) -> None:
+        """Tree CP: sum the accumulators of layer ``key`` of microbatch ``owner`` over the CP ``group``.
+
+        Each CP rank's readers computed the gradient of the carried rows their plan gave them, so
+        every rank holds a part; the owner's restore needs the sum. Called at the restore's forward
+        (without pipelining every reader's backward has run), on every rank (a collective), once: a
+        recomputation of the restore finds them reduced."""
+        e = self._entries.get((key, owner))
+        if e is None or e.reduced:
+            return
+        for t, (shape, dtype, device) in enumerate(e.meta):
+            if e.acc[t] is None:
+                e.acc[t] = torch.zeros(shape, dtype=dtype, device=device)
+            torch.distributed.all_reduce(e.acc[t], group=group)
+        e.reduced = True
+
     def clear(self) -> None:
         self._entries.clear()
 
@@ -157,19 +174,21 @@ class CarryStore:
 
 class _Inject(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rows, store, key, owner, t):
-        ctx.rows, ctx.store, ctx.key, ctx.owner, ctx.t = rows, store, key, owner, t
+    def forward(ctx, x, rows, store, key, owner, t, acc_rows):
+        ctx.rows, ctx.store, ctx.key, ctx.owner, ctx.t, ctx.acc_rows = rows, store, key, owner, t, acc_rows
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         acc = ctx.store.accumulated(ctx.key, ctx.owner, ctx.t)  # read now: every reader's backward has run
         if acc is not None:
+            if ctx.acc_rows is not None:  # tree CP: this rank's exported rows among the owner's
+                acc = acc[ctx.acc_rows.to(acc.device)]
             g = g.clone()
             g.index_add_(0, ctx.rows.to(g.device), acc.to(g.dtype))
             if _FAULT == "twice":
                 g.index_add_(0, ctx.rows.to(g.device), acc.to(g.dtype))
-        return g, None, None, None, None, None
+        return g, None, None, None, None, None, None
 
 
 class _Tie(torch.autograd.Function):
@@ -202,10 +221,48 @@ def tie_gradient(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, store: Ca
     return _Tie.apply(y, x, rows, store, key, owner, t)
 
 
-def inject_gradient(x: torch.Tensor, rows: torch.Tensor, store: CarryStore, key, owner: int, t: int) -> torch.Tensor:
+def inject_gradient(x: torch.Tensor, rows: torch.Tensor, store: CarryStore, key, owner: int, t: int,
+                    acc_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Identity on ``x`` [n, ...]; backward adds the accumulated gradient of state ``t`` of layer
-    ``key`` of microbatch ``owner`` to the rows ``rows`` [E] of ``x`` (its exported rows)."""
-    return _Inject.apply(x, rows, store, key, owner, t)
+    ``key`` of microbatch ``owner`` to the rows ``rows`` [E] of ``x`` (its exported rows): the
+    accumulator's rows ``acc_rows`` [E] when given (tree CP: the owner's exported rows this rank
+    computed), else all of them."""
+    return _Inject.apply(x, rows, store, key, owner, t, acc_rows)
+
+
+@dataclass(frozen=True)
+class CarryCP:
+    """A carry microbatch under tree CP (`CarryView.cp`).
+
+    plan / group    its `CPPlan` (over the whole layout: carried rows have CP owners too) and CP group
+    rank            this process's rank in ``group``
+    exported_keys   [E] step-global rows of every exported row (all CP ranks'), ascending
+    exported_rank   [E] numpy: the CP rank that computes each
+    exported_mine   [e] positions in ``exported_keys`` of this rank's (its ``CarryView.exported``)
+    """
+
+    plan: object
+    group: object
+    rank: int
+    exported_keys: np.ndarray
+    exported_rank: np.ndarray
+    exported_mine: torch.Tensor
+
+
+def gather_rows(x: torch.Tensor, rank_of: np.ndarray, group) -> torch.Tensor:
+    """All-gather rows over ``group``: each rank holds ``x`` = the rows ``rank_of == its rank`` (in
+    order) of an [E, ...] tensor; every rank returns the whole [E, ...] (no autograd: fills)."""
+    size = torch.distributed.get_world_size(group)
+    counts = np.bincount(rank_of, minlength=size)
+    m = int(counts.max(initial=0))
+    buf = x.new_zeros((m,) + tuple(x.shape[1:]))
+    buf[: x.shape[0]] = x
+    parts = [torch.empty_like(buf) for _ in range(size)]
+    torch.distributed.all_gather(parts, buf.contiguous(), group=group)
+    out = x.new_empty((len(rank_of),) + tuple(x.shape[1:]))
+    for r in range(size):
+        out[torch.from_numpy(np.flatnonzero(rank_of == r)).to(x.device)] = parts[r][: counts[r]]
+    return out
 
 
 @dataclass
@@ -234,11 +291,17 @@ class CarryView:
     state_keys: np.ndarray
     keys: np.ndarray | None = None  # [N] step-global row of every layout row (-1: padding)
     memo: dict = field(default_factory=dict, repr=False)  # per-microbatch host work shared by its layers
+    # tree CP (None without): ``own`` / ``exported`` are then this CP rank's share of the microbatch's rows
+    cp: "CarryCP | None" = None
 
     def state(self, key, values: list, positions=None, keys=None) -> list:
         """Own rows' state tensors ``values`` ([n, ...] each) of layer ``key``, through the phase:
         the rows ``positions`` (default: the exported rows) stored under ``keys`` (fill) or given the
-        readers' gradient (restore); unchanged otherwise."""
+        readers' gradient (restore); unchanged otherwise. Under tree CP the fill gathers the exported
+        rows of every CP rank (each rank's store holds them all: a reader's plan may give a carried row
+        to any rank) and the restore first sums the readers' gradients over the CP group."""
+        if self.cp is not None and positions is None:
+            return self._state_cp(key, values)
         positions = self.exported if positions is None else positions
         keys = self.exported_keys if keys is None else keys
         if not len(keys):
@@ -247,6 +310,19 @@ class CarryView:
             self.store.put(key, self.index, keys, [v[positions] for v in values])
         elif self.phase == "restore":
             values = [inject_gradient(v, positions, self.store, key, self.index, t) for t, v in enumerate(values)]
+        return values
+
+    def _state_cp(self, key, values: list) -> list:
+        cp = self.cp
+        if not len(cp.exported_keys):  # no CP rank exports a row of this microbatch
+            return values
+        if self.phase == "fill":
+            self.store.put(key, self.index, cp.exported_keys,
+                           [gather_rows(v[self.exported], cp.exported_rank, cp.group) for v in values])
+        elif self.phase == "restore":
+            self.store.reduce_accumulators(key, self.index, cp.group)
+            values = [inject_gradient(v, self.exported, self.store, key, self.index, t, acc_rows=cp.exported_mine)
+                      for t, v in enumerate(values)]
         return values
 
     def carried_state(self, key, rows=None) -> list | None:
@@ -281,6 +357,37 @@ def carried_attention(q, k, v, layout, view: CarryView, key, *, softmax_scale, w
     if sinks is not None:
         o, lse = apply_sinks(o, lse, sinks)
     return o
+
+
+def carried_attention_cp(q, k, v, view: CarryView, key, *, softmax_scale, window=None, sinks=None,
+                         backend: str = "auto") -> torch.Tensor:
+    """`carried_attention` under tree CP: ``q, k, v`` [n, H, D] are this CP rank's own rows
+    (``view.own``). The CP plan covers the whole layout, carried rows too: the carried rows it gives
+    this rank enter `tree_attention_cp` with their stored K / V (leaves whose gradient, returned to
+    this rank by the CP exchange, goes to their owner's accumulator) and zero queries, whose outputs
+    are dropped; every other row is attended as usual. Returns [n, Hq, Dv]."""
+    from .attention import tree_attention_cp  # a sibling executor
+
+    cp = view.cp
+    k, v = view.state(key, [k, v])
+    if "cp_attention" not in view.memo:  # positions of the own and of this rank's carried rows among its plan rows
+        rows = cp.plan.owner_rows(cp.rank)
+        carried = view.carried.cpu().numpy()
+        mine = np.flatnonzero(cp.plan.owner[carried] == cp.rank)
+        view.memo["cp_attention"] = (len(rows), torch.from_numpy(np.searchsorted(rows, view.own.cpu().numpy())),
+                                     mine, torch.from_numpy(np.searchsorted(rows, carried[mine])))
+    n, at_own, mine, at_carried = view.memo["cp_attention"]
+    dev = q.device
+    at_own = at_own.to(dev)
+    full = lambda x: x.new_zeros((n,) + tuple(x.shape[1:])).index_copy(0, at_own, x)
+    qf, kf, vf = full(q), full(k), full(v)
+    if len(mine):
+        kc, vc = view.carried_state(key, mine)
+        at_carried = at_carried.to(dev)
+        kf, vf = kf.index_copy(0, at_carried, kc.to(k.dtype)), vf.index_copy(0, at_carried, vc.to(v.dtype))
+    out = tree_attention_cp(qf, kf, vf, cp.plan, cp.group, softmax_scale=softmax_scale, window=window, sinks=sinks,
+                            backend=backend)
+    return out[at_own]
 
 
 def _own_forest(layout, view: CarryView):

@@ -76,11 +76,15 @@ WS2 = [
     both(VerifyConfig(model="hybrid", pattern="MG*-", pp=2, budget=16, carry=True, recompute="full")),
     # carry under tree CP: the plan covers carried rows too, whose stored K / V enter the CP attention on the rank
     # the plan gives them (zero queries); fills gather the exported rows over CP, restores sum the readers'
-    # gradients over CP
+    # gradients over CP; Mamba-2 and GDN run their head shards over every own row, each rank storing its heads'
+    # state (zigzag: both ranks hold rows of every microbatch)
     both(VerifyConfig(model="gpt", cp=2, cp_strategy="zigzag", window=9, sinks=True, budget=16, carry=True,
                       recompute="full")),
     VerifyConfig(model="mla", cp=2, budget=16, carry=True, loss="grpo"),
-    VerifyConfig(model="gpt", cp=2, cp_strategy="zigzag", budget=16, carry=True, fault="carry_twice"),
+    both(VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", budget=16, carry=True,
+                      recompute="selective")),
+    VerifyConfig(model="hybrid", pattern="MG-*", cp=2, cp_strategy="zigzag", budget=16, carry=True,
+                 fault="carry_detach"),
 ]
 
 # 4 ranks on this 2-core machine cost ~4x a 2-rank config: one case per 4-rank flavour (CI minutes). CP4 is the

@@ -73,14 +73,15 @@ def _carry_body(data):
     """Hybrid (Mamba-2, GDN, attention): --tree-carry at a 16-row budget (every sample is longer, so
     every path is cut and carried) against the same run with a budget that holds every tree whole, on
     DP2, then on two 1F1B pipeline stages (Mamba-2 + GDN on the first, attention + MLP on the second:
-    each stage its own carry store, the fills' hidden states sent on); and GPT under tree CP2 (zigzag:
+    each stage its own carry store, the fills' hidden states sent on); and under tree CP2 (zigzag:
     both ranks hold rows of every microbatch)."""
     from megatron_tree.training.trainer import train
 
     out = []
     for extra in (("--hybrid-override-pattern", "MG*-"), ("--hybrid-override-pattern", "MG*-",
                                                           "--pipeline-model-parallel-size", "2"),
-                  ("--num-layers", "2", "--context-parallel-size", "2", "--tree-cp-planner", "zigzag")):
+                  ("--hybrid-override-pattern", "MG*-", "--context-parallel-size", "2", "--tree-cp-planner",
+                   "zigzag")):
         common = ("--train-iters", "3", *extra)
         out += [train(_args(data, *common, "--tree-carry", "--tree-max-tokens-per-mb", "16")), train(_args(data, *common))]
     return out

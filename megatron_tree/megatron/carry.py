@@ -66,6 +66,8 @@ def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
     under sequence parallelism), and the view's `CarryCP` tells the attention layers the rest."""
     info = mb.carry
     dev = psp.layout.device
+    if cp is not None:  # the view of every own row first: the recurrent layers' head shards run on it
+        whole = carry_view(psp, mb, phase, store).carry
     own_np = info.own
     carry_cp, pad = None, 0
     if cp is not None:
@@ -76,11 +78,11 @@ def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
         mine = np.flatnonzero(exported_rank == rank)
         own_np = own_np[plan.owner[own_np] == rank]
         carry_cp = CarryCP(plan=plan, group=group, rank=rank, exported_keys=info.keys[info.exported],
-                           exported_rank=exported_rank, exported_mine=torch.from_numpy(mine).to(dev))
+                           exported_rank=exported_rank, exported_mine=torch.from_numpy(mine).to(dev), whole=whole)
         pad = _padding(len(own_np), multiple)
     own = torch.from_numpy(own_np).to(dev)
     exported = info.exported if cp is None else info.exported[mine]
-    state_rows = info.state_rows if cp is None else info.state_rows[:0]  # recurrent layers are refused under CP
+    state_rows = info.state_rows if cp is None else info.state_rows[:0]  # recurrent layers use ``whole`` under CP
     view = CarryView(phase=phase, store=store, index=info.index, own=own,
                      carried=torch.from_numpy(info.carried).to(dev), carried_keys=info.keys[info.carried],
                      carried_owner=np.asarray(info.carried_owner),

@@ -146,7 +146,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         qkv, gate, beta, alpha = torch.split(
             qkvzba, [(2 * self.qk_dim + self.v_dim) // tp, self.v_dim // tp, self.num_value_heads // tp,
                      self.num_value_heads // tp], dim=-1)
-        if carry is not None:  # own rows only: conv halos and states continue carried rows (the step's store)
+        if carry is not None and not context_parallel:  # own rows: conv halos and states continue carried rows
             from ..cp.execution.carry import carried_gdn  # the executor sits below this package
 
             g = -self.A_log.exp() * F.softplus(_wide(alpha) + self.dt_bias)
@@ -203,7 +203,9 @@ class TreeGatedDeltaNet(GatedDeltaNet):
                            psp.layout, plan, self.pg_collection.cp, num_k_heads=self.num_key_heads // self.tp_size,
                            head_k_dim=self.key_head_dim, head_v_dim=self.value_head_dim,
                            activation="silu" if fused_silu else self.act_fn, qk_l2norm=self.use_qk_l2norm,
-                           mode=self.gdn_cp_mode or default_gdn_cp_mode(), backend=self.backend)
+                           mode=self.gdn_cp_mode or default_gdn_cp_mode(), backend=self.backend,
+                           # carry: heads mode over every own row (the whole view), continuing carried state
+                           carry=None if psp.carry is None else psp.carry.cp.whole, key=("gdn", self.layer_number))
         if s > n:
             core = torch.cat([core, core.new_zeros((s - n,) + tuple(core.shape[1:]))])
         return core

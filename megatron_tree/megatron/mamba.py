@@ -201,7 +201,9 @@ class _TreeMambaMixerImpl:
         conv_w, conv_b = mamba_conv_params(self)  # the conv's parameter names differ across versions
         y = tree_mamba_cp(xBCdt, conv_w.squeeze(1), conv_b, _wide(self.dt_bias),
                           -torch.exp(_wide(self.A_log)), self.D, psp.layout, plan, self.pg_collection.cp,
-                          head_dim=P, num_groups=G, d_state=S, backend=self.backend, chunk_size=self.chunk_size)
+                          head_dim=P, num_groups=G, d_state=S, backend=self.backend, chunk_size=self.chunk_size,
+                          # carry: the head shards run over every own row (the whole view), continuing carried state
+                          carry=None if psp.carry is None else psp.carry.cp.whole, key=("mamba", self.layer_number))
         y = y.reshape(n, d_inner)
         if self.rmsnorm:
             y = self.norm(y, z)  # over this TP rank's groups of the token's heads, all local again

@@ -204,18 +204,15 @@ def validate_tree_args(args) -> argparse.Namespace:
         errors.append("--tree-routing-replay packs route-aware prefix trees: drop --tree-flat-packing")
 
     if _get(args, "tree_carry"):
-        if int(_get(args, "context_parallel_size", 1) or 1) > 1:  # carry under tree CP: attention layers
-            patterns = "".join(_get(args, k) or "" for k in ("tree_hybrid_pattern", "hybrid_override_pattern",
-                                                            "hybrid_layer_pattern"))
-            recurrent = sorted({"Mamba-2" for c in patterns if c == "M"} | {"Gated DeltaNet" for c in patterns if c == "G"})
-            variant = _get(args, "experimental_attention_variant")
-            if variant in ("gated_delta_net", "dsa"):
-                recurrent.append({"gated_delta_net": "Gated DeltaNet", "dsa": "DeepSeek sparse attention"}[variant])
+        if int(_get(args, "context_parallel_size", 1) or 1) > 1:  # carry under tree CP (`forward_step.carry_cp`)
+            bad = []
+            if _get(args, "experimental_attention_variant") == "dsa":
+                bad.append("DeepSeek sparse attention")
             if int(_get(args, "pipeline_model_parallel_size", 1) or 1) > 1:
-                recurrent.append("--pipeline-model-parallel-size > 1")
-            if recurrent:
-                errors.append("--tree-carry with --context-parallel-size > 1 runs attention layers (MLA included), MLPs "
-                              f"and MoE; not yet {', '.join(sorted(set(recurrent)))}")
+                bad.append("--pipeline-model-parallel-size > 1")
+            if bad:
+                errors.append("--tree-carry with --context-parallel-size > 1 runs attention (MLA included), Gated "
+                              f"DeltaNet, Mamba-2, MLPs and MoE without pipelining; not yet {' or '.join(bad)}")
         if _get(args, "num_layers_per_virtual_pipeline_stage") or _get(args, "virtual_pipeline_model_parallel_size"):
             errors.append("--tree-carry runs 1F1B pipelining, not interleaved virtual stages (a chunk's backward "
                           "order then mixes two chunks' items): drop --num-layers-per-virtual-pipeline-stage")

@@ -239,6 +239,9 @@ class CarryCP:
     exported_keys   [E] step-global rows of every exported row (all CP ranks'), ascending
     exported_rank   [E] numpy: the CP rank that computes each
     exported_mine   [e] positions in ``exported_keys`` of this rank's (its ``CarryView.exported``)
+    whole           the microbatch's `CarryView` without CP (every own row): the recurrent layers run
+                    their heads over every own row after a token -> head transpose (`tree_gdn_cp`,
+                    `tree_mamba_cp` with ``carry=``), so each rank stores and reads its heads' state
     """
 
     plan: object
@@ -247,6 +250,7 @@ class CarryCP:
     exported_keys: np.ndarray
     exported_rank: np.ndarray
     exported_mine: torch.Tensor
+    whole: "CarryView"
 
 
 def gather_rows(x: torch.Tensor, rank_of: np.ndarray, group) -> torch.Tensor:
@@ -462,13 +466,16 @@ def carried_mamba_ssd(x, dt, A, B, C, layout, view: CarryView, key, *, D=None, b
 
 
 def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, key, *, num_k_heads: int,
-                head_k_dim: int, head_v_dim: int, activation="silu", qk_l2norm: bool = True, scale=None):
+                head_k_dim: int, head_v_dim: int, activation="silu", qk_l2norm: bool = True, scale=None,
+                key_of_value=None):
     """Gated DeltaNet (conv + recurrence) of the own rows, continuing carried rows' state.
 
     qkv [n, 2*H*K + HV*V] pre-conv channels of ``view.own``; g, beta [n, HV]; conv_weight [C, W].
     The conv reads carried rows' pre-conv channels from the store (the whole layout is convolved,
     carried rows from the store, so the halo follows the root path across the cut); the recurrence
     runs the own rows as a forest whose roots under a carried row start from that row's stored state.
+    ``key_of_value`` [HV] (tree CP's heads mode): the key head each value head reads, when the heads
+    here are not grouped as ``h // (HV / H)``.
     Returns o [n, HV, V], equal to the whole-tree layer at those rows (torch reference path)."""
     n, H, K, V = qkv.shape[0], int(num_k_heads), int(head_k_dim), int(head_v_dim)
     HV = int(g.shape[1])
@@ -477,6 +484,8 @@ def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, k
     q, k, v = q.reshape(n, H, K), k.reshape(n, H, K), v.reshape(n, HV, V)
     if qk_l2norm:
         q, k = l2norm(q), l2norm(k)
+    if key_of_value is not None:
+        q, k = q.index_select(1, key_of_value), k.index_select(1, key_of_value)
     seg_start, seg_len, seg_parent, init_index, parents, final_segs = _own_forest(layout, view)
     init = None
     if len(parents):

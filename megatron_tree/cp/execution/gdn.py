@@ -50,6 +50,7 @@ from ..planning.gdn_plan import (
     check_heads_mode,
     choose_mode,
     gdn_heads_plan,
+    gdn_heads_plan_of_owner,
     gdn_rank_plan,
 )
 from ..planning.plan import CPPlan
@@ -159,7 +160,8 @@ def tree_gdn_cp(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_wei
                 conv_bias: Optional[torch.Tensor], layout: TreeLayout, plan: CPPlan, group=None, *,
                 num_k_heads: int, head_k_dim: int, head_v_dim: int,
                 activation: Union[str, None, Callable] = "silu", qk_l2norm: bool = True, scale: Optional[float] = None,
-                mode: str = "auto", backend: str = "auto", cost: Optional[GDNCostModel] = None) -> torch.Tensor:
+                mode: str = "auto", backend: str = "auto", cost: Optional[GDNCostModel] = None, carry=None,
+                key=None) -> torch.Tensor:
     """Tree Gated DeltaNet (conv + recurrence) of this rank's rows under the CP ``plan``.
 
     qkv [n, 2*H*K + HV*V]  pre-conv channels ``[q heads | k heads | v heads]`` of the rows
@@ -170,6 +172,12 @@ def tree_gdn_cp(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_wei
     activation             "silu", None, or a callable applied after the conv
     mode                   "auto" (cost model, same choice on every rank), "summary" or "heads"
     backend                tree-op backend for heads mode ("auto": FLA on CUDA bf16/fp16)
+
+    carry / key            carry (`cp.execution.carry`): the microbatch's whole `CarryView` (its own rows, not
+                           this rank's share) and the layer's store key; the rows are then this rank's own
+                           rows (``plan.owner_rows(rank)`` among ``carry.own``), heads mode runs (each rank
+                           holds every own row of its heads: the carried conv and recurrence run there, and
+                           its store holds its heads' state), and ``mode`` must be "auto" or "heads"
 
     Returns o [n, HV, V] in qkv's dtype, equal to the single-device layer. Every rank of ``group``
     (default: the world) must call it with the same plan, layout, shapes and mode.
@@ -182,7 +190,8 @@ def tree_gdn_cp(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_wei
         raise ValueError(f"the CP plan covers {plan.num_rows} rows but the layout has {layout.num_rows}")
     cp = plan.cp_size
     rank = group_rank(plan, group, "tree_gdn_cp") if cp > 1 else 0
-    n = int(plan.owner_rows(rank).shape[0])
+    owner = plan.owner if carry is None else plan.owner[carry.own.cpu().numpy()]
+    n = int((owner == rank).sum())
     HV = int(g.shape[1]) if g.dim() == 2 else -1
     H, K, V = int(num_k_heads), int(head_k_dim), int(head_v_dim)
     if qkv.dim() != 2 or qkv.shape[0] != n:
@@ -195,6 +204,13 @@ def tree_gdn_cp(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_wei
                          f"{qkv.shape[1]} and {tuple(conv_weight.shape)}")
     if activation not in ("silu", None) and not callable(activation):
         raise ValueError(f"activation must be 'silu', None or a callable; got {activation!r}")
+    if carry is not None:
+        if mode == "summary":
+            raise ValueError("carry under tree CP runs Gated DeltaNet in heads mode (each rank continues its heads' "
+                             "carried state over every own row): gdn_cp_mode='summary' is not supported with carry")
+        check_heads_mode(heads, cp)
+        return _heads(qkv, g, beta, conv_weight, conv_bias, layout, plan, group, rank, heads, activation, qk_l2norm,
+                      scale, backend, carry=(carry, key, owner))
     if cp == 1:
         return _single_device(qkv, g, beta, conv_weight, conv_bias, layout, heads, activation, qk_l2norm, scale,
                               backend)
@@ -290,12 +306,20 @@ def _summary(qkv, g, beta, w, b, layout, plan, group, rank, heads, activation, q
 
 
 # ------------------------------------------------------------------------------- heads mode
-def _heads(qkv, g, beta, w, b, layout, plan, group, rank, heads, activation, qk_l2norm, scale, backend):
+def _heads(qkv, g, beta, w, b, layout, plan, group, rank, heads, activation, qk_l2norm, scale, backend, carry=None):
     dev = qkv.device
     n, cp = qkv.shape[0], plan.cp_size
     HV, K, V = heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
-    hp = gdn_heads_plan(plan, layout, heads, rank)
-    N = layout.num_rows
+    if carry is None:
+        hp = gdn_heads_plan(plan, layout, heads, rank)
+        N = layout.num_rows
+    else:  # the own rows only (`carry.own` order); made once per microbatch view
+        view, key, owner = carry
+        memo = view.memo.setdefault("gdn_heads", {})
+        if (heads, rank) not in memo:
+            memo[(heads, rank)] = gdn_heads_plan_of_owner(owner, cp, heads, rank)
+        hp = memo[(heads, rank)]
+        N = owner.shape[0]
     chain = _Chain(group)
     t = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
     # row (i, j) of the packed block is local row i's slice for rank j; sent destination-major
@@ -312,17 +336,24 @@ def _heads(qkv, g, beta, w, b, layout, plan, group, rank, heads, activation, qk_
     gb = transpose(hp.gb_cols, torch.cat([g.to(gb_dtype), beta.to(gb_dtype)], 1))
     hv = hp.hv
     cols = t(hp.my_qkv)
-    y = tree_causal_conv1d(x, w.index_select(0, cols), None if b is None else b.index_select(0, cols), layout,
-                           activation="silu" if activation == "silu" else None)
-    if activation != "silu":
-        y = _activate(y, activation)
+    w, b = w.index_select(0, cols), None if b is None else b.index_select(0, cols)
     nk = hp.k_heads.size
-    q, k, v = _qkv_heads(y, N, nk, hv, K, V, qk_l2norm)
-    if hp.key_of_value is not None:  # fewer local value heads than a key head's group: one key per value head
-        kv = t(hp.key_of_value)
-        q, k = q.index_select(1, kv), k.index_select(1, kv)
-    o = tree_gated_delta_rule(q, k, v, gb[:, :hv].to(g.dtype), gb[:, hv:].to(beta.dtype), layout, scale=scale,
-                              backend=backend)
+    kv = None if hp.key_of_value is None else t(hp.key_of_value)
+    if carry is not None:  # this rank's heads over every own row, continuing carried rows' state
+        from .carry import carried_gdn
+
+        o = carried_gdn(x, gb[:, :hv].to(g.dtype), gb[:, hv:].to(beta.dtype), w, b, layout, view, key,
+                        num_k_heads=nk, head_k_dim=K, head_v_dim=V, activation=activation, qk_l2norm=qk_l2norm,
+                        scale=scale, key_of_value=kv)
+    else:
+        y = tree_causal_conv1d(x, w, b, layout, activation="silu" if activation == "silu" else None)
+        if activation != "silu":
+            y = _activate(y, activation)
+        q, k, v = _qkv_heads(y, N, nk, hv, K, V, qk_l2norm)
+        if kv is not None:  # fewer local value heads than a key head's group: one key per value head
+            q, k = q.index_select(1, kv), k.index_select(1, kv)
+        o = tree_gated_delta_rule(q, k, v, gb[:, :hv].to(g.dtype), gb[:, hv:].to(beta.dtype), layout, scale=scale,
+                                  backend=backend)
     # home: each owner gets its rows of every head shard; shards arrive in rank (= head) order
     back = chain.exchange(o.reshape(N, hv * V), t(hp.rows_by_source), hp.n_by_rank, (n,) * cp)
     out = back.reshape(cp, n, hv, V).permute(1, 0, 2, 3).reshape(n, HV, V)

@@ -37,7 +37,7 @@ and the others return empty outputs (still attached to the parameters' graph). T
 from __future__ import annotations
 
 from collections import OrderedDict
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 import torch
@@ -132,13 +132,23 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _head_shard_ssm(xBCdt, j, sh: MambaHeadShards, conv_weight, conv_bias, dt_bias, A, D, layout, backend,
-                    chunk_size, slice_rank=None):
+                    chunk_size, slice_rank=None, carry=None):
     """Conv + SSD + D skip of rank ``j``'s heads over every row of ``layout``.
 
     xBCdt [N, F_j] (the channels ``sh.channels[j]``, rows in global order); conv_weight [H*P+2*G*S, W],
     conv_bias, dt_bias [H], A [H], D [H] / [H*P] / None: the TP rank's whole parameters, sliced
-    here. Returns y [N, H/cp, P] in the conv output's dtype.
+    here. Returns y [N, H/cp, P] in the conv output's dtype. ``carry``: ``(view, key)``, the rows are
+    the view's own rows and the conv / SSD continue carried rows (`cp.execution.carry`).
     """
+    if carry is not None:
+        from .carry import carried_conv, carried_mamba_ssd
+
+        view, key = carry
+        conv = partial(carried_conv, layout=layout, view=view, key=key)
+        ssd = partial(carried_mamba_ssd, layout=layout, view=view, key=key, backend=backend, chunk_size=chunk_size)
+    else:
+        conv = partial(tree_causal_conv1d, layout=layout)
+        ssd = partial(tree_ssd, layout=layout, backend=backend, chunk_size=chunk_size)
     N = xBCdt.shape[0]
     Hc, P, S = sh.heads_per_rank, sh.head_dim, sh.d_state
     cw = sh.conv_width[j]
@@ -146,9 +156,8 @@ def _head_shard_ssm(xBCdt, j, sh: MambaHeadShards, conv_weight, conv_bias, dt_bi
     conv_idx = _index(sh, j, dev)[1]
     h0, h1 = sh.heads[slice_rank if slice_rank is not None else j]
     gl = sh.groups[j][1] - sh.groups[j][0]
-    xBC = tree_causal_conv1d(xBCdt[:, :cw], conv_weight.index_select(0, conv_idx),
-                             None if conv_bias is None else conv_bias.index_select(0, conv_idx), layout,
-                             activation="silu")
+    xBC = conv(xBCdt[:, :cw], conv_weight.index_select(0, conv_idx),
+               None if conv_bias is None else conv_bias.index_select(0, conv_idx), activation="silu")
     x, B, C = torch.split(xBC, [Hc * P, gl * S, gl * S], dim=-1)
     x, B, C = x.reshape(N, Hc, P), B.reshape(N, gl, S), C.reshape(N, gl, S)
     if sh.expand[j]:  # the shard straddles a group boundary unevenly: one group per head
@@ -159,11 +168,10 @@ def _head_shard_ssm(xBCdt, j, sh: MambaHeadShards, conv_weight, conv_bias, dt_bi
     A_j = A[h0:h1]
     hj0, hj1 = sh.heads[j]
     if D is not None and D.shape[0] == sh.num_heads * P:  # D_has_hdim: added after the scan, like the module
-        y = tree_ssd(x, dt, A_j, B, C, layout, backend=backend, chunk_size=chunk_size)
+        y = ssd(x, dt, A_j, B, C)
         y = (y.to(cdt) + x.to(cdt) * D[hj0 * P:hj1 * P].to(cdt).reshape(Hc, P)).to(x.dtype)
     else:
-        y = tree_ssd(x, dt, A_j, B, C, layout, D=None if D is None else D[hj0:hj1], backend=backend,
-                     chunk_size=chunk_size)
+        y = ssd(x, dt, A_j, B, C, D=None if D is None else D[hj0:hj1])
     return y
 
 
@@ -191,7 +199,7 @@ def _check_args(xBCdt, conv_weight, conv_bias, dt_bias, A, D, layout, plan, sh, 
 def tree_mamba_cp(xBCdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                   dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None, layout: TreeLayout, plan: CPPlan,
                   group=None, *, head_dim: int, num_groups: int, d_state: int, backend: str = "auto",
-                  chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+                  chunk_size: int = CHUNK_SIZE, carry=None, key=None) -> torch.Tensor:
     """Mamba-2's conv + SSD of this rank's owned rows over the CP ``group`` under ``plan`` (autograd).
 
     xBCdt [n_local, H*P + 2*G*S + H]: the ``in_proj`` output without ``z`` (channels
@@ -204,6 +212,11 @@ def tree_mamba_cp(xBCdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: tor
     Returns y [n_local, H, P] in the conv output's dtype: rows ``owner_rows(rank)`` of the
     single-device ``tree_ssd(silu(tree_causal_conv1d(xBC)), softplus(dt + dt_bias), A, B, C) + D x``
     on the whole layout (computed in fp32, fp64 for fp64 inputs), before the gate and norm.
+
+    ``carry`` / ``key`` (carry, `cp.execution.carry`): the microbatch's whole `CarryView` and the layer's
+    store key. The rows are then this rank's own rows (``plan.owner_rows(rank)`` among ``carry.own``);
+    each rank holds every own row of its heads, runs the carried conv and SSD there (its store holds its
+    heads' state) and the transposes always run (every rank stores its heads, whoever owns the rows).
 
     Raises ValueError, before any collective and identically on every rank, when the CP size does
     not divide ``H`` (naming both) or shapes disagree. Every rank of the group must call this with
@@ -218,13 +231,25 @@ def tree_mamba_cp(xBCdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: tor
         raise ValueError(f"A must be [H] (one decay per head of this TP rank), got {tuple(A.shape)}")
     H = int(A.shape[0])
     sh = mamba_head_shards(H, head_dim, num_groups, d_state, cp)
-    by_owner, to_global, counts = _row_order(plan, xBCdt.device)
+    if carry is None:
+        by_owner, to_global, counts = _row_order(plan, xBCdt.device)
+        N = plan.num_rows
+    else:  # the own rows only, in ``carry.own`` order (made once per microbatch view)
+        if "mamba_rows" not in carry.memo:
+            owner = plan.owner[carry.own.cpu().numpy()]
+            by = np.argsort(owner, kind="stable").astype(np.int64)
+            to = np.empty_like(by)
+            to[by] = np.arange(by.shape[0], dtype=np.int64)
+            carry.memo["mamba_rows"] = (torch.from_numpy(by).to(xBCdt.device), torch.from_numpy(to).to(xBCdt.device),
+                                        np.bincount(owner, minlength=cp).astype(np.int64))
+        by_owner, to_global, counts = carry.memo["mamba_rows"]
+        N = int(by_owner.shape[0])
     _check_args(xBCdt, conv_weight, conv_bias, dt_bias, A, D, layout, plan, sh, int(counts[rank]), rank)
     layout = layout.to(xBCdt.device) if layout.device != xBCdt.device else layout
-    N, P = plan.num_rows, head_dim
+    P = head_dim
     fault = _FAULT
 
-    if cp == 1 or int(counts.max()) == N:
+    if carry is None and (cp == 1 or int(counts.max()) == N):
         # One rank owns every row: it runs all heads itself, nothing moves. The others return an
         # empty result that still reaches every parameter (their gradients exist, as zeros).
         if int(counts[rank]) == N:
@@ -254,7 +279,7 @@ def tree_mamba_cp(xBCdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: tor
 
     slice_rank = 0 if fault == "param_slice" else None
     y = _head_shard_ssm(mine, rank, sh, conv_weight, conv_bias, dt_bias, A, D, layout, backend, chunk_size,
-                        slice_rank)                                     # [N, H/cp, P]
+                        slice_rank, carry=None if carry is None else (carry, key))  # [N, H/cp, P]
     Hc = sh.heads_per_rank
     # inverse transpose: each owner's rows (in its local order) of my heads go back to it
     send_rows = by_owner.flip(0) if fault == "y_wrong_rows" else by_owner

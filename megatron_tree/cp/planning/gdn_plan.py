@@ -38,7 +38,7 @@ from ...tree.layout import TreeLayout
 from .plan import CPPlan
 
 __all__ = ["GDNHeads", "GDNCostModel", "gdn_cp_figures", "choose_mode", "gdn_pieces", "gdn_rank_plan",
-           "gdn_heads_plan", "MODES", "summary_terms", "heads_terms", "GDN_CPU_COST_JSON"]
+           "gdn_heads_plan", "gdn_heads_plan_of_owner", "MODES", "summary_terms", "heads_terms", "GDN_CPU_COST_JSON"]
 
 MODES = ("auto", "summary", "heads")
 
@@ -426,7 +426,13 @@ def check_heads_mode(heads: GDNHeads, cp: int) -> None:
 
 
 def _build_heads(plan: CPPlan, heads: GDNHeads, rank: int) -> HeadsPlan:
-    cp = plan.cp_size
+    return gdn_heads_plan_of_owner(plan.owner, plan.cp_size, heads, rank)
+
+
+def gdn_heads_plan_of_owner(owner: np.ndarray, cp: int, heads: GDNHeads, rank: int) -> HeadsPlan:
+    """`HeadsPlan` of rank ``rank`` for the rows ``owner`` [N] gives to CP ranks (a plan's ``owner``,
+    or under carry the own rows' part of it: the transposes then move only the rows a microbatch
+    computes)."""
     check_heads_mode(heads, cp)
     H, HV, K, V = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
     G, hv, C = HV // H, HV // cp, heads.conv_channels
@@ -445,13 +451,14 @@ def _build_heads(plan: CPPlan, heads: GDNHeads, rank: int) -> HeadsPlan:
     keys = kh[rank]
     aligned = hv % G == 0  # then local value head i reads local key head i // G, as the op assumes
     key_of_value = None if aligned else (vh // G - keys[0]).astype(np.int64)
-    rows_by_source = np.concatenate([plan.owner_rows(r) for r in range(cp)])
+    owner = np.asarray(owner)
+    rows_by_source = np.argsort(owner, kind="stable").astype(np.int64)  # each rank's rows, ascending, rank by rank
     from_source = np.empty_like(rows_by_source)
     from_source[rows_by_source] = np.arange(rows_by_source.shape[0])
     return HeadsPlan(hv=hv, k_heads=keys, qkv_cols=pad(qkv_cols, C, cq).astype(np.int64),
                      gb_cols=np.stack(gb_cols).astype(np.int64), my_qkv=qkv_cols[rank].astype(np.int64),
                      key_of_value=key_of_value, rows_by_source=rows_by_source, from_source=from_source,
-                     n_by_rank=tuple(int(x) for x in plan.rows_per_rank()))
+                     n_by_rank=tuple(int(x) for x in np.bincount(owner, minlength=cp)))
 
 
 # ------------------------------------------------------------------------------- caches

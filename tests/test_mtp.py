@@ -612,7 +612,13 @@ def _verify_cases():
            # Qwen3-Next: GDN layers, the MTP layer copies the last decoder layer (qk-normed attention;
            # stock refuses an MTP layer copying a GDN layer)
            VerifyConfig(model="qwen3next", mtp_num_layers=1, families=2),
-           VerifyConfig(model="qwen3next", mtp_num_layers=2, families=2, fault="mtp_physical_roll")]
+           VerifyConfig(model="qwen3next", mtp_num_layers=2, families=2, fault="mtp_physical_roll"),
+           # carry (issue 25) at a 16-row budget (4 families: the 19-token sample, paths cut into chains): each
+           # depth's input at a row under a carried parent is the parent's state from the store, the MTP layers'
+           # K / V (and GDN / Mamba state) carry under their own store keys; dropping the carried parent fails
+           VerifyConfig(mtp_num_layers=2, budget=16, carry=True, window=9, sinks=True, recompute="full", families=4),
+           VerifyConfig(model="qwen3next", mtp_num_layers=1, budget=16, carry=True, families=4),
+           VerifyConfig(mtp_num_layers=2, budget=16, carry=True, families=4, fault="mtp_carry_parent")]
     ws2 = [VerifyConfig(mtp_num_layers=2, tp=2, sp=True, families=2),
            VerifyConfig(mtp_num_layers=2, cp=2, families=2),
            VerifyConfig(mtp_num_layers=1, pp=2, families=2),
@@ -638,8 +644,12 @@ def _verify_cases():
                                        fault="mtp_physical_roll")),
                   ("ws2", VerifyConfig(model="mamba", pattern="M*-M", mtp_num_layers=2, mtp_pattern="M*", cp=2,
                                        families=2)),
-                  ("ws2", VerifyConfig(model="mamba", mtp_num_layers=1, mtp_pattern="*E", tp=2, sp=True, families=2))]
-    latest = {("ws1", 0), ("ws1", 2), ("ws1", 4), ("ws2", 0), ("ws2", 1), ("ws4", 1)}  # the rest repeat these
+                  ("ws2", VerifyConfig(model="mamba", mtp_num_layers=1, mtp_pattern="*E", tp=2, sp=True, families=2)),
+                  # carry: Mamba-2 inside the MTP depths continues carried state on the depth's cut layout
+                  ("ws1", VerifyConfig(model="mamba", pattern="M*-M", mtp_num_layers=2, mtp_pattern="M*", budget=16,
+                                       carry=True, families=4))]
+    # (ws1 6: carry, on both stacks: 0.19 rescales each sample's MTP loss by its step-wide token counts)
+    latest = {("ws1", 0), ("ws1", 2), ("ws1", 4), ("ws1", 6), ("ws2", 0), ("ws2", 1), ("ws4", 1)}  # the rest repeat
     for name, cfg in newer:  # (main tier only); these run on megatron-core >= 0.19 only
         cases = ws1 if name == "ws1" else ws2
         latest.add((name, len(cases)))

@@ -231,8 +231,9 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
     (this CP rank's, under CP; no loss map). Under tree CP ``cp_strategy`` plans each microbatch
     (`carry_cp`). Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
-    if getattr(config, "mtp_num_layers", None):
-        raise ValueError("carry (--tree-carry) does not run with multi-token prediction yet")
+    if getattr(config, "mtp_num_layers", None) and config.context_parallel_size > 1:
+        raise ValueError("carry (--tree-carry) does not run with multi-token prediction under context parallelism "
+                         "yet")
     item.store.advance(item.position - pending_backwards(model))  # the items whose backward is done
     dev = device if device is not None else next(model.parameters()).device
     psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)
@@ -245,4 +246,9 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
             out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
         return fill_output(model, out), fill_loss
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
-    return out, make_loss(loss_map)
+    loss_func = make_loss(loss_map)
+    if getattr(config, "mtp_num_layers", None) and not logits:  # report each MTP depth's loss too
+        from .mtp import with_mtp_report
+
+        loss_func = partial(with_mtp_report, loss_func, psp)
+    return out, loss_func

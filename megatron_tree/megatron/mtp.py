@@ -82,7 +82,8 @@ __all__ = ["TreeMultiTokenPredictionLayer", "mtp_layout", "mtp_view", "mtp_halo"
 #   "shallow_visible"  a depth-k layer also sees the rows of depth < k on its path
 #   "per_row_loss"     each source row's MTP loss counted once instead of once per occurrence
 #   "no_tail"          the MTP tail rows left out of the depth-k layer (their indexer loss lost)
-FAULTS = ("physical_roll", "shallow_visible", "per_row_loss", "no_tail")
+#   "carry_parent"     under carry, an own row whose parent is a carried row gets zeros, not its stored state
+FAULTS = ("physical_roll", "shallow_visible", "per_row_loss", "no_tail", "carry_parent")
 _FAULT = None
 
 
@@ -137,9 +138,12 @@ def mtp_view(psp: TreePackedSeqParams, k: int) -> TreePackedSeqParams:
             cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
             plan = dataclasses.replace(plan, visible_until=cpu.visible_until.numpy().copy(),
                                        position_ids=cpu.position_ids.numpy().copy())
+        carry = psp.carry
+        if carry is not None:  # its layers' store keys apart from the decoder's; its own host work (cut layout)
+            carry = dataclasses.replace(carry, scope=("mtp", k), memo={})
         view = dataclasses.replace(psp, layout=layout, loss_map=None, cp_plan=plan, gdn_plan=None,
                                    gdn_local_rows=None, gdn_num_local_padding=0, in_island=False, attention_view=None,
-                                   **_depth_weights(psp, k, tail))
+                                   carry=carry, **_depth_weights(psp, k, tail))
         view.max_seqlen_q, view.max_seqlen_kv = psp.max_seqlen_q, psp.max_seqlen_kv
         view.__dict__["_capture_parent"] = psp  # debug captures file it under its microbatch's forward
         views[k] = view
@@ -263,7 +267,9 @@ def _parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, confi
     if sp:  # backward: reduce-scatter of the (TP-identical) gradient slices
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=pg.tp)
     layout = psp.layout
-    if psp.is_context_parallel:
+    if psp.carry is not None and not psp.is_context_parallel:
+        out = _carry_parent_states(hidden, psp.carry, layout, k)
+    elif psp.is_context_parallel:
         halo = mtp_halo(psp.cp_plan, layout, psp.cp_rank, k, psp.num_local_padding)
         dev = hidden.device
         recv = fetch_rows(hidden, torch.from_numpy(halo.send_local).to(dev), halo.send_splits, halo.recv_splits,
@@ -280,6 +286,66 @@ def _parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, confi
     if sp:
         out = scatter_to_sequence_parallel_region(out, group=pg.tp)
     return out
+
+
+def _carry_parent_states(hidden: torch.Tensor, view, layout: TreeLayout, k: int) -> torch.Tensor:
+    """`_parent_states` of a carry microbatch (`megatron.carry`): ``hidden`` [n, 1, h] holds its own rows
+    (``view.own``). A parent row that a carried row is (the first own row under the cut hangs off it)
+    takes its depth-(k-1) state from the step's store: the owner's fill stores the state of its state
+    rows (``view.state_rows``: exactly the rows a later microbatch's own row hangs off) under key
+    ``("mtp", k)``, its restore receives their gradient."""
+    (hidden,) = view.state(("mtp", k), [hidden], positions=view.state_rows, keys=view.state_keys)
+    if "mtp_parents" not in view.memo:
+        view.memo["mtp_parents"] = {}
+    memo = view.memo["mtp_parents"]
+    if k not in memo:  # [n] index into cat(own rows, carried parents, a zero row); the carried parents
+        cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
+        own, carried = view.own.cpu().numpy(), view.carried.cpu().numpy()
+        pos, prev = cpu.position_ids.numpy()[own], _path_prev(cpu)[own]
+        valid = (pos >= k) & (own < cpu.num_real_rows)
+        in_own = np.searchsorted(own, prev)
+        is_own = valid & (in_own < len(own)) & (own[np.minimum(in_own, len(own) - 1)] == prev)
+        parents = np.unique(prev[valid & ~is_own])  # carried rows (ascending)
+        at = np.searchsorted(carried, parents)
+        if (at >= len(carried)).any() or (carried[np.minimum(at, len(carried) - 1)] != parents).any():
+            raise RuntimeError("MTP under carry: an own row's parent is neither own nor carried")
+        index = np.where(is_own, in_own, len(own) + len(parents))
+        index = np.where(valid & ~is_own, len(own) + np.searchsorted(parents, prev), index)
+        memo[k] = (torch.from_numpy(index.astype(np.int64)), at)
+    index, at = memo[k]
+    parts = [hidden]
+    if len(at):
+        (carried_h,) = view.carried_state(("mtp", k), at)
+        if _FAULT == "carry_parent":
+            carried_h = torch.zeros_like(carried_h)
+        parts.append(carried_h.to(hidden.dtype))
+    parts.append(hidden.new_zeros((1,) + tuple(hidden.shape[1:])))
+    return torch.cat(parts).index_select(0, index.to(hidden.device))
+
+
+def _carry_sample_sums(store, num_layers: int):
+    """Per sample of the step (``store.microbatches``, every microbatch its occurrences live in):
+    ``(ids, [S, K+1] sums of w and of w over occurrences of source depth >= k)``. Carry routes an
+    occurrence to its source row's owner, so a sample's occurrences spread over microbatches and
+    stock's per-sample ratio needs the step's sums (made once per step and depth count)."""
+    memo = store.__dict__.setdefault("_mtp_sample_sums", {})
+    if num_layers not in memo:
+        ids, cols = [], []
+        for mb in store.microbatches:
+            lm = mb.loss_map
+            if lm is None or not lm.sample_index.numel():
+                continue
+            w = lm.weights.to(torch.float64).cpu()
+            depth = mb.layout.position_ids.cpu()[lm.source_rows.cpu()]
+            ids.append(lm.sample_index.cpu())
+            cols.append(torch.stack([w] + [w * (depth >= k).to(w) for k in range(1, num_layers + 1)], 1))
+        all_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
+        uid, inv = torch.unique(all_ids, return_inverse=True)
+        sums = torch.zeros(len(uid), num_layers + 1, dtype=torch.float64)
+        if ids:
+            sums.index_add_(0, inv, torch.cat(cols))
+        memo[num_layers] = (uid, sums)
+    return memo[num_layers]
 
 
 def _local_index(layout: TreeLayout, k: int) -> torch.Tensor:
@@ -332,17 +398,21 @@ class TreeMultiTokenPredictionLayer(MultiTokenPredictionLayer):
 
 
 # ------------------------------------------------------------------------------------ loss
-def _sample_ratios(lm, depth: torch.Tensor, num_layers: int, cp_group) -> torch.Tensor:
+def _sample_ratios(lm, depth: torch.Tensor, num_layers: int, cp_group, step_sums=None) -> torch.Tensor:
     """[M, K] per occurrence: its sample's ``sum(w) / max(sum(w over occurrences of depth >= k), floor)``
     (stock's ``original_num_tokens / num_tokens`` for a microbatch of that sample alone, ``num_tokens``
     clamped as the installed stock clamps it: `compat.mtp.mtp_num_tokens_floor`, 1 on 0.19; 0 where the
-    denominator is 0), over every CP rank."""
+    denominator is 0), over every CP rank. ``step_sums`` (carry: `_carry_sample_sums`) gives the sums
+    over the step's microbatches instead of this one's."""
     w = lm.weights.to(torch.float64)
     ids, slot = torch.unique(lm.sample_index, return_inverse=True)
     cols = [w] + [w * (depth >= k).to(w) for k in range(1, num_layers + 1)]
     sums = torch.zeros(len(ids), num_layers + 1, dtype=torch.float64, device=w.device)
     sums.index_add_(0, slot, torch.stack(cols, 1))
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+    if step_sums is not None:
+        uid, table = step_sums
+        sums = table[torch.searchsorted(uid, ids.cpu())].to(w.device)
+    elif cp_group is not None and dist.get_world_size(cp_group) > 1:
         cp = dist.get_world_size(cp_group)
         size = torch.tensor([len(ids)], dtype=torch.int64, device=w.device)
         sizes = [torch.zeros_like(size) for _ in range(cp)]
@@ -444,9 +514,13 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
     lm = psp.loss_map
     depth = psp.position_ids[lm.source_rows]
     cp_group = model.pg_collection.cp if psp.is_context_parallel else None
-    ratios = _sample_ratios(lm, depth, K, cp_group) if rescales_per_token_mtp_loss() else None
+    carry = psp.carry
+    step_sums = None if carry is None else _carry_sample_sums(carry.store, K)
+    ratios = _sample_ratios(lm, depth, K, cp_group, step_sums) if rescales_per_token_mtp_loss() else None
     scale = cfg.mtp_loss_scaling_factor / K
-    acceptance = model.training and tracks_acceptance()
+    # a carry fill computes its rows' MTP state for later readers; its restore logs their losses
+    logging = model.training and not (carry is not None and carry.phase == "fill")
+    acceptance = logging and tracks_acceptance()
     sums, counts = [], []
     for k, h_k in enumerate(outs, 1):
         sel = torch.nonzero(depth >= k).squeeze(1)
@@ -464,7 +538,7 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
         s, n = loss.sum(), w.sum()
         sums.append(s.detach())
         counts.append(n.detach())
-        if model.training:
+        if logging:
             save_mtp_metrics(_logged_loss(s.detach(), n, psp.step_weight_by_depth, k), correct, total, k - 1, K,
                              avg_group=_dp_cp_group())
         if ratios is not None:

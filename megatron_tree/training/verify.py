@@ -658,6 +658,9 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     if cfg.carry:
         from ..tree.carry import assign_carry_groups
 
+        if tail:
+            raise ValueError("verify --carry with MTP layers that run DeepSeek sparse attention: their MTP tail rows "
+                             "are not carried yet")
         mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, carry=True, route_aware=cfg.routing_replay)
         ranks = assign_carry_groups(mbs, dp)
         mine = [mbs[i] for i in ranks[dpr]]
@@ -1078,7 +1081,7 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
             # under tree CP carry runs every layer kind but DeepSeek sparse attention (`forward_step.carry_cp`)
             bad = [what for what, on in (("--cp with --pp", cfg.cp > 1 and cfg.pp > 1),
                                          ("--cp with --model dsa", cfg.cp > 1 and cfg.model == "dsa"),
-                                         ("--mtp-num-layers", cfg.mtp_num_layers),
+                                         ("--cp with --mtp-num-layers", cfg.cp > 1 and cfg.mtp_num_layers),
                                          ("--inject-fault nan", cfg.fault == "nan")) if on]
             if bad:
                 raise ValueError(f"verify --carry does not run with {', '.join(bad)} yet")

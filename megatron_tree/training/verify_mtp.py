@@ -148,7 +148,7 @@ def install_stock_mtp(model) -> None:
     model.compute_language_model_loss = partial(float64_cross_entropy, model)
 
 
-FAULTS = ("mtp_physical_roll", "mtp_shallow_visible", "mtp_per_row_loss", "mtp_no_tail")
+FAULTS = ("mtp_physical_roll", "mtp_shallow_visible", "mtp_per_row_loss", "mtp_no_tail", "mtp_carry_parent")
 
 
 def set_mtp_fault(fault) -> None:
@@ -193,6 +193,9 @@ def check_mtp_config(cfg) -> None:
     if cfg.model == "dsa" and cfg.dsa_topk_freq > 1:
         raise ValueError("verify --mtp-num-layers --model dsa runs every layer's own top-k: an MTP layer reusing a "
                          "decoder layer's selections (--dsa-topk-freq > 1, IndexShare) is not covered")
+    if cfg.fault == "mtp_carry_parent" and not cfg.carry:
+        raise ValueError("fault mtp_carry_parent drops the depth inputs carried rows hand later microbatches: it "
+                         "needs --carry")
     if cfg.fault == "mtp_no_tail" and cfg.model != "dsa":
         raise ValueError("fault mtp_no_tail drops the MTP tail rows, which only DSA's indexer loss reads: --model dsa")
     if cfg.model == "mamba":

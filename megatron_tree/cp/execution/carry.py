@@ -297,6 +297,13 @@ class CarryView:
     memo: dict = field(default_factory=dict, repr=False)  # per-microbatch host work shared by its layers
     # tree CP (None without): ``own`` / ``exported`` are then this CP rank's share of the microbatch's rows
     cp: "CarryCP | None" = None
+    # what the store keys of this view's layers are scoped by (None: the decoder's; MTP depth k: ("mtp", k),
+    # whose layers may share the decoder's layer numbers)
+    scope: object = None
+
+    def scoped(self, key):
+        """The store key of layer ``key`` in this view."""
+        return key if self.scope is None else (self.scope, key)
 
     def state(self, key, values: list, positions=None, keys=None) -> list:
         """Own rows' state tensors ``values`` ([n, ...] each) of layer ``key``, through the phase:
@@ -306,6 +313,7 @@ class CarryView:
         to any rank) and the restore first sums the readers' gradients over the CP group."""
         if self.cp is not None and positions is None:
             return self._state_cp(key, values)
+        key = self.scoped(key)
         positions = self.exported if positions is None else positions
         keys = self.exported_keys if keys is None else keys
         if not len(keys):
@@ -317,7 +325,7 @@ class CarryView:
         return values
 
     def _state_cp(self, key, values: list) -> list:
-        cp = self.cp
+        cp, key = self.cp, self.scoped(key)
         if not len(cp.exported_keys):  # no CP rank exports a row of this microbatch
             return values
         if self.phase == "fill":
@@ -337,7 +345,7 @@ class CarryView:
             keys, owners = keys[rows], owners[rows]
         if not len(keys):
             return None
-        return self.store.read(key, owners, keys)
+        return self.store.read(self.scoped(key), owners, keys)
 
 
 def carried_attention(q, k, v, layout, view: CarryView, key, *, softmax_scale, window=None, sinks=None,
@@ -436,7 +444,7 @@ def _export_states(o, final, view: CarryView, key):
         if view.phase == "fill":
             view.state((key, "state"), [final], positions=rows, keys=view.state_keys)
         elif view.phase == "restore":
-            o = tie_gradient(o, final, rows, view.store, (key, "state"), view.index, 0)
+            o = tie_gradient(o, final, rows, view.store, view.scoped((key, "state")), view.index, 0)
     return o
 
 

@@ -289,6 +289,10 @@ WS2 = [
     VerifyConfig(model="dsa", families=4, tp=2),
     VerifyConfig(model="dsa", families=4, pp=2, dsa_topk_freq=2),
     VerifyConfig(model="dsa", families=4, cp=2, dsa_sparse_loss=True, dsa_topk_freq=2),
+    # carry under tree CP: carried rows' K / V and indexer keys enter the CP DSA on the rank the plan gives them
+    # (zero queries and loss weights), IndexShare reuses the plan rows' selections
+    VerifyConfig(model="dsa", families=4, cp=2, cp_strategy="zigzag", dsa_sparse_loss=True, dsa_topk_freq=2,
+                 budget=16, carry=True),
 ]
 
 
@@ -313,7 +317,8 @@ def test_verify_dsa_world_size_1(ws1, i):
     _check(WS1[i], ws1[i])
 
 
-@pytest.mark.parametrize("i", range(len(WS2)), ids=[f"tp{c.tp}-pp{c.pp}-cp{c.cp}" for c in WS2])
+@pytest.mark.parametrize("i", range(len(WS2)), ids=[f"tp{c.tp}-pp{c.pp}-cp{c.cp}" + ("-carry" if c.carry else "")
+                                              for c in WS2])
 def test_verify_dsa_world_size_2(ws2, i):
     _check(WS2[i], ws2[i])
 

@@ -263,7 +263,13 @@ class TreeDSAttention(MegatronModule):
             if not cp and self.layer_number in holder:  # recomputation: the same selections, exactly
                 selected = holder[self.layer_number]
         own_q = q
-        if view is not None:  # the whole layout: carried rows' K / V / index keys from the store
+        at_own = None
+        if view is not None and cp:  # the plan's rows: own ones and the carried ones it gives this rank
+            from ..cp.execution.carry import carry_cp_rows  # the executor sits below this package
+
+            at_own = carry_cp_rows(view)[1].to(query.device)
+            q, k, v, iq, w, ik = _carry_full(view, None, self.layer_number, q, k, v, iq, w, ik, self.skip_topk)
+        elif view is not None:  # the whole layout: carried rows' K / V / index keys from the store
             q, k, v, iq, w, ik = _carry_full(view, layout.num_rows, self.layer_number, q, k, v, iq, w, ik,
                                              self.skip_topk)
 
@@ -271,11 +277,16 @@ class TreeDSAttention(MegatronModule):
             from ..cp.execution.dsa import tree_dsa_cp  # the CP executor sits below this package
 
             rw = self._loss_weight(psp, rows) if use_loss else None
+            if rw is not None and at_own is not None:  # carried rows' queries are their owners' (zero here)
+                rw = rw.new_zeros(q.shape[0]).index_copy(0, at_own, rw)
             o, ids, loss = tree_dsa_cp(q, k, v, None if self.skip_topk else iq, None if self.skip_topk else w,
                                        None if self.skip_topk else ik, psp.cp_plan, self.pg_collection.cp,
                                        topk=self.topk, softmax_scale=self.softmax_scale, selected=selected,
                                        loss_row_weight=rw, sparse_loss=sparse, head_group=head_group,
                                        kl_form=self.kl_form)
+            own_ids = ids
+            if at_own is not None:
+                o, own_ids = o[at_own], ids[at_own]
         else:
             if selected is None:
                 _, ids = tree_dsa_topk(iq.detach(), w.detach(), ik.detach(), layout, self.topk)
@@ -301,7 +312,8 @@ class TreeDSAttention(MegatronModule):
             got_rows, got_ids = rows, ids
             if view is not None:  # its own queries, rows and selections as step-global rows (carry spans mbs)
                 keys = torch.as_tensor(view.keys, device=ids.device)
-                got_rows, got_ids = keys[view.own], torch.where(own_ids >= 0, keys[own_ids.clamp_min(0)], own_ids)
+                got_rows = keys[view.own.to(ids.device)]
+                got_ids = torch.where(own_ids >= 0, keys[own_ids.clamp_min(0)], own_ids)
             for store in _HOOKS:
                 store.append((token, capture_layer(self), got_rows.detach().cpu(), got_ids.detach().cpu()))
         out = o.reshape(n, 1, o.shape[1] * o.shape[2]).to(query.dtype)  # n may be 0: a CP rank owning nothing
@@ -315,23 +327,33 @@ class TreeDSAttention(MegatronModule):
         return out
 
 
-def _carry_full(view, N: int, layer: int, q, k, v, iq, w, ik, skip_topk: bool):
+def _carry_full(view, N: Optional[int], layer: int, q, k, v, iq, w, ik, skip_topk: bool):
     """A carry microbatch's DSA tensors over its whole layout ([N, ...]): own rows from this forward,
     carried rows' K / V and index keys from the store (leaves whose gradient goes to their owner),
     zero queries and weights at carried rows (their queries are their owners'; their outputs and loss
     terms are dropped). Selection then runs on the layout as without carry, so a reader's top-k spans
-    its carried rows exactly as the whole tree's does."""
-    own, car = view.own, view.carried
+    its carried rows exactly as the whole tree's does. ``N`` None (tree CP): over the rows the CP plan
+    gives this rank instead (`cp.execution.carry.carry_cp_rows`: its own rows and the carried rows it
+    holds), what `tree_dsa_cp` takes."""
+    own, car, rows = view.own, view.carried, None
+    if N is None:
+        from ..cp.execution.carry import carry_cp_rows
+
+        N, own, rows, car = carry_cp_rows(view)
+        own, car = own.to(q.device), car.to(q.device)
 
     def full(x, carried=None):
         out = x.new_zeros((N,) + tuple(x.shape[1:])).index_copy(0, own, x)
         return out if carried is None else out.index_copy(0, car, carried.to(x.dtype))
 
-    kv = view.carried_state(("dsa", layer))
+    if rows is not None and not len(rows):  # no carried row on this CP rank
+        kv = ikc = None
+    else:
+        kv = view.carried_state(("dsa", layer), rows)
+        ikc = None if skip_topk else view.carried_state(("dsa", layer, "index_k"), rows)
     kc, vc = kv if kv is not None else (None, None)
     q, k, v = full(q), full(k, kc), full(v, vc)
     if not skip_topk:
-        ikc = view.carried_state(("dsa", layer, "index_k"))
         iq, w, ik = full(iq), full(w), full(ik, None if ikc is None else ikc[0])
     return q, k, v, iq, w, ik
 

@@ -202,21 +202,14 @@ def carry_cp(model, layout, strategy: str = "balanced"):
     """``(plan, group, pad_to_multiple_of)`` of a carry microbatch under tree CP (`carry_view`'s ``cp``),
     or None without CP. The plan covers the whole layout, carried rows included (they hold K / V the
     CP attention exchanges), made here like `context_parallel_params` makes one and checked the same
-    on every CP rank. Carry under CP runs attention (MLA included), Gated DeltaNet (heads mode),
-    Mamba-2, MLPs and MoE; DeepSeek sparse attention and pipelining are refused: their carried state
-    under CP is not built yet."""
+    on every CP rank. Carry under CP runs every layer kind (GDN in heads mode); pipelining is refused."""
     config, cp_group = _config_and_cp_group(model)
     cp = config.context_parallel_size
     if cp == 1:
         return None
-    from .carry import carry_geometry
-
-    kinds = {"D": "DeepSeek sparse attention"}
-    bad = sorted({kinds[c] for c in carry_geometry(model).pattern if c in kinds})
-    if bad or config.pipeline_model_parallel_size > 1:
-        what = ", ".join(bad + (["pipeline parallelism"] if config.pipeline_model_parallel_size > 1 else []))
-        raise ValueError(f"carry (--tree-carry) under context parallelism runs attention (MLA included), Gated "
-                         f"DeltaNet, Mamba-2, MLPs and MoE, without pipelining; not yet {what}")
+    if config.pipeline_model_parallel_size > 1:
+        raise ValueError("carry (--tree-carry) under context parallelism runs without pipelining: a restore sums "
+                         "the readers' gradients over CP at its forward, which 1F1B may run before their backward")
     layout = layout if layout.device.type == "cpu" else layout.to("cpu")
     plan = _PLANS.get_or_plan(layout, cp, strategy=strategy)
     check_same_plan(plan, cp_group)

@@ -469,13 +469,13 @@ def _tree_selected_tables(tree_sel: list, mine: list, topk: int, num_layers: int
     return out
 
 
-def _carry_selected_tables(tree_sel: list, mine: list, topk: int) -> list:
+def _carry_selected_tables(tree_sel: list, mine: list, topk: int, cp_group=None) -> list:
     """`_tree_selected_tables` of a carry step: each row's selection comes from the microbatch that owns
-    it, captured as step-global rows (`megatron.dsa`); a sample's path is read from the microbatch that
-    completes it (its carried rows and its own)."""
+    it, captured as step-global rows (`megatron.dsa`; under CP by the rank that computes the row); a
+    sample's path is read from the microbatch that completes it (its carried rows and its own)."""
     R = 1 + max([int(mb.carry.keys.max()) for mb in mine if mb.carry is not None] + [0])
     by_layer: dict = {}
-    for _, layer, rows, ids in _dedupe_selected(tree_sel).values():
+    for _, layer, rows, ids in _gather_selected(_dedupe_selected(tree_sel), cp_group).values():
         real = rows >= 0  # padding rows have no step-global row
         by_layer.setdefault(layer, []).append((rows[real], ids[real]))
     tables = {layer: _rows_to_table(R, torch.cat([r for r, _ in parts]), torch.cat([i for _, i in parts]))
@@ -887,7 +887,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
     def selected_tables(side):
         if side == "tree" and cfg.carry:
-            return _carry_selected_tables(runs[side]["selected"], mine, topk)
+            return _carry_selected_tables(runs[side]["selected"], mine, topk, cp_group)
         if side == "tree":
             return _tree_selected_tables(runs[side]["selected"], mine, topk, margs.layers(), cp_group)
         if side not in per_sample:
@@ -1078,9 +1078,7 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.fault in CARRY_FAULTS and not cfg.carry:
             raise ValueError(f"fault {cfg.fault} plants a bug in carry: it needs carry=True (--carry)")
         if cfg.carry:
-            # under tree CP carry runs every layer kind but DeepSeek sparse attention (`forward_step.carry_cp`)
-            bad = [what for what, on in (("--cp with --pp", cfg.cp > 1 and cfg.pp > 1),
-                                         ("--cp with --model dsa", cfg.cp > 1 and cfg.model == "dsa"),
+            bad = [what for what, on in (("--cp with --pp", cfg.cp > 1 and cfg.pp > 1),  # `forward_step.carry_cp`
                                          ("--cp with --mtp-num-layers", cfg.cp > 1 and cfg.mtp_num_layers),
                                          ("--inject-fault nan", cfg.fault == "nan")) if on]
             if bad:

@@ -33,7 +33,7 @@ from ...tree.layout import TreeLayout
 from ..planning.carry import own_forest
 
 __all__ = ["CarryStore", "CarryView", "CarryCP", "inject_gradient", "tie_gradient", "carried_attention",
-           "carried_attention_cp", "carried_gdn", "carried_conv", "carried_mamba_ssd", "gather_rows"]
+           "carried_attention_cp", "carry_cp_rows", "carried_gdn", "carried_conv", "carried_mamba_ssd", "gather_rows"]
 
 #: TEST-ONLY fault switch (tests/test_carry.py, verify --inject-fault carry_*): "detach" (readers' gradients
 #: are dropped: no restoration), "twice" (the accumulated gradient is injected twice), "stale" (every
@@ -371,6 +371,21 @@ def carried_attention(q, k, v, layout, view: CarryView, key, *, softmax_scale, w
     return o
 
 
+def carry_cp_rows(view: CarryView):
+    """Tree CP: where this rank's rows sit among the rows its plan gives it (``plan.owner_rows(rank)``:
+    its own rows and the carried rows the plan gives it). Returns ``(n, at_own [e], mine, at_carried
+    [c])``: the plan's row count, the positions of ``view.own`` there, the carried rows it holds
+    (positions in ``view.carried``, numpy) and their positions there. Made once per microbatch view."""
+    if "cp_rows" not in view.memo:
+        cp = view.cp
+        rows = cp.plan.owner_rows(cp.rank)
+        carried = view.carried.cpu().numpy()
+        mine = np.flatnonzero(cp.plan.owner[carried] == cp.rank)
+        view.memo["cp_rows"] = (len(rows), torch.from_numpy(np.searchsorted(rows, view.own.cpu().numpy())),
+                                mine, torch.from_numpy(np.searchsorted(rows, carried[mine])))
+    return view.memo["cp_rows"]
+
+
 def carried_attention_cp(q, k, v, view: CarryView, key, *, softmax_scale, window=None, sinks=None,
                          backend: str = "auto") -> torch.Tensor:
     """`carried_attention` under tree CP: ``q, k, v`` [n, H, D] are this CP rank's own rows
@@ -382,13 +397,7 @@ def carried_attention_cp(q, k, v, view: CarryView, key, *, softmax_scale, window
 
     cp = view.cp
     k, v = view.state(key, [k, v])
-    if "cp_attention" not in view.memo:  # positions of the own and of this rank's carried rows among its plan rows
-        rows = cp.plan.owner_rows(cp.rank)
-        carried = view.carried.cpu().numpy()
-        mine = np.flatnonzero(cp.plan.owner[carried] == cp.rank)
-        view.memo["cp_attention"] = (len(rows), torch.from_numpy(np.searchsorted(rows, view.own.cpu().numpy())),
-                                     mine, torch.from_numpy(np.searchsorted(rows, carried[mine])))
-    n, at_own, mine, at_carried = view.memo["cp_attention"]
+    n, at_own, mine, at_carried = carry_cp_rows(view)
     dev = q.device
     at_own = at_own.to(dev)
     full = lambda x: x.new_zeros((n,) + tuple(x.shape[1:])).index_copy(0, at_own, x)

@@ -104,6 +104,10 @@ WS4 = [
     VerifyConfig(model="hybrid", pattern="G-G*GE", cp=2, pp=2, cp_strategy="zigzag", dtype="float64",
                  recompute="full"),
     VerifyConfig(model="hybrid", pattern="GM-*G", cp=4, cp_strategy="zigzag", dtype="float64", loss="grpo"),
+    # carry under CP2 x PP2 (1F1B): attention on both stages; a restore sums the readers' gradients over CP in its
+    # backward (1F1B may run its forward before theirs), the full recomputation re-reads the store
+    VerifyConfig(model="gpt", cp=2, pp=2, cp_strategy="zigzag", window=9, sinks=True, budget=16, carry=True,
+                 recompute="full"),
 ]
 
 

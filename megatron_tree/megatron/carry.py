@@ -61,7 +61,7 @@ def carry_items(microbatches: list, store: CarryStore | None = None) -> list[Car
 def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
     """The local view of ``psp`` (the whole microbatch's `TreePackedSeqParams`) for a carry phase.
 
-    ``cp``: ``(plan, group, pad_to_multiple_of)`` under tree CP: the plan covers the whole layout
+    ``cp``: ``(plan, group, pad_to_multiple_of, pipelined)`` under tree CP: the plan covers the whole layout
     (carried rows too); the modules then run on the own rows this CP rank owns (padded to the TP size
     under sequence parallelism), and the view's `CarryCP` tells the attention layers the rest."""
     info = mb.carry
@@ -72,13 +72,14 @@ def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
     carry_cp, pad = None, 0
     if cp is not None:
         from ..cp.execution.carry import CarryCP
-        plan, group, multiple = cp
+        plan, group, multiple, pipelined = cp
         rank = dist.get_rank(group)
         exported_rank = plan.owner[info.exported].astype(np.int64)
         mine = np.flatnonzero(exported_rank == rank)
         own_np = own_np[plan.owner[own_np] == rank]
         carry_cp = CarryCP(plan=plan, group=group, rank=rank, exported_keys=info.keys[info.exported],
-                           exported_rank=exported_rank, exported_mine=torch.from_numpy(mine).to(dev), whole=whole)
+                           exported_rank=exported_rank, exported_mine=torch.from_numpy(mine).to(dev), whole=whole,
+                           pipelined=pipelined)
         pad = _padding(len(own_np), multiple)
     own = torch.from_numpy(own_np).to(dev)
     exported = info.exported if cp is None else info.exported[mine]

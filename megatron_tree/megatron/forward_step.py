@@ -199,21 +199,19 @@ def pending_backwards(model) -> int:
 
 
 def carry_cp(model, layout, strategy: str = "balanced"):
-    """``(plan, group, pad_to_multiple_of)`` of a carry microbatch under tree CP (`carry_view`'s ``cp``),
+    """``(plan, group, pad_to_multiple_of, pipelined)`` of a carry microbatch under tree CP (`carry_view`'s ``cp``),
     or None without CP. The plan covers the whole layout, carried rows included (they hold K / V the
     CP attention exchanges), made here like `context_parallel_params` makes one and checked the same
-    on every CP rank. Carry under CP runs every layer kind (GDN in heads mode); pipelining is refused."""
+    on every CP rank. Carry under CP runs every layer kind (GDN in heads mode), with 1F1B pipelining too."""
     config, cp_group = _config_and_cp_group(model)
     cp = config.context_parallel_size
     if cp == 1:
         return None
-    if config.pipeline_model_parallel_size > 1:
-        raise ValueError("carry (--tree-carry) under context parallelism runs without pipelining: a restore sums "
-                         "the readers' gradients over CP at its forward, which 1F1B may run before their backward")
     layout = layout if layout.device.type == "cpu" else layout.to("cpu")
     plan = _PLANS.get_or_plan(layout, cp, strategy=strategy)
     check_same_plan(plan, cp_group)
-    return plan, cp_group, config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return (plan, cp_group, config.tensor_model_parallel_size if config.sequence_parallel else 1,
+            config.pipeline_model_parallel_size > 1)
 
 
 def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool = False, logits: bool = False,

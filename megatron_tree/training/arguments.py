@@ -204,10 +204,6 @@ def validate_tree_args(args) -> argparse.Namespace:
         errors.append("--tree-routing-replay packs route-aware prefix trees: drop --tree-flat-packing")
 
     if _get(args, "tree_carry"):
-        if (int(_get(args, "context_parallel_size", 1) or 1) > 1
-                and int(_get(args, "pipeline_model_parallel_size", 1) or 1) > 1):  # `forward_step.carry_cp`
-            errors.append("--tree-carry with --context-parallel-size > 1 runs without pipelining: not yet with "
-                          "--pipeline-model-parallel-size > 1")
         if _get(args, "num_layers_per_virtual_pipeline_stage") or _get(args, "virtual_pipeline_model_parallel_size"):
             errors.append("--tree-carry runs 1F1B pipelining, not interleaved virtual stages (a chunk's backward "
                           "order then mixes two chunks' items): drop --num-layers-per-virtual-pipeline-stage")

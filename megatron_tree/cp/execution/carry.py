@@ -148,9 +148,10 @@ class CarryStore:
         """Tree CP: sum the accumulators of layer ``key`` of microbatch ``owner`` over the CP ``group``.
 
         Each CP rank's readers computed the gradient of the carried rows their plan gave them, so
-        every rank holds a part; the owner's restore needs the sum. Called at the restore's forward
-        (without pipelining every reader's backward has run), on every rank (a collective), once: a
-        recomputation of the restore finds them reduced."""
+        every rank holds a part; the owner's restore needs the sum. Called on every rank (a
+        collective), once (a recomputation of the restore finds them reduced): at the restore's forward
+        without pipelining (every reader's backward has run), in its backward under 1F1B
+        (`inject_gradient`'s ``group``), where backward passes run in forward order on every rank."""
         e = self._entries.get((key, owner))
         if e is None or e.reduced:
             return
@@ -174,12 +175,15 @@ class CarryStore:
 
 class _Inject(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rows, store, key, owner, t, acc_rows):
+    def forward(ctx, x, rows, store, key, owner, t, acc_rows, group):
         ctx.rows, ctx.store, ctx.key, ctx.owner, ctx.t, ctx.acc_rows = rows, store, key, owner, t, acc_rows
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.group is not None:  # tree CP under pipelining: the readers' parts are summed now
+            ctx.store.reduce_accumulators(ctx.key, ctx.owner, ctx.group)
         acc = ctx.store.accumulated(ctx.key, ctx.owner, ctx.t)  # read now: every reader's backward has run
         if acc is not None:
             if ctx.acc_rows is not None:  # tree CP: this rank's exported rows among the owner's
@@ -188,7 +192,7 @@ class _Inject(torch.autograd.Function):
             g.index_add_(0, ctx.rows.to(g.device), acc.to(g.dtype))
             if _FAULT == "twice":
                 g.index_add_(0, ctx.rows.to(g.device), acc.to(g.dtype))
-        return g, None, None, None, None, None, None
+        return g, None, None, None, None, None, None, None
 
 
 class _Tie(torch.autograd.Function):
@@ -222,12 +226,13 @@ def tie_gradient(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, store: Ca
 
 
 def inject_gradient(x: torch.Tensor, rows: torch.Tensor, store: CarryStore, key, owner: int, t: int,
-                    acc_rows: torch.Tensor | None = None) -> torch.Tensor:
+                    acc_rows: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """Identity on ``x`` [n, ...]; backward adds the accumulated gradient of state ``t`` of layer
     ``key`` of microbatch ``owner`` to the rows ``rows`` [E] of ``x`` (its exported rows): the
     accumulator's rows ``acc_rows`` [E] when given (tree CP: the owner's exported rows this rank
-    computed), else all of them."""
-    return _Inject.apply(x, rows, store, key, owner, t, acc_rows)
+    computed), else all of them. ``group``: sum the accumulators over this CP group first
+    (`CarryStore.reduce_accumulators`; every rank of it runs this backward)."""
+    return _Inject.apply(x, rows, store, key, owner, t, acc_rows, group)
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,7 @@ class CarryCP:
     exported_keys   [E] step-global rows of every exported row (all CP ranks'), ascending
     exported_rank   [E] numpy: the CP rank that computes each
     exported_mine   [e] positions in ``exported_keys`` of this rank's (its ``CarryView.exported``)
+    pipelined       1F1B pipelining: restores sum the readers' gradients over CP in their backward
     whole           the microbatch's `CarryView` without CP (every own row): the recurrent layers run
                     their heads over every own row after a token -> head transpose (`tree_gdn_cp`,
                     `tree_mamba_cp` with ``carry=``), so each rank stores and reads its heads' state
@@ -251,6 +257,7 @@ class CarryCP:
     exported_rank: np.ndarray
     exported_mine: torch.Tensor
     whole: "CarryView"
+    pipelined: bool = False  # under 1F1B: a restore sums the accumulators over CP in its backward
 
 
 def gather_rows(x: torch.Tensor, rank_of: np.ndarray, group) -> torch.Tensor:
@@ -332,9 +339,10 @@ class CarryView:
             self.store.put(key, self.index, cp.exported_keys,
                            [gather_rows(v[self.exported], cp.exported_rank, cp.group) for v in values])
         elif self.phase == "restore":
-            self.store.reduce_accumulators(key, self.index, cp.group)
-            values = [inject_gradient(v, self.exported, self.store, key, self.index, t, acc_rows=cp.exported_mine)
-                      for t, v in enumerate(values)]
+            if not cp.pipelined:  # every reader's backward has run
+                self.store.reduce_accumulators(key, self.index, cp.group)
+            values = [inject_gradient(v, self.exported, self.store, key, self.index, t, acc_rows=cp.exported_mine,
+                                      group=cp.group if cp.pipelined else None) for t, v in enumerate(values)]
         return values
 
     def carried_state(self, key, rows=None) -> list | None:

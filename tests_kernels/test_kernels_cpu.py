@@ -128,6 +128,53 @@ def test_fla_gated_delta_rule_matches_torch(seed, H, HV, kernel_report, monkeypa
     _check(errs, 5e-5)
 
 
+def test_fla_gated_delta_rule_forest_matches_torch(kernel_report, monkeypatch):
+    """``gated_delta_rule_forest(backend="fla")`` (what carry's GDN layers run: the own rows as a forest
+    whose roots under a carried row start from a stored state, the state rows' final states exported):
+    roots from given initial states (two share one) or zero, final states of chosen segments, against
+    the float64 torch forest; gradients reach the initial states."""
+    import numpy as np
+
+    from megatron_tree.ops.gated_delta_rule import gated_delta_rule_forest
+
+    layout = _forest(5, hi=200)  # (the interpreter's minutes grow with the rows)
+    real = layout.num_segments - layout.num_padding  # padding rows: one-row roots, left out here
+    start = layout.segment_offsets[:real].numpy()
+    length = (layout.segment_offsets[1:real + 1] - layout.segment_offsets[:real]).numpy()
+    parent = layout.segment_parent[:real].numpy()
+    roots = np.flatnonzero(parent < 0)
+    index = np.full(real, -1, np.int64)
+    index[roots[: min(3, len(roots))]] = [0, 1, 0][: min(3, len(roots))]  # two roots share state 0
+    final = np.unique(np.r_[0, np.flatnonzero(parent >= 0)[:3], real - 1])
+    N, H, HV, K, V = int(start[-1] + length[-1]), 2, 4, 16, 16
+    gen = torch.Generator().manual_seed(5)
+    q = F.normalize(torch.randn(N, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(N, H, K, generator=gen), dim=-1)
+    v = torch.randn(N, HV, V, generator=gen)
+    g = F.logsigmoid(torch.randn(N, HV, generator=gen) + 2.0)
+    beta = torch.rand(N, HV, generator=gen)
+    h0 = 0.1 * torch.randn(2, HV, K, V, generator=gen)
+    cot = [torch.randn(N, HV, V, generator=gen), torch.randn(len(final), HV, K, V, generator=gen)]
+    inputs = [q, k, v, g, beta, h0]
+
+    def forest(backend):
+        return lambda q, k, v, g, beta, h0: gated_delta_rule_forest(
+            q, k, v, g, beta, start, length, parent, initial_state=h0, initial_index=index, final_segments=final,
+            backend=backend)
+
+    calls = _spy(monkeypatch, "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+    t0 = time.perf_counter()
+    got, got_g = _run(forest("fla"), inputs, cot)
+    seconds = time.perf_counter() - t0
+    assert len(calls) >= 3  # one varlen call per level
+    ref, ref_g = _run(forest("torch"), [x.double() for x in inputs], [c.double() for c in cot])
+    t32, t32_g = _run(forest("torch"), inputs, cot)
+    names = ["o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    errs = _compare(kernel_report, "fla", f"forest {N} rows, initial + final states ({seconds:.0f} s)", names,
+                    got + got_g, ref + ref_g, t32 + t32_g)
+    _check(errs, 5e-5)
+
+
 # --------------------------------------------------------------------------------------------- Mamba-2 SSD
 @pytest.mark.parametrize("seed,H,G", [(3, 4, 2), (11, 2, 1)])
 def test_mamba_ssd_matches_torch(seed, H, G, kernel_report, monkeypatch):

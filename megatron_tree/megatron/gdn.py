@@ -154,7 +154,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
                                packed_seq_params.layout, carry, ("gdn", self.layer_number),
                                num_k_heads=self.num_key_heads // tp, head_k_dim=self.key_head_dim,
                                head_v_dim=self.value_head_dim, activation="silu" if self.act_fn is F.silu else self.act_fn,
-                               qk_l2norm=self.use_qk_l2norm)
+                               qk_l2norm=self.use_qk_l2norm, backend=self.backend)
             out = self._tree_gated_norm(core, gate.reshape(N, -1, self.value_head_dim))
             return self.out_proj(out.reshape(N, 1, -1))
         if context_parallel:  # this rank's rows only: conv halos and states cross ranks in megatron_tree.cp

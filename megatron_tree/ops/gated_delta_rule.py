@@ -425,8 +425,9 @@ def _check_forest(n: int, seg_start, seg_len, seg_parent):
 
 
 def gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, *, initial_state=None,
-                            initial_index=None, final_segments=None, scale=None, chunk_size: int = 64):
-    """Gated delta rule over an explicitly described forest of row runs (torch, differentiable).
+                            initial_index=None, final_segments=None, scale=None, chunk_size: int = 64,
+                            backend: str = "torch"):
+    """Gated delta rule over an explicitly described forest of row runs (differentiable).
 
     q, k [n,H,K]; v [n,HV,V]; g, beta [n,HV]  (the op's conventions: ``tree_gated_delta_rule``).
     seg_start, seg_len, seg_parent [S] (host or device ints): segment ``s`` is the rows
@@ -439,12 +440,27 @@ def gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, *,
     Returns ``(o [n,HV,V] in q's dtype, final [F,HV,K,V] or None)``; rows no segment covers get 0;
     states are float64 for float64 inputs, float32 otherwise. Gradients reach every input,
     ``initial_state`` included (summed over the roots that share a state).
+
+    backend: "torch" (the default: chunked, exact in float64), "fla" (FLA's varlen
+    ``chunk_gated_delta_rule`` once per forest level, each segment starting from its initial or its
+    parent's final state: CUDA, or CPU float32 through Triton's interpreter in the kernel tier) or
+    "auto" (FLA for CUDA bf16/fp16/fp32 tensors when it imports, else torch).
     """
     import numpy as np
 
     n = int(q.shape[0])
     H, K, HV, V = _check_shapes(q, k, v, g, beta, (n,))
     start, length, parent, level = _check_forest(n, seg_start, seg_len, seg_parent)
+    name = select_backend("gated_delta_rule_forest", backend, q, _GPU_BACKENDS)
+    if name == "fla" and q.dtype not in _FLA_DTYPES:
+        if backend == "auto":
+            name = "torch"
+        else:
+            raise ValueError(f"gated_delta_rule_forest: backend 'fla' needs bfloat16/float16/float32 q, k, v; got "
+                             f"{q.dtype}")
+    if name == "fla":
+        return _forest_fla(q, k, v, g, beta, start, length, parent, level, initial_state, initial_index,
+                           final_segments, scale)
     S = start.shape[0]
     scale = K ** -0.5 if scale is None else float(scale)
     cdt = _compute_dtype(q.dtype)
@@ -528,6 +544,63 @@ def gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, *,
     where[got] = np.arange(got.size)
     final = torch.cat(fin_states).index_select(0, torch.as_tensor(where[fin], device=dev))
     return o.to(q.dtype), final
+
+
+def _forest_fla(q, k, v, g, beta, start, length, parent, level, initial_state, initial_index, final_segments,
+                scale):
+    """`gated_delta_rule_forest` through FLA: per level one varlen ``chunk_gated_delta_rule`` call whose
+    sequences are the level's segments, started from their initial states (roots) or their parents'
+    final states (as `_tree_fla` runs a layout's levels)."""
+    import numpy as np
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # GPU-only package: import on use
+
+    n, H, K = q.shape
+    HV, V = v.shape[1:]
+    S = start.shape[0]
+    dev = q.device
+    G = HV // H
+    qe = q.repeat_interleave(G, dim=1) if G > 1 else q  # the kernel takes equal q/k and v head counts
+    ke = k.repeat_interleave(G, dim=1) if G > 1 else k
+    g32, beta_q = g.float(), beta.to(q.dtype)
+    scale = K ** -0.5 if scale is None else float(scale)
+    fin = None if final_segments is None else _host_i64(final_segments, "final_segments")
+    if fin is not None and fin.size and ((fin < 0) | (fin >= S)).any():
+        raise ValueError(f"final_segments must index the {S} segments")
+    idx0 = np.full(S, -1, np.int64) if initial_index is None else _host_i64(initial_index, "initial_index")
+    if idx0.shape != (S,):
+        raise ValueError(f"initial_index must have shape [{S}]; got {tuple(idx0.shape)}")
+    if initial_state is None and (idx0 >= 0).any():
+        raise ValueError("initial_index is set but initial_state is None")
+    zero = torch.zeros(1, HV, K, V, dtype=torch.float32, device=dev)
+    init = zero if initial_state is None else torch.cat([initial_state.float(), zero])
+    B = init.shape[0] - 1
+    if initial_state is not None and (idx0 >= initial_state.shape[0]).any():
+        raise ValueError("initial_index points past initial_state")
+    o = v.new_zeros((n, HV, V), dtype=q.dtype)
+    finals = torch.zeros(0, HV, K, V, dtype=torch.float32, device=dev)  # every segment's, in ``order`` below
+    slot = np.full(S, -1, np.int64)
+    rows_out, o_out = [], []
+    for lv in range(int(level.max()) + 1 if S else 0):
+        segs = np.flatnonzero(level == lv)
+        lens = length[segs]
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(dev)
+        rows = torch.from_numpy(np.concatenate([np.arange(a, a + b) for a, b in zip(start[segs], lens)])).to(dev)
+        if lv == 0:
+            h0 = init.index_select(0, torch.from_numpy(np.where(idx0[segs] >= 0, idx0[segs], B)).to(dev))
+        else:
+            h0 = finals.index_select(0, torch.from_numpy(slot[parent[segs]]).to(dev))
+        out, last = chunk_gated_delta_rule(qe[rows].unsqueeze(0), ke[rows].unsqueeze(0), v[rows].unsqueeze(0),
+                                           g32[rows].unsqueeze(0), beta_q[rows].unsqueeze(0), scale=scale,
+                                           initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        rows_out.append(rows)
+        o_out.append(out[0].to(q.dtype))
+        slot[segs] = finals.shape[0] + np.arange(segs.size)
+        finals = torch.cat([finals, last.float()])
+    if rows_out:
+        o = o.index_copy(0, torch.cat(rows_out), torch.cat(o_out))
+    if fin is None:
+        return o, None
+    return o, finals.index_select(0, torch.from_numpy(slot[fin]).to(dev))
 
 
 def gated_delta_rule_summary(k, v, g, beta, seg_start, seg_len, seg_parent, summary_segments, *,

@@ -492,7 +492,7 @@ def carried_mamba_ssd(x, dt, A, B, C, layout, view: CarryView, key, *, D=None, b
 
 def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, key, *, num_k_heads: int,
                 head_k_dim: int, head_v_dim: int, activation="silu", qk_l2norm: bool = True, scale=None,
-                key_of_value=None):
+                key_of_value=None, backend: str = "auto"):
     """Gated DeltaNet (conv + recurrence) of the own rows, continuing carried rows' state.
 
     qkv [n, 2*H*K + HV*V] pre-conv channels of ``view.own``; g, beta [n, HV]; conv_weight [C, W].
@@ -501,7 +501,8 @@ def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, k
     runs the own rows as a forest whose roots under a carried row start from that row's stored state.
     ``key_of_value`` [HV] (tree CP's heads mode): the key head each value head reads, when the heads
     here are not grouped as ``h // (HV / H)``.
-    Returns o [n, HV, V], equal to the whole-tree layer at those rows (torch reference path)."""
+    ``backend``: the recurrence's (`ops.gated_delta_rule_forest`: FLA on CUDA under "auto").
+    Returns o [n, HV, V], equal to the whole-tree layer at those rows."""
     n, H, K, V = qkv.shape[0], int(num_k_heads), int(head_k_dim), int(head_v_dim)
     HV = int(g.shape[1])
     conv = carried_conv(qkv, conv_weight, conv_bias, layout, view, key, activation=activation)
@@ -517,5 +518,5 @@ def carried_gdn(qkv, g, beta, conv_weight, conv_bias, layout, view: CarryView, k
         (init,) = view.carried_state((key, "state"), parents)
     o, final = gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, initial_state=init,
                                        initial_index=init_index if init is not None else None,
-                                       final_segments=final_segs, scale=scale)
+                                       final_segments=final_segs, scale=scale, backend=backend)
     return _export_states(o, final, view, key)

@@ -344,7 +344,7 @@ def _heads(qkv, g, beta, w, b, layout, plan, group, rank, heads, activation, qk_
 
         o = carried_gdn(x, gb[:, :hv].to(g.dtype), gb[:, hv:].to(beta.dtype), w, b, layout, view, key,
                         num_k_heads=nk, head_k_dim=K, head_v_dim=V, activation=activation, qk_l2norm=qk_l2norm,
-                        scale=scale, key_of_value=kv)
+                        scale=scale, key_of_value=kv, backend=backend)
     else:
         y = tree_causal_conv1d(x, w, b, layout, activation="silu" if activation == "silu" else None)
         if activation != "silu":

@@ -458,29 +458,16 @@ def gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, *,
         else:
             raise ValueError(f"gated_delta_rule_forest: backend 'fla' needs bfloat16/float16/float32 q, k, v; got "
                              f"{q.dtype}")
-    if name == "fla":
-        return _forest_fla(q, k, v, g, beta, start, length, parent, level, initial_state, initial_index,
-                           final_segments, scale)
     S = start.shape[0]
+    fin, idx0 = _forest_states(S, (HV, K, V), initial_state, initial_index, final_segments)
     scale = K ** -0.5 if scale is None else float(scale)
+    if name == "fla":
+        return _forest_fla(q, k, v, g, beta, start, length, parent, level, initial_state, idx0, fin, scale)
     cdt = _compute_dtype(q.dtype)
     dev = q.device
-    fin = None if final_segments is None else _host_i64(final_segments, "final_segments")
-    if fin is not None and fin.size and ((fin < 0) | (fin >= S)).any():
-        raise ValueError(f"final_segments must index the {S} segments")
-    idx0 = np.full(S, -1, np.int64) if initial_index is None else _host_i64(initial_index, "initial_index")
-    if idx0.shape != (S,):
-        raise ValueError(f"initial_index must have shape [{S}]; got {tuple(idx0.shape)}")
+    init = q.new_zeros((1, HV, K, V), dtype=cdt)
     if initial_state is not None:
-        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, K, V):
-            raise ValueError(f"initial_state must have shape [B,{HV},{K},{V}]; got {tuple(initial_state.shape)}")
-        init = torch.cat([initial_state.to(cdt), initial_state.new_zeros((1, HV, K, V), dtype=cdt)])
-        if (idx0 >= initial_state.shape[0]).any():
-            raise ValueError("initial_index points past initial_state")
-    else:
-        if (idx0 >= 0).any():
-            raise ValueError("initial_index is set but initial_state is None")
-        init = q.new_zeros((1, HV, K, V), dtype=cdt)
+        init = torch.cat([initial_state.to(cdt), init])
     B = init.shape[0] - 1
     o = v.new_zeros((n, HV, V), dtype=cdt)
     if S == 0:
@@ -546,8 +533,29 @@ def gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, *,
     return o.to(q.dtype), final
 
 
-def _forest_fla(q, k, v, g, beta, start, length, parent, level, initial_state, initial_index, final_segments,
-                scale):
+def _forest_states(S: int, shape: tuple, initial_state, initial_index, final_segments):
+    """`gated_delta_rule_forest`'s state arguments checked: ``(final_segments, initial_index)`` as host
+    int64 arrays (None / all -1 when not given)."""
+    import numpy as np
+
+    fin = None if final_segments is None else _host_i64(final_segments, "final_segments")
+    if fin is not None and fin.size and ((fin < 0) | (fin >= S)).any():
+        raise ValueError(f"final_segments must index the {S} segments")
+    idx0 = np.full(S, -1, np.int64) if initial_index is None else _host_i64(initial_index, "initial_index")
+    if idx0.shape != (S,):
+        raise ValueError(f"initial_index must have shape [{S}]; got {tuple(idx0.shape)}")
+    if initial_state is None:
+        if (idx0 >= 0).any():
+            raise ValueError("initial_index is set but initial_state is None")
+    elif initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != tuple(shape):
+        raise ValueError(f"initial_state must have shape [B,{','.join(map(str, shape))}]; got "
+                         f"{tuple(initial_state.shape)}")
+    elif (idx0 >= initial_state.shape[0]).any():
+        raise ValueError("initial_index points past initial_state")
+    return fin, idx0
+
+
+def _forest_fla(q, k, v, g, beta, start, length, parent, level, initial_state, idx0, fin, scale):
     """`gated_delta_rule_forest` through FLA: per level one varlen ``chunk_gated_delta_rule`` call whose
     sequences are the level's segments, started from their initial states (roots) or their parents'
     final states (as `_tree_fla` runs a layout's levels)."""
@@ -562,20 +570,9 @@ def _forest_fla(q, k, v, g, beta, start, length, parent, level, initial_state, i
     qe = q.repeat_interleave(G, dim=1) if G > 1 else q  # the kernel takes equal q/k and v head counts
     ke = k.repeat_interleave(G, dim=1) if G > 1 else k
     g32, beta_q = g.float(), beta.to(q.dtype)
-    scale = K ** -0.5 if scale is None else float(scale)
-    fin = None if final_segments is None else _host_i64(final_segments, "final_segments")
-    if fin is not None and fin.size and ((fin < 0) | (fin >= S)).any():
-        raise ValueError(f"final_segments must index the {S} segments")
-    idx0 = np.full(S, -1, np.int64) if initial_index is None else _host_i64(initial_index, "initial_index")
-    if idx0.shape != (S,):
-        raise ValueError(f"initial_index must have shape [{S}]; got {tuple(idx0.shape)}")
-    if initial_state is None and (idx0 >= 0).any():
-        raise ValueError("initial_index is set but initial_state is None")
     zero = torch.zeros(1, HV, K, V, dtype=torch.float32, device=dev)
     init = zero if initial_state is None else torch.cat([initial_state.float(), zero])
     B = init.shape[0] - 1
-    if initial_state is not None and (idx0 >= initial_state.shape[0]).any():
-        raise ValueError("initial_index points past initial_state")
     o = v.new_zeros((n, HV, V), dtype=q.dtype)
     finals = torch.zeros(0, HV, K, V, dtype=torch.float32, device=dev)  # every segment's, in ``order`` below
     slot = np.full(S, -1, np.int64)

@@ -131,19 +131,18 @@ def test_without_carry_a_long_sample_is_refused_and_carry_refuses_what_it_cannot
         pack([list(range(1, 40))], 16)
     with pytest.raises(ValueError, match="mtp_tail"):
         pack([list(range(1, 40))], 16, carry=True, mtp_tail=1)
-    # under tree CP carry runs every layer kind, but not MTP yet: refused before any rank starts, in verify and in
-    # the hooks' / train's arguments; interleaved pipelining is refused too
+    # every layer kind carries under CP x PP; MTP with DSA (its tail rows) and interleaved pipelining are
+    # refused before any rank starts, in the hooks' / train's arguments
     from megatron_tree.training.arguments import add_tree_args, validate_tree_args
-    from megatron_tree.training.verify import VerifyConfig, run_verify_many
 
-    with pytest.raises(ValueError, match="--cp with --mtp-num-layers"):
-        run_verify_many([VerifyConfig(model="gpt", cp=2, mtp_num_layers=1, budget=16, carry=True)])
     args = add_tree_args(argparse.ArgumentParser()).parse_args(["--tree-packing", "--tree-max-tokens-per-mb", "64",
                                                                 "--tree-carry"])
     args.context_parallel_size, args.tree_hybrid_pattern, args.pipeline_model_parallel_size = 2, "MG*-", 2
-    validate_tree_args(args)  # every layer kind carries under CP x PP
-    args.mtp_num_layers, args.num_layers_per_virtual_pipeline_stage = 1, 1
-    with pytest.raises(ValueError, match="(?s)not interleaved virtual stages.*under --context-parallel-size > 1"):
+    validate_tree_args(args)
+    args.tree_hybrid_pattern, args.mtp_num_layers = None, 1
+    validate_tree_args(args)  # GPT with MTP
+    args.experimental_attention_variant, args.num_layers_per_virtual_pipeline_stage = "dsa", 1
+    with pytest.raises(ValueError, match="(?s)not interleaved virtual stages.*tail rows its indexer loss reads"):
         validate_tree_args(args)
 
 

@@ -623,6 +623,9 @@ def _verify_cases():
            VerifyConfig(mtp_num_layers=2, cp=2, families=2),
            VerifyConfig(mtp_num_layers=1, pp=2, families=2),
            VerifyConfig(mtp_num_layers=2, cp=2, families=2, fault="mtp_physical_roll"),
+           # carry under CP: a parent another rank computes comes by the halo, a carried one from the store (the
+           # fill gathers every rank's state rows); the depths' layers run on their own plans' visibility
+           VerifyConfig(mtp_num_layers=2, cp=2, cp_strategy="zigzag", budget=16, carry=True, families=4),
            # the seed whose tiny GDN decay gradients read 1.16e-9 against their own scale (`verify.GRAD_SCALE_FLOOR`)
            VerifyConfig(model="qwen3next", mtp_num_layers=1, tp=2, sp=True, families=2)]
     # CP4 (parents on other ranks from every side); MoE in the MTP layers with experts over DP x CP

@@ -222,9 +222,6 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
     (this CP rank's, under CP; no loss map). Under tree CP ``cp_strategy`` plans each microbatch
     (`carry_cp`). Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
-    if getattr(config, "mtp_num_layers", None) and config.context_parallel_size > 1:
-        raise ValueError("carry (--tree-carry) does not run with multi-token prediction under context parallelism "
-                         "yet")
     item.store.advance(item.position - pending_backwards(model))  # the items whose backward is done
     dev = device if device is not None else next(model.parameters()).device
     psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)

@@ -140,7 +140,10 @@ def mtp_view(psp: TreePackedSeqParams, k: int) -> TreePackedSeqParams:
                                        position_ids=cpu.position_ids.numpy().copy())
         carry = psp.carry
         if carry is not None:  # its layers' store keys apart from the decoder's; its own host work (cut layout)
-            carry = dataclasses.replace(carry, scope=("mtp", k), memo={})
+            cp = carry.cp
+            if cp is not None:  # under CP: the depth's plan (its visibility), the whole view scoped alike
+                cp = dataclasses.replace(cp, plan=plan, whole=dataclasses.replace(cp.whole, scope=("mtp", k), memo={}))
+            carry = dataclasses.replace(carry, scope=("mtp", k), memo={}, cp=cp)
         view = dataclasses.replace(psp, layout=layout, loss_map=None, cp_plan=plan, gdn_plan=None,
                                    gdn_local_rows=None, gdn_num_local_padding=0, in_island=False, attention_view=None,
                                    carry=carry, **_depth_weights(psp, k, tail))
@@ -209,25 +212,32 @@ def mtp_halo(plan, layout: TreeLayout, rank: int, k: int, num_padding: int = 0) 
                    lambda: _make_halo(plan, layout, rank, k, num_padding), 64)
 
 
-def _halo_edges(plan, layout: TreeLayout, k: int):
-    """(dst rank, src row) of every cross-rank edge of depth k, unique, sorted by (dst, src)."""
+def _halo_edges(plan, layout: TreeLayout, k: int, owner=None):
+    """(dst rank, src row) of every cross-rank edge of depth k, unique, sorted by (dst, src). ``owner``
+    [N] (default the plan's): the CP rank computing each row, -1 for a row no rank computes here (a
+    carried row: it reaches its children from the carry store, not by a fetch)."""
     cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
-    pos, prev, owner = cpu.position_ids.numpy(), _path_prev(cpu), plan.owner.astype(np.int64)
-    rows = np.nonzero((pos >= k) & (np.arange(cpu.num_rows) < cpu.num_real_rows))[0]
+    pos, prev = cpu.position_ids.numpy(), _path_prev(cpu)
+    owner = plan.owner.astype(np.int64) if owner is None else owner
+    rows = np.nonzero((pos >= k) & (np.arange(cpu.num_rows) < cpu.num_real_rows) & (owner >= 0))[0]
     src = prev[rows]
-    cross = owner[src] != owner[rows]
+    cross = (owner[src] >= 0) & (owner[src] != owner[rows])
     n = cpu.num_rows
     key = np.unique(owner[rows[cross]] * n + src[cross])
     return key // n, key % n
 
 
-def _make_halo(plan, layout: TreeLayout, rank: int, k: int, num_padding: int) -> MTPHalo:
+def _make_halo(plan, layout: TreeLayout, rank: int, k: int, num_padding: int, owner=None, mine=None,
+               carried=None):
+    """`MTPHalo` of ``rank`` under ``plan``; with ``owner`` / ``mine`` / ``carried`` (carry under CP:
+    the rows this rank computes, -1 owners for carried rows, the carried rows) the index also points
+    past the received rows at the carried parents, in the order of the returned positions in
+    ``carried`` (their states come from the carry store). Returns the halo, or ``(halo, positions)``."""
     cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
-    n = cpu.num_rows
-    owner = plan.owner.astype(np.int64)
+    owner = plan.owner.astype(np.int64) if owner is None else owner
     pos, prev = cpu.position_ids.numpy(), _path_prev(cpu)
-    mine = plan.owner_rows(rank)
-    dst, src = _halo_edges(plan, cpu, k)
+    mine = plan.owner_rows(rank) if mine is None else mine
+    dst, src = _halo_edges(plan, cpu, k, owner)
     send = owner[src] == rank  # (dst, src) sorted: grouped by destination, ascending row within
     send_local = np.searchsorted(mine, src[send])
     send_splits = np.bincount(dst[send], minlength=plan.cp_size)
@@ -237,18 +247,27 @@ def _make_halo(plan, layout: TreeLayout, rank: int, k: int, num_padding: int) ->
     r_src = r_src[order]
     recv_splits = np.bincount(owner[r_src], minlength=plan.cp_size)
     n_local = len(mine) + num_padding
-    zero = n_local + len(r_src)
-    index = np.full(n_local, zero, np.int64)
     valid = (pos[mine] >= k) & (mine < cpu.num_real_rows)
     p = prev[mine[valid]]
+    stored = owner[p] < 0  # a carried parent
+    parents = np.unique(p[stored])
+    index = np.full(n_local, n_local + len(r_src) + len(parents), np.int64)  # the zero row
     local = owner[p] == rank
     idx = np.empty(p.shape[0], np.int64)
     idx[local] = np.searchsorted(mine, p[local])
+    remote = ~local & ~stored
     srt = np.argsort(r_src, kind="stable")  # r_src is grouped by owner: look rows up through a sorted copy
-    idx[~local] = n_local + srt[np.searchsorted(r_src[srt], p[~local])]
+    idx[remote] = n_local + srt[np.searchsorted(r_src[srt], p[remote])]
+    idx[stored] = n_local + len(r_src) + np.searchsorted(parents, p[stored])
     index[np.nonzero(valid)[0]] = idx
-    return MTPHalo(send_local=send_local.astype(np.int64), send_splits=tuple(int(x) for x in send_splits),
+    halo = MTPHalo(send_local=send_local.astype(np.int64), send_splits=tuple(int(x) for x in send_splits),
                    recv_splits=tuple(int(x) for x in recv_splits), index=index)
+    if carried is None:
+        return halo
+    at = np.searchsorted(carried, parents)
+    if (at >= len(carried)).any() or (carried[np.minimum(at, len(carried) - 1)] != parents).any():
+        raise RuntimeError("MTP under carry: an own row's parent is neither computed in the microbatch nor carried")
+    return halo, at
 
 
 def mtp_cp_figures(plan, layout: TreeLayout, num_layers: int, row_bytes: int) -> dict:
@@ -267,7 +286,9 @@ def _parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, confi
     if sp:  # backward: reduce-scatter of the (TP-identical) gradient slices
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=pg.tp)
     layout = psp.layout
-    if psp.carry is not None and not psp.is_context_parallel:
+    if psp.carry is not None and psp.is_context_parallel:
+        out = _carry_cp_parent_states(hidden, psp, k, pg)
+    elif psp.carry is not None:
         out = _carry_parent_states(hidden, psp.carry, layout, k)
     elif psp.is_context_parallel:
         halo = mtp_halo(psp.cp_plan, layout, psp.cp_rank, k, psp.num_local_padding)
@@ -294,7 +315,7 @@ def _carry_parent_states(hidden: torch.Tensor, view, layout: TreeLayout, k: int)
     takes its depth-(k-1) state from the step's store: the owner's fill stores the state of its state
     rows (``view.state_rows``: exactly the rows a later microbatch's own row hangs off) under key
     ``("mtp", k)``, its restore receives their gradient."""
-    (hidden,) = view.state(("mtp", k), [hidden], positions=view.state_rows, keys=view.state_keys)
+    (hidden,) = view.state(("mtp", k), [hidden], rows="state")
     if "mtp_parents" not in view.memo:
         view.memo["mtp_parents"] = {}
     memo = view.memo["mtp_parents"]
@@ -321,6 +342,34 @@ def _carry_parent_states(hidden: torch.Tensor, view, layout: TreeLayout, k: int)
         parts.append(carried_h.to(hidden.dtype))
     parts.append(hidden.new_zeros((1,) + tuple(hidden.shape[1:])))
     return torch.cat(parts).index_select(0, index.to(hidden.device))
+
+
+def _carry_cp_parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, pg) -> torch.Tensor:
+    """`_carry_parent_states` under tree CP: ``hidden`` holds this CP rank's own rows (then its padding);
+    a parent another rank computes arrives by the halo fetch (`_make_halo` over the rows the
+    microbatch computes), a carried parent from the store, where every CP rank holds the state rows of
+    every rank (the fill gathers them, the restore sums their gradient over CP: `CarryView.state`)."""
+    view = psp.carry
+    (hidden,) = view.state(("mtp", k), [hidden], rows="state")
+    memo = view.memo.setdefault("mtp_cp_halo", {})
+    if k not in memo:
+        cp = view.cp
+        whole = cp.whole.own.cpu().numpy()
+        owner = np.full(psp.layout.num_rows, -1, np.int64)
+        owner[whole] = cp.plan.owner[whole]
+        memo[k] = _make_halo(cp.plan, psp.layout, cp.rank, k, psp.num_local_padding, owner=owner,
+                             mine=view.own.cpu().numpy(), carried=view.carried.cpu().numpy())
+    halo, at = memo[k]
+    dev = hidden.device
+    parts = [hidden, fetch_rows(hidden, torch.from_numpy(halo.send_local).to(dev), halo.send_splits,
+                                halo.recv_splits, pg.cp)]
+    if len(at):
+        (carried_h,) = view.carried_state(("mtp", k), at)
+        if _FAULT == "carry_parent":
+            carried_h = torch.zeros_like(carried_h)
+        parts.append(carried_h.to(hidden.dtype))
+    parts.append(hidden.new_zeros((1,) + tuple(hidden.shape[1:])))
+    return torch.cat(parts).index_select(0, torch.from_numpy(halo.index).to(dev))
 
 
 def _carry_sample_sums(store, num_layers: int):

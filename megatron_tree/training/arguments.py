@@ -207,10 +207,9 @@ def validate_tree_args(args) -> argparse.Namespace:
         if _get(args, "num_layers_per_virtual_pipeline_stage") or _get(args, "virtual_pipeline_model_parallel_size"):
             errors.append("--tree-carry runs 1F1B pipelining, not interleaved virtual stages (a chunk's backward "
                           "order then mixes two chunks' items): drop --num-layers-per-virtual-pipeline-stage")
-        if _get(args, "mtp_num_layers") and (int(_get(args, "context_parallel_size", 1) or 1) > 1
-                                            or _get(args, "experimental_attention_variant") == "dsa"):
-            errors.append("--tree-carry with --mtp-num-layers does not run under --context-parallel-size > 1 or with "
-                          "DeepSeek sparse attention (MTP tail rows) yet")
+        if _get(args, "mtp_num_layers") and _get(args, "experimental_attention_variant") == "dsa":
+            errors.append("--tree-carry with --mtp-num-layers does not run with DeepSeek sparse attention yet (the MTP "
+                          "tail rows its indexer loss reads are not carried)")
         if _get(args, "tree_flat_packing"):
             errors.append("--tree-carry carries the state of shared rows: drop --tree-flat-packing")
 

@@ -312,15 +312,18 @@ class CarryView:
         """The store key of layer ``key`` in this view."""
         return key if self.scope is None else (self.scope, key)
 
-    def state(self, key, values: list, positions=None, keys=None) -> list:
+    def state(self, key, values: list, positions=None, keys=None, rows: str = "exported") -> list:
         """Own rows' state tensors ``values`` ([n, ...] each) of layer ``key``, through the phase:
-        the rows ``positions`` (default: the exported rows) stored under ``keys`` (fill) or given the
-        readers' gradient (restore); unchanged otherwise. Under tree CP the fill gathers the exported
-        rows of every CP rank (each rank's store holds them all: a reader's plan may give a carried row
-        to any rank) and the restore first sums the readers' gradients over the CP group."""
+        the rows ``positions`` (default: the exported rows, or with ``rows="state"`` the state rows)
+        stored under ``keys`` (fill) or given the readers' gradient (restore); unchanged otherwise.
+        Under tree CP the fill gathers those rows of every CP rank (each rank's store holds them all: a
+        reader's plan may give a carried row to any rank) and the restore first sums the readers'
+        gradients over the CP group."""
         if self.cp is not None and positions is None:
-            return self._state_cp(key, values)
+            return self._state_cp(key, values, rows)
         key = self.scoped(key)
+        if positions is None and rows == "state":
+            positions, keys = self.state_rows, self.state_keys
         positions = self.exported if positions is None else positions
         keys = self.exported_keys if keys is None else keys
         if not len(keys):
@@ -331,17 +334,33 @@ class CarryView:
             values = [inject_gradient(v, positions, self.store, key, self.index, t) for t, v in enumerate(values)]
         return values
 
-    def _state_cp(self, key, values: list) -> list:
+    def _cp_rows(self, rows: str):
+        """Tree CP: ``(positions in own, every rank's keys [E], rank of each [E], this rank's among them)``
+        of the exported rows or (``rows="state"``) of the state rows."""
+        cp = self.cp
+        if rows == "exported":
+            return self.exported, cp.exported_keys, cp.exported_rank, cp.exported_mine
+        if "cp_state_rows" not in self.memo:
+            whole = cp.whole
+            lay = whole.own.cpu().numpy()[whole.state_rows.cpu().numpy()]
+            rank_of = cp.plan.owner[lay].astype(np.int64)
+            mine = np.flatnonzero(rank_of == cp.rank)
+            dev = self.own.device
+            self.memo["cp_state_rows"] = (torch.from_numpy(np.searchsorted(self.own.cpu().numpy(), lay[mine])).to(dev),
+                                          whole.state_keys, rank_of, torch.from_numpy(mine).to(dev))
+        return self.memo["cp_state_rows"]
+
+    def _state_cp(self, key, values: list, rows: str = "exported") -> list:
         cp, key = self.cp, self.scoped(key)
-        if not len(cp.exported_keys):  # no CP rank exports a row of this microbatch
+        positions, keys, rank_of, mine = self._cp_rows(rows)
+        if not len(keys):  # no CP rank holds such a row of this microbatch
             return values
         if self.phase == "fill":
-            self.store.put(key, self.index, cp.exported_keys,
-                           [gather_rows(v[self.exported], cp.exported_rank, cp.group) for v in values])
+            self.store.put(key, self.index, keys, [gather_rows(v[positions], rank_of, cp.group) for v in values])
         elif self.phase == "restore":
             if not cp.pipelined:  # every reader's backward has run
                 self.store.reduce_accumulators(key, self.index, cp.group)
-            values = [inject_gradient(v, self.exported, self.store, key, self.index, t, acc_rows=cp.exported_mine,
+            values = [inject_gradient(v, positions, self.store, key, self.index, t, acc_rows=mine,
                                       group=cp.group if cp.pipelined else None) for t, v in enumerate(values)]
         return values
 

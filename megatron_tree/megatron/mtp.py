@@ -334,7 +334,13 @@ def _carry_parent_states(hidden: torch.Tensor, view, layout: TreeLayout, k: int)
         index = np.where(valid & ~is_own, len(own) + np.searchsorted(parents, prev), index)
         memo[k] = (torch.from_numpy(index.astype(np.int64)), at)
     index, at = memo[k]
-    parts = [hidden]
+    return _with_carried_parents([hidden], view, k, at, index)
+
+
+def _with_carried_parents(parts: list, view, k: int, at, index: torch.Tensor) -> torch.Tensor:
+    """``cat(parts, the carried parents' stored states (positions ``at`` in ``view.carried``), a zero
+    row)`` indexed by ``index``: each row's depth-k input."""
+    hidden = parts[0]
     if len(at):
         (carried_h,) = view.carried_state(("mtp", k), at)
         if _FAULT == "carry_parent":
@@ -361,15 +367,8 @@ def _carry_cp_parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: i
                              mine=view.own.cpu().numpy(), carried=view.carried.cpu().numpy())
     halo, at = memo[k]
     dev = hidden.device
-    parts = [hidden, fetch_rows(hidden, torch.from_numpy(halo.send_local).to(dev), halo.send_splits,
-                                halo.recv_splits, pg.cp)]
-    if len(at):
-        (carried_h,) = view.carried_state(("mtp", k), at)
-        if _FAULT == "carry_parent":
-            carried_h = torch.zeros_like(carried_h)
-        parts.append(carried_h.to(hidden.dtype))
-    parts.append(hidden.new_zeros((1,) + tuple(hidden.shape[1:])))
-    return torch.cat(parts).index_select(0, torch.from_numpy(halo.index).to(dev))
+    recv = fetch_rows(hidden, torch.from_numpy(halo.send_local).to(dev), halo.send_splits, halo.recv_splits, pg.cp)
+    return _with_carried_parents([hidden, recv], view, k, at, torch.from_numpy(halo.index))
 
 
 def _carry_sample_sums(store, num_layers: int):

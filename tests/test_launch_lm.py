@@ -509,12 +509,11 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
       three steps, each reading the same samples as CP1 (each sample once per step and CP rank);
       before the CPU layer kept Megatron-LM's JIT warm-up off the weights' generator, the model
       depended on CP and TP (GPT iteration 1: 4.8522 CP1, 4.8658 CP2, 4.8755 CP2 + TP2 + SP);
-      then resumed at iteration 2 under TP2 + SP, and under PP2 (1F1B), with --tree-carry at an 8-row
-      budget: the DP2 run's samples and losses (the same-layout resume is bit for bit in
-      tests/test_preemption.py);
-    * GPT: resumed under tree CP2 with --tree-carry at an 8-row budget (the DP2 run's samples and
-      losses), and as TP2 + SP with flat packing (no prefix shared; the checkpoint resharded): the
-      tree's losses to float32 rounding."""
+      then resumed at iteration 2 under tree CP2 with --tree-carry at an 8-row budget: the DP2 run's
+      samples and losses (the same-layout resume is bit for bit in tests/test_preemption.py);
+    * GPT: resumed on two 1F1B pipeline stages with --tree-carry at an 8-row budget (the DP2 run's
+      samples and losses), and as TP2 + SP with flat packing (no prefix shared; the checkpoint
+      resharded): the tree's losses to float32 rounding."""
     script, model_args = MODELS[model]
     data = _write_data(tmp_path / "train.jsonl")
     args = COMMON + model_args + ["--tree-data-path", str(data)]
@@ -542,60 +541,36 @@ def test_pretrain_tree_cp_resume_and_flat_on_cpu(model, tmp_path):
             assert cp_samples[it] == Counter({i: 2 for i in full_samples[it]}), (it, cp_samples, full_samples)
 
     load = ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "2"]
-    carry = tp2 = {}
-    if model == "hybrid":  # one model is enough for each resume (a launch costs ~40 s)
-        # --tree-carry at an 8-row budget (below every tree and most samples: paths are cut into chains that
-        # read carried Mamba-2 / GDN / attention state; more schedule items: fill + restore, so a larger
-        # --global-batch-size, which changes no number under the per-token loss) under TP2 + SP, resumed from
-        # the DP2 run's iteration-2 checkpoint (TP rank 0 reads the data and sends each step's microbatches to
-        # its TP peer): iterations 3 and 4 read the DP2 run's samples and give its losses (float32 rounding)
-        carry_args = list(args)
-        carry_args[carry_args.index("--global-batch-size") + 1] = "16"
-        carry_args[carry_args.index("--tree-max-tokens-per-mb") + 1] = "8"
-        carry_samples: dict = {}
-        # (--override-opt_param-scheduler: the larger --global-batch-size changes the scheduler's sample count,
-        # which a resume otherwise refuses; the learning rate is constant)
-        rc, out, carry = _launch(tmp_path, "carry", script, carry_args + load + TP2_SP +
-                                 ["--tree-carry", "--override-opt_param-scheduler"], samples=carry_samples)
-        _check(rc, out, "TP2 + SP --tree-carry run resumed at iteration 2")
-        assert sorted(carry) == [3, 4] and carry_samples == {it: full_samples[it] for it in (3, 4)}, \
-            (carry_samples, full_samples)
-        for it in (3, 4):
-            assert carry[it] == pytest.approx(full[it], rel=2e-5), (it, carry, full)
-        # the same resume on two 1F1B pipeline stages (Mamba-2 + GDN | attention + MLP), each stage with its
-        # own carry store, the fills' hidden states sent on; both stages read every sample of the step
-        pp_samples: dict = {}
-        rc, out, pp = _launch(tmp_path, "carry_pp", script, carry_args + load +
-                              ["--pipeline-model-parallel-size", "2", "--tree-carry", "--override-opt_param-scheduler"],
-                              samples=pp_samples)
-        _check(rc, out, "PP2 --tree-carry run resumed at iteration 2")
-        assert sorted(pp) == [3, 4] and pp_samples == {it: Counter({i: 2 for i in full_samples[it]}) for it in (3, 4)}, \
-            (pp_samples, full_samples)
-        for it in (3, 4):
-            assert pp[it] == pytest.approx(full[it], rel=2e-5), (it, pp, full)
-        carry = {"TP2+SP": carry, "PP2": pp}
-    if model == "gpt":  # --tree-carry under tree CP2 (attention layers), resumed like the hybrid's carry runs
-        carry_args = list(args)
-        carry_args[carry_args.index("--global-batch-size") + 1] = "16"
-        carry_args[carry_args.index("--tree-max-tokens-per-mb") + 1] = "8"
-        cp_samples = {}
-        rc, out, cp_carry = _launch(tmp_path, "carry_cp", script, carry_args + load + [
-            "--context-parallel-size", "2", "--tree-cp-planner", "zigzag", "--tree-carry",
-            "--override-opt_param-scheduler"], samples=cp_samples)
-        _check(rc, out, "CP2 --tree-carry run resumed at iteration 2")
-        # both CP ranks of the one DP group read every sample of the step
-        assert sorted(cp_carry) == [3, 4] and cp_samples == {it: Counter({i: 2 for i in full_samples[it]})
-                                                             for it in (3, 4)}, (cp_samples, full_samples)
-        for it in (3, 4):
-            assert cp_carry[it] == pytest.approx(full[it], rel=2e-5), (it, cp_carry, full)
-        carry = {"CP2": cp_carry}
+    # --tree-carry at an 8-row budget (below every tree and most samples: paths are cut into chains that read
+    # carried state; more schedule items: fill + restore, so a larger --global-batch-size, which changes no number
+    # under the per-token loss), resumed from the DP2 run's iteration-2 checkpoint: iterations 3 and 4 read the DP2
+    # run's samples (each on both ranks of the one DP group) and give its losses (float32 rounding). The hybrid
+    # under tree CP2 (zigzag: its Mamba-2 / GDN head shards continue carried state over every own row, attention
+    # reads carried K / V on the rank the plan gives it); GPT on two 1F1B pipeline stages (each stage its own
+    # store, the fills' hidden states sent on). (--override-opt_param-scheduler: the larger --global-batch-size
+    # changes the scheduler's sample count, which a resume otherwise refuses; the learning rate is constant.)
+    # Carry under TP2 + SP through the hooks: tests/test_routing_replay.py (in-process, TP rank 1 fed by rank 0).
+    carry_args = list(args)
+    carry_args[carry_args.index("--global-batch-size") + 1] = "16"
+    carry_args[carry_args.index("--tree-max-tokens-per-mb") + 1] = "8"
+    layout = {"hybrid": ["--context-parallel-size", "2", "--tree-cp-planner", "zigzag"],
+              "gpt": ["--pipeline-model-parallel-size", "2"]}[model]
+    carry_samples: dict = {}
+    rc, out, carry = _launch(tmp_path, "carry", script, carry_args + load + layout +
+                             ["--tree-carry", "--override-opt_param-scheduler"], samples=carry_samples)
+    _check(rc, out, f"{' '.join(layout)} --tree-carry run resumed at iteration 2")
+    assert sorted(carry) == [3, 4] and carry_samples == {it: Counter({i: 2 for i in full_samples[it]})
+                                                         for it in (3, 4)}, (carry_samples, full_samples)
+    for it in (3, 4):
+        assert carry[it] == pytest.approx(full[it], rel=2e-5), (it, carry, full)
+    tp2 = {}
     if model == "gpt":  # the resharded flat-packing resume
         rc, out, tp2 = _launch(tmp_path, "resume_tp2_flat", script, args + load + TP2_SP + ["--tree-flat-packing"])
         _check(rc, out, "TP2+SP flat-packing resume")
         assert sorted(tp2) == [3, 4]
         for it in (3, 4):
             assert tp2[it] == pytest.approx(full[it], rel=2e-6), (it, tp2, full)
-    print(f"\n{model}: DP2 {full}\n{model}: fresh CP2 {cp}\n{model}: resumed carry {carry}, TP2+SP flat {tp2}")
+    print(f"\n{model}: DP2 {full}\n{model}: fresh CP2 {cp}\n{model}: resumed with carry {carry}, TP2+SP flat {tp2}")
 
 
 def _logged(out: str, key: str) -> dict:

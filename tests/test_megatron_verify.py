@@ -73,16 +73,16 @@ WS2 = [
     VerifyConfig(model="qwen3next", dp=2, budget=16, carry=True, recompute="full"),
     # carry on two 1F1B pipeline stages (Mamba-2 + GDN | attention + MLP), full recomputation re-reading the store:
     # each stage releases state only past the items whose backward 1F1B may still owe
-    both(VerifyConfig(model="hybrid", pattern="MG*-", pp=2, budget=16, carry=True, recompute="full")),
+    VerifyConfig(model="hybrid", pattern="MG*-", pp=2, budget=16, carry=True, recompute="full"),
     # carry under tree CP: the plan covers carried rows too, whose stored K / V enter the CP attention on the rank
     # the plan gives them (zero queries); fills gather the exported rows over CP, restores sum the readers'
     # gradients over CP; Mamba-2 and GDN run their head shards over every own row, each rank storing its heads'
-    # state (zigzag: both ranks hold rows of every microbatch)
-    both(VerifyConfig(model="gpt", cp=2, cp_strategy="zigzag", window=9, sinks=True, budget=16, carry=True,
-                      recompute="full")),
-    VerifyConfig(model="mla", cp=2, budget=16, carry=True, loss="grpo"),
-    both(VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", budget=16, carry=True,
-                      recompute="selective")),
+    # state (zigzag: both ranks hold rows of every microbatch). The latest tier runs carry under PP and CP through
+    # pretrain() (tests/test_launch_lm.py)
+    VerifyConfig(model="gpt", cp=2, cp_strategy="zigzag", window=9, sinks=True, budget=16, carry=True,
+                 recompute="full"),
+    VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", budget=16, carry=True,
+                 recompute="selective"),
     VerifyConfig(model="hybrid", pattern="MG-*", cp=2, cp_strategy="zigzag", budget=16, carry=True,
                  fault="carry_detach"),
 ]

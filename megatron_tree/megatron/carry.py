@@ -12,11 +12,10 @@ A carry view is the CP-style local view of the microbatch: the modules run on it
 (``local_rows``; input ids and depths gathered there), the loss map indexes them, and the whole
 layout (carried rows included) stays visible, so the mixers place carried state by the layout's
 predicate. Every tree layer kind reads carried state (attention, MLA, DSA, Gated DeltaNet, Mamba-2;
-MLPs and MoE hold none); multi-token prediction is refused in `forward_step.carry_forward`. Under
-1F1B pipelining every stage runs the same items (its own store of its own layers' state) and
-releases state only once the items 1F1B may still owe a backward (`forward_step.pending_backwards`)
-are past it. Under tree CP the view is this CP rank's share of the own rows (``carry_view(...,
-cp=)``; attention layers: `cp.execution.carry.carried_attention_cp`).
+MLPs and MoE hold none; MTP depths scope their layers' keys). Under 1F1B pipelining every stage
+runs the same items (its own store of its own layers' state) and releases state only once the
+items 1F1B may still owe a backward (`forward_step.pending_backwards`) are past it. Under tree CP
+the view is this CP rank's share of the own rows (``carry_view(..., cp=)``, `CarryCP`).
 """
 from __future__ import annotations
 
@@ -61,9 +60,10 @@ def carry_items(microbatches: list, store: CarryStore | None = None) -> list[Car
 def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
     """The local view of ``psp`` (the whole microbatch's `TreePackedSeqParams`) for a carry phase.
 
-    ``cp``: ``(plan, group, pad_to_multiple_of, pipelined)`` under tree CP: the plan covers the whole layout
-    (carried rows too); the modules then run on the own rows this CP rank owns (padded to the TP size
-    under sequence parallelism), and the view's `CarryCP` tells the attention layers the rest."""
+    ``cp``: ``(plan, group, pad_to_multiple_of, pipelined)`` under tree CP (`forward_step.carry_cp`): the
+    plan covers the whole layout (carried rows too); the modules then run on the own rows this CP rank
+    owns (padded to the TP size under sequence parallelism), and the view's `CarryCP` holds the rest
+    (every rank's exported rows, the view of every own row the recurrent head shards run on)."""
     info = mb.carry
     dev = psp.layout.device
     if cp is not None:  # the view of every own row first: the recurrent layers' head shards run on it

@@ -199,10 +199,10 @@ def pending_backwards(model) -> int:
 
 
 def carry_cp(model, layout, strategy: str = "balanced"):
-    """``(plan, group, pad_to_multiple_of, pipelined)`` of a carry microbatch under tree CP (`carry_view`'s ``cp``),
-    or None without CP. The plan covers the whole layout, carried rows included (they hold K / V the
-    CP attention exchanges), made here like `context_parallel_params` makes one and checked the same
-    on every CP rank. Carry under CP runs every layer kind (GDN in heads mode), with 1F1B pipelining too."""
+    """``(plan, group, pad_to_multiple_of, pipelined)`` of a carry microbatch under tree CP (`carry_view`'s
+    ``cp``), or None without CP. The plan covers the whole layout, carried rows included (they hold
+    K / V the CP attention exchanges), made here like `context_parallel_params` makes one and checked
+    the same on every CP rank. Every layer kind carries under CP (GDN in heads mode), 1F1B too."""
     config, cp_group = _config_and_cp_group(model)
     cp = config.context_parallel_size
     if cp == 1:

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from .gdn_plan import GDNCostModel, GDNHeads, _build_pieces, heads_terms, summary_terms
+from .gdn_plan import GDNCostModel, GDNHeads, _build_pieces, _host, heads_terms, summary_terms
 from .plan import CPPlan
 
 __all__ = ["plan_gdn_layout", "gdn_layout_figures", "cut_crossings", "redistribution_bytes", "DEFAULT_HEADS",
@@ -49,10 +49,6 @@ DEFAULT_HEADS = GDNHeads(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_
 DEFAULT_HIDDEN = 2048
 REBALANCE_STEPS = 6
 SLACKS = (0.0, 1 / 64, 1 / 16, 1 / 8, 1 / 4, 1 / 2)  # cut windows, as a fraction of N / cp
-
-
-def _host(layout, name: str) -> np.ndarray:
-    return getattr(layout, name).detach().cpu().numpy().astype(np.int64)
 
 
 def cut_crossings(offsets: np.ndarray, seg_parent: np.ndarray) -> np.ndarray:

@@ -468,6 +468,7 @@ _CACHE: "weakref.WeakKeyDictionary[TreeLayout, dict]" = weakref.WeakKeyDictionar
 
 
 def _host(layout: TreeLayout, name: str) -> np.ndarray:
+    """Layout field ``name`` as a host int64 array (the GDN planners' host work; gdn_layout shares it)."""
     return getattr(layout, name).detach().cpu().numpy().astype(np.int64)
 
 

@@ -242,6 +242,49 @@ def test_planted_carry_faults_fail(trained, k):
     assert trained[k]["grads"] > 1e-3, (CASES[k], trained[k])
 
 
+def _pp_store_body():
+    """Hybrid ``MG*-`` on two 1F1B stages (Mamba-2 + GDN | attention + MLP), carry at a 12-row budget: what
+    each stage's store held when each item began, against the plan's timeline of that stage's layers with
+    1F1B's pending backwards (stage 0: 1)."""
+    import torch
+
+    from megatron_tree.cp.planning.carry import carry_store_timeline
+    from megatron_tree.megatron.carry import carry_geometry, carry_items
+    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
+
+    ps = init_megatron(pp=2, seed=7, kernels=True)
+    torch.set_default_dtype(torch.float64)
+    margs = ModelArgs(kind="hybrid", num_layers=4)
+    margs.pattern = "MG*-"
+    ddp = wrap_ddp(build_model(make_config(margs, pp=2, dtype=torch.float64), margs),
+                   make_config(margs, pp=2, dtype=torch.float64))
+    mbs = pack(_samples(1), 12, carry=True, pad_to_multiple_of=4)
+    items = carry_items(mbs)
+    forward_backward(ddp, items, loss_type="sft")
+    stage = ps.get_pipeline_model_parallel_rank()
+    predicted = carry_store_timeline(mbs, carry_geometry(ddp.module), pending=1 - stage)
+    # history: (position - pending, state, accumulators) as each item began, recorded before its releases
+    measured = [(b, a) for _, b, a in items[0].store.history[1:]]
+    unpipelined = carry_store_timeline(mbs, carry_geometry(ddp.module))
+    torch.set_default_dtype(torch.float32)
+    return stage, measured, predicted[:-1], unpipelined[:-1], carry_geometry(ddp.module).pattern
+
+
+def test_pipelined_store_follows_the_plans_timeline_with_pending_backwards():
+    for stage, measured, predicted, unpipelined, pattern in run_distributed(_pp_store_body, 2, timeout=600):
+        assert pattern == ("MG" if stage == 0 else "*")  # (MLPs store nothing)
+        assert len(measured) == len(predicted) and max(b for b, _ in measured) > 0
+        # state: written by the fills, released 1F1B's pending backwards later than without pipelining: exactly
+        # the plan's; accumulators appear at a reader's backward, which 1F1B runs after later items' forwards:
+        # the plan counts them from the reader's item, an upper bound
+        assert [b for b, _ in measured] == [b for b, _ in predicted], (stage, measured, predicted)
+        assert all(a <= p for (_, a), (_, p) in zip(measured, predicted)), (stage, measured, predicted)
+        if stage == 0:  # one pending backward: state held longer than the unpipelined timeline says
+            assert any(b > u for (b, _), (u, _) in zip(measured, unpipelined)), (measured, unpipelined)
+        else:  # the last stage has none: the unpipelined timeline
+            assert [b for b, _ in measured] == [u for u, _ in unpipelined]
+
+
 def test_data_pipeline_with_carry_shards_groups_and_equalises_items():
     from megatron_tree.data.pipeline import TreeDataPipeline
     from megatron_tree.megatron.carry import carry_items
@@ -277,3 +320,13 @@ def test_plan_carry_cli_reports_every_rank(capsys):
     out = capsys.readouterr().out
     assert "rank 0:" in out and "rank 1:" in out and "restore" in out and "fill" in out
     assert "(pattern *G-M)" in out
+    # two 1F1B stages: each stage's store peak (its layers, its releases 1F1B's pending backwards later); the first
+    # stage holds attention and GDN, the second Mamba-2 (MLPs store nothing)
+    assert run_plan(["--preset", "long_8k_16x8k", "--scale", "0.05", "--max-tokens-per-mb", "256", "--carry",
+                     "--pattern", "*G-M", "--pp", "2"]) == 0
+    peaks = {line.split(" (")[0]: float(line.split("peak ")[1].split(" MiB")[0])
+             for line in capsys.readouterr().out.splitlines() if line.startswith("rank 0 stage")}
+    assert set(peaks) == {"rank 0 stage 0", "rank 0 stage 1"} and min(peaks.values()) > 0, peaks
+    assert run_plan(["--preset", "long_8k_16x8k", "--carry", "--max-tokens-per-mb", "256", "--pattern", "*G-",
+                     "--pp", "2"]) == 2  # 3 layers do not split over 2 stages
+    assert "--pp 2 must divide the 3 layers" in capsys.readouterr().err

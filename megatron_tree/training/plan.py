@@ -21,6 +21,7 @@ list, or the parsed namespace) and returns an exit status.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -83,6 +84,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "DP rank the rows computed, carried rows read, rows and states stored and the carry "
                              "store's bytes for --pattern / --kv / --gdn-heads / --mamba-dims")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks the carry plan is spread over (default 1)")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="--carry: 1F1B pipeline stages the --pattern layers are split over, evenly (default 1): "
+                             "each stage's carry store peak, its releases as late as 1F1B's pending backwards make them")
     parser.add_argument("--pattern", default="*-" * 16, metavar="LETTERS",
                         help="--carry: the model's layers (* attention, D DeepSeek sparse attention, G GDN, M Mamba-2, - MLP, "
                              "E MoE; default 16 x '*-')")
@@ -229,6 +233,13 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
             raise ValueError(f"--activation-profile: no such file {args.activation_profile!r} "
                              "(tools/calibrate_activations.py writes one)")
         profile = ActivationProfile.from_json(args.activation_profile)
+    stages = []
+    if args.pp > 1:  # Megatron splits the layers evenly over the stages; each stage has its own store
+        if len(args.pattern) % args.pp:
+            raise ValueError(f"--pp {args.pp} must divide the {len(args.pattern)} layers of --pattern {args.pattern!r}")
+        per = len(args.pattern) // args.pp
+        stages = [(args.pattern[i * per:(i + 1) * per], dataclasses.replace(geom, pattern=args.pattern[i * per:(i + 1) * per]))
+                  for i in range(args.pp)]
     mbs = pack(samples, budget, carry=True)
     unlimited = summarize(pack(samples, 1 << 62))["tree_tokens"]
     store = carry_store_bytes(mbs, geom)
@@ -264,6 +275,10 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
         lines.append(f"rank {r}: {len(rank)} microbatches, {len(held)} schedule items, "
                      f"{sum(mb.owned_rows for mb in rank):,} rows computed, carry store peak {peak / 2**20:,.2f} MiB "
                      f"(state and gradient accumulators; the fills write {sum(store[m.carry.index] for m in rank) / 2**20:,.2f} MiB)")
+        for st, (letters, stage_geom) in enumerate(stages):
+            stage_held = carry_store_timeline(rank, stage_geom, pending=args.pp - st - 1)
+            lines.append(f"rank {r} stage {st} ({letters}): carry store peak "
+                         f"{max((a + b for a, b in stage_held), default=0) / 2**20:,.2f} MiB")
     return "\n".join(lines)
 
 

@@ -213,13 +213,15 @@ def carry_lifetimes(microbatches: list, phases: list | None = None) -> dict[int,
     return {o: (fill[o], first_rows.get(o, -1), first_state.get(o, -1), last.get(o, -1), restore[o]) for o in fill}
 
 
-def carry_store_timeline(microbatches: list, geometry: CarryGeometry) -> list[tuple[int, int]]:
+def carry_store_timeline(microbatches: list, geometry: CarryGeometry, pending: int = 0) -> list[tuple[int, int]]:
     """``[(state bytes, accumulator bytes)]`` the carry store holds at the end of each schedule item
     (after its backward, before the next item's releases), for one rank's microbatches (step order).
     State: from the owner's fill to its last reader; accumulators (the shapes of what they collect)
     from the first reader's backward to the owner's restore: the rows' part from the first reader of
     its rows, the recurrent states' part from the first reader of those. The peak of the sum is the
-    store's memory."""
+    store's memory. ``pending``: the items whose backward may still be owed when an item begins
+    (1F1B stage ``r`` of ``p``: ``p - r - 1``, `megatron.forward_step.pending_backwards`): every
+    release comes that many items later."""
     rows, states = {}, {}
     for mb in microbatches:
         if getattr(mb, "carry", None) is not None:
@@ -228,8 +230,9 @@ def carry_store_timeline(microbatches: list, geometry: CarryGeometry) -> list[tu
     lives = carry_lifetimes(microbatches, phases)
     out = []
     for k in range(len(phases)):
-        state = sum(rows[o] + states[o] for o, (f, _, _, last, _) in lives.items() if f <= k <= max(last, f))
-        acc = sum((rows[o] if 0 <= fr <= k <= r else 0) + (states[o] if 0 <= fs <= k <= r else 0)
+        state = sum(rows[o] + states[o] for o, (f, _, _, last, _) in lives.items()
+                    if f <= k <= max(last, f) + pending)
+        acc = sum((rows[o] if 0 <= fr <= k <= r + pending else 0) + (states[o] if 0 <= fs <= k <= r + pending else 0)
                   for o, (_, fr, fs, _, r) in lives.items())
         out.append((state, acc))
     return out

@@ -94,8 +94,9 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Every row of a step computed once at any --tree-max-tokens-per-mb: a tree (or one path) over "
                         "the budget is cut into microbatches that read their ancestors' layer state (K/V, Gated "
                         "DeltaNet state) from earlier microbatches of the step, with the gradient restored to them "
-                        "(one extra forward of each microbatch others read). Attention (MLA too), Gated DeltaNet and "
-                        "Mamba-2 layers; not yet DSA, MTP, routing replay, CP or PP (nor TP through the Megatron-LM hooks).")
+                        "(one extra forward of each microbatch others read). Every layer kind (attention, MLA, DSA, "
+                        "Gated DeltaNet, Mamba-2, MoE with routing replay) and MTP, under TP / SP, DP, tree CP and 1F1B "
+                        "pipelining; not yet interleaved pipeline stages, or MTP layers running DSA.")
     g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
                    help="Hybrid layer pattern, one letter per layer: M Mamba-2, G Gated DeltaNet, "
                         "* attention, - MLP, E MoE ('|' marks pipeline stages and is ignored). "

@@ -205,10 +205,10 @@ def tree_gdn_cp(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_wei
     if activation not in ("silu", None) and not callable(activation):
         raise ValueError(f"activation must be 'silu', None or a callable; got {activation!r}")
     if carry is not None:
-        if mode == "summary":
+        if mode == "summary" or heads.num_v_heads % cp:
             raise ValueError("carry under tree CP runs Gated DeltaNet in heads mode (each rank continues its heads' "
-                             "carried state over every own row): gdn_cp_mode='summary' is not supported with carry")
-        check_heads_mode(heads, cp)
+                             f"carried state over every own row): the CP size ({cp}) must divide the value heads of "
+                             f"this TP rank ({heads.num_v_heads}), and gdn_cp_mode='summary' is not supported")
         return _heads(qkv, g, beta, conv_weight, conv_bias, layout, plan, group, rank, heads, activation, qk_l2norm,
                       scale, backend, carry=(carry, key, owner))
     if cp == 1:

@@ -68,22 +68,18 @@ def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
     dev = psp.layout.device
     if cp is not None:  # the view of every own row first: the recurrent layers' head shards run on it
         whole = carry_view(psp, mb, phase, store).carry
-    own_np = info.own
+    own_np, exported, state_rows = info.own, info.exported, info.state_rows
     carry_cp, pad = None, 0
-    if cp is not None:
+    if cp is not None:  # this rank's share; `CarryView.state` gathers every rank's exported / state rows
         from ..cp.execution.carry import CarryCP
+
         plan, group, multiple, pipelined = cp
         rank = dist.get_rank(group)
-        exported_rank = plan.owner[info.exported].astype(np.int64)
-        mine = np.flatnonzero(exported_rank == rank)
+        carry_cp = CarryCP(plan=plan, group=group, rank=rank, whole=whole, pipelined=pipelined)
         own_np = own_np[plan.owner[own_np] == rank]
-        carry_cp = CarryCP(plan=plan, group=group, rank=rank, exported_keys=info.keys[info.exported],
-                           exported_rank=exported_rank, exported_mine=torch.from_numpy(mine).to(dev), whole=whole,
-                           pipelined=pipelined)
+        exported, state_rows = exported[plan.owner[exported] == rank], state_rows[plan.owner[state_rows] == rank]
         pad = _padding(len(own_np), multiple)
     own = torch.from_numpy(own_np).to(dev)
-    exported = info.exported if cp is None else info.exported[mine]
-    state_rows = info.state_rows if cp is None else info.state_rows[:0]  # recurrent layers use ``whole`` under CP
     view = CarryView(phase=phase, store=store, index=info.index, own=own,
                      carried=torch.from_numpy(info.carried).to(dev), carried_keys=info.keys[info.carried],
                      carried_owner=np.asarray(info.carried_owner),

@@ -346,11 +346,8 @@ def _carry_full(view, N: Optional[int], layer: int, q, k, v, iq, w, ik, skip_top
         out = x.new_zeros((N,) + tuple(x.shape[1:])).index_copy(0, own, x)
         return out if carried is None else out.index_copy(0, car, carried.to(x.dtype))
 
-    if rows is not None and not len(rows):  # no carried row on this CP rank
-        kv = ikc = None
-    else:
-        kv = view.carried_state(("dsa", layer), rows)
-        ikc = None if skip_topk else view.carried_state(("dsa", layer, "index_k"), rows)
+    kv = view.carried_state(("dsa", layer), rows)  # None without carried rows (on this CP rank)
+    ikc = None if skip_topk else view.carried_state(("dsa", layer, "index_k"), rows)
     kc, vc = kv if kv is not None else (None, None)
     q, k, v = full(q), full(k, kc), full(v, vc)
     if not skip_topk:

@@ -102,6 +102,17 @@ def check_same_plan(plan, group) -> None:
                            "strategy, cost model and chunk size")
 
 
+def _checked_plan(layout, cp: int, cp_group, strategy: str, plan=None):
+    """``plan`` (or, when None, the one ``strategy`` makes on the host from ``layout``: every rank
+    makes the same), checked to be for ``cp`` ranks and the same on every rank of ``cp_group``."""
+    if plan is None:
+        plan = _PLANS.get_or_plan(layout if layout.device.type == "cpu" else layout.to("cpu"), cp, strategy=strategy)
+    if plan.cp_size != cp:
+        raise ValueError(f"the CP plan is for {plan.cp_size} ranks but context_parallel_size is {cp}")
+    check_same_plan(plan, cp_group)
+    return plan
+
+
 def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced", gdn_plan=None):
     """This rank's view of a whole-microbatch `TreePackedSeqParams` under ``model``'s CP size.
 
@@ -118,12 +129,7 @@ def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced"
         plan, gdn_plan = plan
     if cp == 1:
         return psp
-    if plan is None:
-        layout = psp.layout if psp.layout.device.type == "cpu" else psp.layout.to("cpu")
-        plan = _PLANS.get_or_plan(layout, cp, strategy=strategy)
-    if plan.cp_size != cp:
-        raise ValueError(f"the CP plan is for {plan.cp_size} ranks but context_parallel_size is {cp}")
-    check_same_plan(plan, cp_group)
+    plan = _checked_plan(psp.layout, cp, cp_group, strategy, plan)
     if uses_gdn_islands(model):
         if gdn_plan is None:
             layout = psp.layout if psp.layout.device.type == "cpu" else psp.layout.to("cpu")
@@ -207,9 +213,7 @@ def carry_cp(model, layout, strategy: str = "balanced"):
     cp = config.context_parallel_size
     if cp == 1:
         return None
-    layout = layout if layout.device.type == "cpu" else layout.to("cpu")
-    plan = _PLANS.get_or_plan(layout, cp, strategy=strategy)
-    check_same_plan(plan, cp_group)
+    plan = _checked_plan(layout, cp, cp_group, strategy)
     return (plan, cp_group, config.tensor_model_parallel_size if config.sequence_parallel else 1,
             config.pipeline_model_parallel_size > 1)
 
@@ -219,8 +223,9 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
     """One carry item (`megatron.carry`) through ``model``: fill (forward without autograd, state
     into the store; the schedule backpropagates a zero), or run / restore (forward with autograd and
     ``make_loss(loss_map)`` as the loss function). ``logits``: the model returns its own rows' logits
-    (this CP rank's, under CP; no loss map). Under tree CP ``cp_strategy`` plans each microbatch
-    (`carry_cp`). Returns ``(output, loss_func)`` for the schedule."""
+    (this CP rank's, under CP; no loss map) and ``make_loss`` gets the view's packed-seq params (its
+    rows are ``local_rows``). Under tree CP ``cp_strategy`` plans each microbatch (`carry_cp`).
+    Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
     item.store.advance(item.position - pending_backwards(model))  # the items whose backward is done
     dev = device if device is not None else next(model.parameters()).device
@@ -234,7 +239,7 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
             out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
         return fill_output(model, out), fill_loss
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
-    loss_func = make_loss(loss_map)
+    loss_func = make_loss(psp if logits else loss_map)
     if getattr(config, "mtp_num_layers", None) and not logits:  # report each MTP depth's loss too
         from .mtp import with_mtp_report
 

@@ -229,23 +229,25 @@ def _halo_edges(plan, layout: TreeLayout, k: int, owner=None):
 
 def _make_halo(plan, layout: TreeLayout, rank: int, k: int, num_padding: int, owner=None, mine=None,
                carried=None):
-    """`MTPHalo` of ``rank`` under ``plan``; with ``owner`` / ``mine`` / ``carried`` (carry under CP:
-    the rows this rank computes, -1 owners for carried rows, the carried rows) the index also points
-    past the received rows at the carried parents, in the order of the returned positions in
-    ``carried`` (their states come from the carry store). Returns the halo, or ``(halo, positions)``."""
+    """`MTPHalo` of ``rank`` under ``plan``. Carry (`megatron.carry`): ``owner`` [N] gives the rank computing
+    each row (-1 for a carried row), ``mine`` this rank's rows, ``carried`` the carried rows (``plan``
+    None without CP: one rank); the index then also points past the received rows at the carried
+    parents, in the order of the returned positions in ``carried`` (their states come from the carry
+    store). Returns the halo, or with ``carried`` ``(halo, positions)``."""
     cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
     owner = plan.owner.astype(np.int64) if owner is None else owner
+    cp_size = 1 if plan is None else plan.cp_size
     pos, prev = cpu.position_ids.numpy(), _path_prev(cpu)
     mine = plan.owner_rows(rank) if mine is None else mine
     dst, src = _halo_edges(plan, cpu, k, owner)
     send = owner[src] == rank  # (dst, src) sorted: grouped by destination, ascending row within
     send_local = np.searchsorted(mine, src[send])
-    send_splits = np.bincount(dst[send], minlength=plan.cp_size)
+    send_splits = np.bincount(dst[send], minlength=cp_size)
     recv = dst == rank
     r_src = src[recv]
     order = np.lexsort((r_src, owner[r_src]))  # grouped by source rank, ascending row within
     r_src = r_src[order]
-    recv_splits = np.bincount(owner[r_src], minlength=plan.cp_size)
+    recv_splits = np.bincount(owner[r_src], minlength=cp_size)
     n_local = len(mine) + num_padding
     valid = (pos[mine] >= k) & (mine < cpu.num_real_rows)
     p = prev[mine[valid]]
@@ -286,10 +288,8 @@ def _parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, confi
     if sp:  # backward: reduce-scatter of the (TP-identical) gradient slices
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=pg.tp)
     layout = psp.layout
-    if psp.carry is not None and psp.is_context_parallel:
-        out = _carry_cp_parent_states(hidden, psp, k, pg)
-    elif psp.carry is not None:
-        out = _carry_parent_states(hidden, psp.carry, layout, k)
+    if psp.carry is not None:
+        out = _carry_parent_states(hidden, psp, k, pg)
     elif psp.is_context_parallel:
         halo = mtp_halo(psp.cp_plan, layout, psp.cp_rank, k, psp.num_local_padding)
         dev = hidden.device
@@ -309,90 +309,61 @@ def _parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, confi
     return out
 
 
-def _carry_parent_states(hidden: torch.Tensor, view, layout: TreeLayout, k: int) -> torch.Tensor:
-    """`_parent_states` of a carry microbatch (`megatron.carry`): ``hidden`` [n, 1, h] holds its own rows
-    (``view.own``). A parent row that a carried row is (the first own row under the cut hangs off it)
-    takes its depth-(k-1) state from the step's store: the owner's fill stores the state of its state
-    rows (``view.state_rows``: exactly the rows a later microbatch's own row hangs off) under key
-    ``("mtp", k)``, its restore receives their gradient."""
+def _carry_parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, pg) -> torch.Tensor:
+    """`_parent_states` of a carry microbatch (`megatron.carry`): ``hidden`` holds this rank's own rows
+    (``view.own``, then any CP padding). A parent that another CP rank computes arrives by the halo
+    fetch (`_make_halo` over the rows the microbatch computes); a carried parent (the first own row
+    under the cut hangs off it) takes its depth-(k-1) state from the step's store: the owner's fill
+    stores the state of its state rows (exactly the rows a later microbatch's own row hangs off; under
+    CP every rank's, gathered) under key ``("mtp", k)``, its restore receives their gradient."""
+    view = psp.carry
     (hidden,) = view.state(("mtp", k), [hidden], rows="state")
-    if "mtp_parents" not in view.memo:
-        view.memo["mtp_parents"] = {}
-    memo = view.memo["mtp_parents"]
-    if k not in memo:  # [n] index into cat(own rows, carried parents, a zero row); the carried parents
-        cpu = layout if layout.device.type == "cpu" else layout.to("cpu")
-        own, carried = view.own.cpu().numpy(), view.carried.cpu().numpy()
-        pos, prev = cpu.position_ids.numpy()[own], _path_prev(cpu)[own]
-        valid = (pos >= k) & (own < cpu.num_real_rows)
-        in_own = np.searchsorted(own, prev)
-        is_own = valid & (in_own < len(own)) & (own[np.minimum(in_own, len(own) - 1)] == prev)
-        parents = np.unique(prev[valid & ~is_own])  # carried rows (ascending)
-        at = np.searchsorted(carried, parents)
-        if (at >= len(carried)).any() or (carried[np.minimum(at, len(carried) - 1)] != parents).any():
-            raise RuntimeError("MTP under carry: an own row's parent is neither own nor carried")
-        index = np.where(is_own, in_own, len(own) + len(parents))
-        index = np.where(valid & ~is_own, len(own) + np.searchsorted(parents, prev), index)
-        memo[k] = (torch.from_numpy(index.astype(np.int64)), at)
-    index, at = memo[k]
-    return _with_carried_parents([hidden], view, k, at, index)
-
-
-def _with_carried_parents(parts: list, view, k: int, at, index: torch.Tensor) -> torch.Tensor:
-    """``cat(parts, the carried parents' stored states (positions ``at`` in ``view.carried``), a zero
-    row)`` indexed by ``index``: each row's depth-k input."""
-    hidden = parts[0]
+    memo = view.memo.setdefault("mtp_halo", {})
+    cp = view.cp
+    if k not in memo:
+        whole = (view if cp is None else cp.whole).own.cpu().numpy()
+        owner = np.full(psp.layout.num_rows, -1, np.int64)
+        owner[whole] = 0 if cp is None else cp.plan.owner[whole]
+        memo[k] = _make_halo(None if cp is None else cp.plan, psp.layout, 0 if cp is None else cp.rank, k,
+                             psp.num_local_padding, owner=owner, mine=view.own.cpu().numpy(),
+                             carried=view.carried.cpu().numpy())
+    halo, at = memo[k]
+    dev = hidden.device
+    parts = [hidden]
+    if cp is not None:
+        parts.append(fetch_rows(hidden, torch.from_numpy(halo.send_local).to(dev), halo.send_splits,
+                                halo.recv_splits, pg.cp))
     if len(at):
         (carried_h,) = view.carried_state(("mtp", k), at)
         if _FAULT == "carry_parent":
             carried_h = torch.zeros_like(carried_h)
         parts.append(carried_h.to(hidden.dtype))
     parts.append(hidden.new_zeros((1,) + tuple(hidden.shape[1:])))
-    return torch.cat(parts).index_select(0, index.to(hidden.device))
+    return torch.cat(parts).index_select(0, torch.from_numpy(halo.index).to(dev))
 
 
-def _carry_cp_parent_states(hidden: torch.Tensor, psp: TreePackedSeqParams, k: int, pg) -> torch.Tensor:
-    """`_carry_parent_states` under tree CP: ``hidden`` holds this CP rank's own rows (then its padding);
-    a parent another rank computes arrives by the halo fetch (`_make_halo` over the rows the
-    microbatch computes), a carried parent from the store, where every CP rank holds the state rows of
-    every rank (the fill gathers them, the restore sums their gradient over CP: `CarryView.state`)."""
-    view = psp.carry
-    (hidden,) = view.state(("mtp", k), [hidden], rows="state")
-    memo = view.memo.setdefault("mtp_cp_halo", {})
-    if k not in memo:
-        cp = view.cp
-        whole = cp.whole.own.cpu().numpy()
-        owner = np.full(psp.layout.num_rows, -1, np.int64)
-        owner[whole] = cp.plan.owner[whole]
-        memo[k] = _make_halo(cp.plan, psp.layout, cp.rank, k, psp.num_local_padding, owner=owner,
-                             mine=view.own.cpu().numpy(), carried=view.carried.cpu().numpy())
-    halo, at = memo[k]
-    dev = hidden.device
-    recv = fetch_rows(hidden, torch.from_numpy(halo.send_local).to(dev), halo.send_splits, halo.recv_splits, pg.cp)
-    return _with_carried_parents([hidden, recv], view, k, at, torch.from_numpy(halo.index))
+def _sample_sums(weights: torch.Tensor, sample_index: torch.Tensor, depth: torch.Tensor, num_layers: int):
+    """``(ids, slot, [S, K+1] sums)`` of occurrences: per sample (``ids``; ``slot`` each occurrence's)
+    the sum of the weights and, per depth k, of those of source depth >= k."""
+    w = weights.to(torch.float64)
+    ids, slot = torch.unique(sample_index, return_inverse=True)
+    cols = [w] + [w * (depth >= k).to(w) for k in range(1, num_layers + 1)]
+    sums = torch.zeros(len(ids), num_layers + 1, dtype=torch.float64, device=w.device)
+    return ids, slot, sums.index_add_(0, slot, torch.stack(cols, 1))
 
 
 def _carry_sample_sums(store, num_layers: int):
-    """Per sample of the step (``store.microbatches``, every microbatch its occurrences live in):
-    ``(ids, [S, K+1] sums of w and of w over occurrences of source depth >= k)``. Carry routes an
-    occurrence to its source row's owner, so a sample's occurrences spread over microbatches and
-    stock's per-sample ratio needs the step's sums (made once per step and depth count)."""
+    """`_sample_sums` over the step (``store.microbatches``, every microbatch its occurrences live in):
+    ``(ids, sums)``. Carry routes an occurrence to its source row's owner, so a sample's occurrences
+    spread over microbatches and stock's per-sample ratio needs the step's sums (once per step)."""
     memo = store.__dict__.setdefault("_mtp_sample_sums", {})
     if num_layers not in memo:
-        ids, cols = [], []
-        for mb in store.microbatches:
-            lm = mb.loss_map
-            if lm is None or not lm.sample_index.numel():
-                continue
-            w = lm.weights.to(torch.float64).cpu()
-            depth = mb.layout.position_ids.cpu()[lm.source_rows.cpu()]
-            ids.append(lm.sample_index.cpu())
-            cols.append(torch.stack([w] + [w * (depth >= k).to(w) for k in range(1, num_layers + 1)], 1))
-        all_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
-        uid, inv = torch.unique(all_ids, return_inverse=True)
-        sums = torch.zeros(len(uid), num_layers + 1, dtype=torch.float64)
-        if ids:
-            sums.index_add_(0, inv, torch.cat(cols))
-        memo[num_layers] = (uid, sums)
+        parts = [(mb.loss_map.weights.cpu(), mb.loss_map.sample_index.cpu(),
+                  mb.layout.position_ids.cpu()[mb.loss_map.source_rows.cpu()])
+                 for mb in store.microbatches if mb.loss_map is not None]
+        w, index, depth = (torch.cat(p) for p in zip(*parts)) if parts else (torch.zeros(0, dtype=torch.int64),) * 3
+        ids, _, sums = _sample_sums(w, index, depth, num_layers)
+        memo[num_layers] = (ids, sums)
     return memo[num_layers]
 
 
@@ -452,23 +423,20 @@ def _sample_ratios(lm, depth: torch.Tensor, num_layers: int, cp_group, step_sums
     clamped as the installed stock clamps it: `compat.mtp.mtp_num_tokens_floor`, 1 on 0.19; 0 where the
     denominator is 0), over every CP rank. ``step_sums`` (carry: `_carry_sample_sums`) gives the sums
     over the step's microbatches instead of this one's."""
-    w = lm.weights.to(torch.float64)
-    ids, slot = torch.unique(lm.sample_index, return_inverse=True)
-    cols = [w] + [w * (depth >= k).to(w) for k in range(1, num_layers + 1)]
-    sums = torch.zeros(len(ids), num_layers + 1, dtype=torch.float64, device=w.device)
-    sums.index_add_(0, slot, torch.stack(cols, 1))
+    ids, slot, sums = _sample_sums(lm.weights, lm.sample_index, depth, num_layers)
+    dev = sums.device
     if step_sums is not None:
         uid, table = step_sums
-        sums = table[torch.searchsorted(uid, ids.cpu())].to(w.device)
+        sums = table[torch.searchsorted(uid, ids.cpu())].to(dev)
     elif cp_group is not None and dist.get_world_size(cp_group) > 1:
         cp = dist.get_world_size(cp_group)
-        size = torch.tensor([len(ids)], dtype=torch.int64, device=w.device)
+        size = torch.tensor([len(ids)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros_like(size) for _ in range(cp)]
         dist.all_gather(sizes, size, group=cp_group)
         m = int(max(int(s) for s in sizes))
-        pad_ids = torch.full((m,), -1, dtype=torch.int64, device=w.device)
+        pad_ids = torch.full((m,), -1, dtype=torch.int64, device=dev)
         pad_ids[: len(ids)] = ids
-        pad_sums = torch.zeros(m, num_layers + 1, dtype=torch.float64, device=w.device)
+        pad_sums = torch.zeros(m, num_layers + 1, dtype=torch.float64, device=dev)
         pad_sums[: len(ids)] = sums
         all_ids = [torch.empty_like(pad_ids) for _ in range(cp)]
         all_sums = [torch.empty_like(pad_sums) for _ in range(cp)]

@@ -51,6 +51,17 @@ _GPU_BACKENDS = {"fla": "fla.ops.gated_delta_rule"}
 _FLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _pick_backend(op: str, backend: str, q: torch.Tensor) -> str:
+    """``select_backend`` for the gated delta rule ops: "fla" only for the dtypes FLA takes ("auto"
+    never picks a kernel that would refuse the inputs; an explicit "fla" then is an error)."""
+    name = select_backend(op, backend, q, _GPU_BACKENDS)
+    if name == "fla" and q.dtype not in _FLA_DTYPES:
+        if backend != "auto":
+            raise ValueError(f"{op}: backend 'fla' needs bfloat16/float16/float32 q, k, v; got {q.dtype}")
+        name = "torch"
+    return name
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays exact; everything else (fp32, bf16, fp16) accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -260,12 +271,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, layout: TreeLayout, *, scale=None, b
     """
     N = layout.num_rows
     H, K, HV, V = _check_shapes(q, k, v, g, beta, (N,))
-    name = select_backend(_OP, backend, q, _GPU_BACKENDS)
-    if name == "fla" and q.dtype not in _FLA_DTYPES:
-        if backend == "auto":
-            name = "torch"  # auto never picks a kernel that would refuse the inputs
-        else:
-            raise ValueError(f"{_OP}: backend 'fla' needs bfloat16/float16/float32 q, k, v; got {q.dtype}")
+    name = _pick_backend(_OP, backend, q)
     scale = K ** -0.5 if scale is None else float(scale)
     if N == 0:
         return v.new_zeros(0, HV, V, dtype=q.dtype)
@@ -451,13 +457,7 @@ def gated_delta_rule_forest(q, k, v, g, beta, seg_start, seg_len, seg_parent, *,
     n = int(q.shape[0])
     H, K, HV, V = _check_shapes(q, k, v, g, beta, (n,))
     start, length, parent, level = _check_forest(n, seg_start, seg_len, seg_parent)
-    name = select_backend("gated_delta_rule_forest", backend, q, _GPU_BACKENDS)
-    if name == "fla" and q.dtype not in _FLA_DTYPES:
-        if backend == "auto":
-            name = "torch"
-        else:
-            raise ValueError(f"gated_delta_rule_forest: backend 'fla' needs bfloat16/float16/float32 q, k, v; got "
-                             f"{q.dtype}")
+    name = _pick_backend("gated_delta_rule_forest", backend, q)
     S = start.shape[0]
     fin, idx0 = _forest_states(S, (HV, K, V), initial_state, initial_index, final_segments)
     scale = K ** -0.5 if scale is None else float(scale)

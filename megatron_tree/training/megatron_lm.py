@@ -490,8 +490,8 @@ def _carry_forward_step(data_iterator, model, args, timers):
     """``--tree-carry``: the next carry item (fill, run or restore; `megatron.carry`) of this rank's
     step (`_next_carry_item`: under tensor parallelism the source's step reaches its peers). Under 1F1B
     pipelining every stage reads the step and runs the same items on its own layers' store; under tree
-    CP every CP rank plans each item with ``--tree-cp-planner`` (`forward_step.carry_cp`: attention
-    layers); interleaved stages are refused (`arguments.validate_tree_args`)."""
+    CP every CP rank plans each item with ``--tree-cp-planner`` (`forward_step.carry_cp`); interleaved
+    stages are refused (`arguments.validate_tree_args`)."""
     from ..megatron.forward_step import carry_forward, context_parallel_params
 
     item = _next_carry_item(data_iterator)

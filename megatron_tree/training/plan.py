@@ -238,8 +238,7 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
         if len(args.pattern) % args.pp:
             raise ValueError(f"--pp {args.pp} must divide the {len(args.pattern)} layers of --pattern {args.pattern!r}")
         per = len(args.pattern) // args.pp
-        stages = [(args.pattern[i * per:(i + 1) * per], dataclasses.replace(geom, pattern=args.pattern[i * per:(i + 1) * per]))
-                  for i in range(args.pp)]
+        stages = [dataclasses.replace(geom, pattern=args.pattern[i * per:(i + 1) * per]) for i in range(args.pp)]
     mbs = pack(samples, budget, carry=True)
     unlimited = summarize(pack(samples, 1 << 62))["tree_tokens"]
     store = carry_store_bytes(mbs, geom)
@@ -275,9 +274,9 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
         lines.append(f"rank {r}: {len(rank)} microbatches, {len(held)} schedule items, "
                      f"{sum(mb.owned_rows for mb in rank):,} rows computed, carry store peak {peak / 2**20:,.2f} MiB "
                      f"(state and gradient accumulators; the fills write {sum(store[m.carry.index] for m in rank) / 2**20:,.2f} MiB)")
-        for st, (letters, stage_geom) in enumerate(stages):
+        for st, stage_geom in enumerate(stages):
             stage_held = carry_store_timeline(rank, stage_geom, pending=args.pp - st - 1)
-            lines.append(f"rank {r} stage {st} ({letters}): carry store peak "
+            lines.append(f"rank {r} stage {st} ({stage_geom.pattern}): carry store peak "
                          f"{max((a + b for a, b in stage_held), default=0) / 2**20:,.2f} MiB")
     return "\n".join(lines)
 

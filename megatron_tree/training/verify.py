@@ -347,14 +347,9 @@ def _logits_step(store, cp_strategy, data_iterator, model):
         if item.mb.carry is None:
             item = item.mb  # a padding microbatch
         else:  # this microbatch's own rows (this CP rank's under CP): logits keyed by their step-global rows
-            from ..megatron.forward_step import carry_cp
+            def carry_logits(view):
+                keys = item.mb.carry.keys[view.local_rows.cpu().numpy()]
 
-            own, cp = item.mb.carry.own, carry_cp(model, item.mb.layout, cp_strategy)
-            if cp is not None:
-                own = own[cp[0].owner[own] == torch.distributed.get_rank(cp[1])]
-            keys = item.mb.carry.keys[own]
-
-            def carry_logits(loss_map):
                 def loss_func(output):
                     store.append((keys, output.detach()[0, :len(keys)].to(
                         torch.float64 if output.dtype == torch.float64 else torch.float32).cpu()))

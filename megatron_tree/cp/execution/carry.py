@@ -33,7 +33,7 @@ from ...tree.layout import TreeLayout
 from ..planning.carry import own_forest
 
 __all__ = ["CarryStore", "CarryView", "CarryCP", "inject_gradient", "tie_gradient", "carried_attention",
-           "carried_attention_cp", "carry_cp_rows", "carried_gdn", "carried_conv", "carried_mamba_ssd", "gather_rows"]
+           "carried_attention_cp", "carry_cp_rows", "own_rank_of", "carried_gdn", "carried_conv", "carried_mamba_ssd", "gather_rows"]
 
 #: TEST-ONLY fault switch (tests/test_carry.py, verify --inject-fault carry_*): "detach" (readers' gradients
 #: are dropped: no restoration), "twice" (the accumulated gradient is injected twice), "stale" (every
@@ -241,23 +241,18 @@ class CarryCP:
 
     plan / group    its `CPPlan` (over the whole layout: carried rows have CP owners too) and CP group
     rank            this process's rank in ``group``
-    exported_keys   [E] step-global rows of every exported row (all CP ranks'), ascending
-    exported_rank   [E] numpy: the CP rank that computes each
-    exported_mine   [e] positions in ``exported_keys`` of this rank's (its ``CarryView.exported``)
+    whole           the microbatch's `CarryView` without CP (every own row): what every rank exports
+                    (`CarryView.state` gathers it), and what the recurrent layers run their heads over
+                    after a token -> head transpose (`tree_gdn_cp`, `tree_mamba_cp` with ``carry=``), so
+                    each rank stores and reads its heads' state
     pipelined       1F1B pipelining: restores sum the readers' gradients over CP in their backward
-    whole           the microbatch's `CarryView` without CP (every own row): the recurrent layers run
-                    their heads over every own row after a token -> head transpose (`tree_gdn_cp`,
-                    `tree_mamba_cp` with ``carry=``), so each rank stores and reads its heads' state
     """
 
     plan: object
     group: object
     rank: int
-    exported_keys: np.ndarray
-    exported_rank: np.ndarray
-    exported_mine: torch.Tensor
     whole: "CarryView"
-    pipelined: bool = False  # under 1F1B: a restore sums the accumulators over CP in its backward
+    pipelined: bool = False
 
 
 def gather_rows(x: torch.Tensor, rank_of: np.ndarray, group) -> torch.Tensor:
@@ -302,7 +297,7 @@ class CarryView:
     state_keys: np.ndarray
     keys: np.ndarray | None = None  # [N] step-global row of every layout row (-1: padding)
     memo: dict = field(default_factory=dict, repr=False)  # per-microbatch host work shared by its layers
-    # tree CP (None without): ``own`` / ``exported`` are then this CP rank's share of the microbatch's rows
+    # tree CP (None without): ``own`` / ``exported`` / ``state_rows`` are then this CP rank's share
     cp: "CarryCP | None" = None
     # what the store keys of this view's layers are scoped by (None: the decoder's; MTP depth k: ("mtp", k),
     # whose layers may share the decoder's layer numbers)
@@ -334,25 +329,23 @@ class CarryView:
             values = [inject_gradient(v, positions, self.store, key, self.index, t) for t, v in enumerate(values)]
         return values
 
-    def _cp_rows(self, rows: str):
-        """Tree CP: ``(positions in own, every rank's keys [E], rank of each [E], this rank's among them)``
-        of the exported rows or (``rows="state"``) of the state rows."""
-        cp = self.cp
-        if rows == "exported":
-            return self.exported, cp.exported_keys, cp.exported_rank, cp.exported_mine
-        if "cp_state_rows" not in self.memo:
-            whole = cp.whole
-            lay = whole.own.cpu().numpy()[whole.state_rows.cpu().numpy()]
-            rank_of = cp.plan.owner[lay].astype(np.int64)
-            mine = np.flatnonzero(rank_of == cp.rank)
-            dev = self.own.device
-            self.memo["cp_state_rows"] = (torch.from_numpy(np.searchsorted(self.own.cpu().numpy(), lay[mine])).to(dev),
-                                          whole.state_keys, rank_of, torch.from_numpy(mine).to(dev))
-        return self.memo["cp_state_rows"]
+    def _gathered_rows(self, rows: str):
+        """Tree CP: the exported rows (or with ``rows="state"`` the state rows) of every CP rank, from
+        ``cp.whole``: ``(this rank's as positions in own, every rank's keys [E], the rank computing each
+        [E], positions of this rank's in those [e])``. Made once per view and kind."""
+        memo = f"gathered_{rows}"
+        if memo not in self.memo:
+            cp, whole = self.cp, self.cp.whole
+            at, keys = (whole.exported, whole.exported_keys) if rows == "exported" else (whole.state_rows,
+                                                                                         whole.state_keys)
+            rank_of = cp.plan.owner[whole.own.cpu().numpy()[at.cpu().numpy()]].astype(np.int64)
+            mine = torch.from_numpy(np.flatnonzero(rank_of == cp.rank)).to(self.own.device)
+            self.memo[memo] = (self.exported if rows == "exported" else self.state_rows, keys, rank_of, mine)
+        return self.memo[memo]
 
     def _state_cp(self, key, values: list, rows: str = "exported") -> list:
         cp, key = self.cp, self.scoped(key)
-        positions, keys, rank_of, mine = self._cp_rows(rows)
+        positions, keys, rank_of, mine = self._gathered_rows(rows)
         if not len(keys):  # no CP rank holds such a row of this microbatch
             return values
         if self.phase == "fill":
@@ -396,6 +389,14 @@ def carried_attention(q, k, v, layout, view: CarryView, key, *, softmax_scale, w
     if sinks is not None:
         o, lse = apply_sinks(o, lse, sinks)
     return o
+
+
+def own_rank_of(view: CarryView, plan) -> np.ndarray:
+    """[n] the CP rank computing each of ``view.own`` under ``plan``: what the recurrent layers'
+    token -> head transposes move under carry (`tree_gdn_cp`, `tree_mamba_cp`). Made once per view."""
+    if "own_rank" not in view.memo:
+        view.memo["own_rank"] = plan.owner[view.own.cpu().numpy()].astype(np.int64)
+    return view.memo["own_rank"]
 
 
 def carry_cp_rows(view: CarryView):

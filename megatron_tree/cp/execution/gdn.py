@@ -54,6 +54,7 @@ from ..planning.gdn_plan import (
     gdn_rank_plan,
 )
 from ..planning.plan import CPPlan
+from .carry import carried_gdn, own_rank_of
 from .comm import group_rank, start_exchange
 
 __all__ = ["tree_gdn_cp", "compose_summaries", "default_gdn_cp_mode", "MODE_ENV"]
@@ -190,7 +191,7 @@ def tree_gdn_cp(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_wei
         raise ValueError(f"the CP plan covers {plan.num_rows} rows but the layout has {layout.num_rows}")
     cp = plan.cp_size
     rank = group_rank(plan, group, "tree_gdn_cp") if cp > 1 else 0
-    owner = plan.owner if carry is None else plan.owner[carry.own.cpu().numpy()]
+    owner = plan.owner if carry is None else own_rank_of(carry, plan)
     n = int((owner == rank).sum())
     HV = int(g.shape[1]) if g.dim() == 2 else -1
     H, K, V = int(num_k_heads), int(head_k_dim), int(head_v_dim)
@@ -210,7 +211,7 @@ def tree_gdn_cp(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_wei
                              f"carried state over every own row): the CP size ({cp}) must divide the value heads of "
                              f"this TP rank ({heads.num_v_heads}), and gdn_cp_mode='summary' is not supported")
         return _heads(qkv, g, beta, conv_weight, conv_bias, layout, plan, group, rank, heads, activation, qk_l2norm,
-                      scale, backend, carry=(carry, key, owner))
+                      scale, backend, carry=(carry, key))
     if cp == 1:
         return _single_device(qkv, g, beta, conv_weight, conv_bias, layout, heads, activation, qk_l2norm, scale,
                               backend)
@@ -314,12 +315,12 @@ def _heads(qkv, g, beta, w, b, layout, plan, group, rank, heads, activation, qk_
         hp = gdn_heads_plan(plan, layout, heads, rank)
         N = layout.num_rows
     else:  # the own rows only (`carry.own` order); made once per microbatch view
-        view, key, owner = carry
+        view, key = carry
         memo = view.memo.setdefault("gdn_heads", {})
         if (heads, rank) not in memo:
-            memo[(heads, rank)] = gdn_heads_plan_of_owner(owner, cp, heads, rank)
+            memo[(heads, rank)] = gdn_heads_plan_of_owner(own_rank_of(view, plan), cp, heads, rank)
         hp = memo[(heads, rank)]
-        N = owner.shape[0]
+        N = len(view.own)
     chain = _Chain(group)
     t = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
     # row (i, j) of the packed block is local row i's slice for rank j; sent destination-major
@@ -340,8 +341,6 @@ def _heads(qkv, g, beta, w, b, layout, plan, group, rank, heads, activation, qk_
     nk = hp.k_heads.size
     kv = None if hp.key_of_value is None else t(hp.key_of_value)
     if carry is not None:  # this rank's heads over every own row, continuing carried rows' state
-        from .carry import carried_gdn
-
         o = carried_gdn(x, gb[:, :hv].to(g.dtype), gb[:, hv:].to(beta.dtype), w, b, layout, view, key,
                         num_k_heads=nk, head_k_dim=K, head_v_dim=V, activation=activation, qk_l2norm=qk_l2norm,
                         scale=scale, key_of_value=kv, backend=backend)

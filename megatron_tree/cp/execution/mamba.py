@@ -49,6 +49,7 @@ from ...tree.layout import TreeLayout
 from ..planning.lru import lru_get
 from ..planning.mamba_heads import MambaHeadShards, mamba_head_shards
 from ..planning.plan import CPPlan
+from .carry import carried_conv, carried_mamba_ssd, own_rank_of
 from .comm import group_rank, start_exchange
 
 __all__ = ["tree_mamba_cp"]
@@ -141,8 +142,6 @@ def _head_shard_ssm(xBCdt, j, sh: MambaHeadShards, conv_weight, conv_bias, dt_bi
     the view's own rows and the conv / SSD continue carried rows (`cp.execution.carry`).
     """
     if carry is not None:
-        from .carry import carried_conv, carried_mamba_ssd
-
         view, key = carry
         conv = partial(carried_conv, layout=layout, view=view, key=key)
         ssd = partial(carried_mamba_ssd, layout=layout, view=view, key=key, backend=backend, chunk_size=chunk_size)
@@ -236,7 +235,7 @@ def tree_mamba_cp(xBCdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: tor
         N = plan.num_rows
     else:  # the own rows only, in ``carry.own`` order (made once per microbatch view)
         if "mamba_rows" not in carry.memo:
-            owner = plan.owner[carry.own.cpu().numpy()]
+            owner = own_rank_of(carry, plan)
             by = np.argsort(owner, kind="stable").astype(np.int64)
             to = np.empty_like(by)
             to[by] = np.arange(by.shape[0], dtype=np.int64)

@@ -291,3 +291,6 @@ def test_dp2_hybrid_carry_at_a_small_budget_equals_whole_trees(tmp_path):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
     # one DP replica under PP and under CP: every step trains its whole window
     assert all(m["rank_sample_ids"] == m["sample_ids"] for m in pp_carry["history"] + cp_carry["history"])
+    # under CP the step metrics (and the step's log line, which reads them) hold the planner's predicted
+    # imbalance with carry too: carry plans each item as it runs, and the metric reads those plans
+    assert all(m["cp_predicted_imbalance"] >= 1.0 for m in cp_carry["history"] + cp_whole["history"])

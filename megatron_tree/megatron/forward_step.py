@@ -34,7 +34,7 @@ from .loss import tree_loss_func
 from .model import unwrap_model as _unwrap
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
-__all__ = ["tree_forward_step", "carry_forward", "carry_cp", "pending_backwards", "context_parallel_params",
+__all__ = ["tree_forward_step", "carry_forward", "carry_cp", "pending_backwards", "planned", "context_parallel_params",
            "check_same_plan", "gdn_island_plan", "uses_gdn_islands", "island_plan_fn"]
 
 # Plans made here (microbatches that arrive without one), shared by the pipeline stages of a process.
@@ -102,11 +102,17 @@ def check_same_plan(plan, group) -> None:
                            "strategy, cost model and chunk size")
 
 
+def planned(layout, cp: int, strategy: str = "balanced"):
+    """The `CPPlan` ``strategy`` makes on the host for ``layout`` and ``cp`` ranks, from the plans this
+    process made (`context_parallel_params` and `carry_cp` plan through it: made once per layout)."""
+    return _PLANS.get_or_plan(layout if layout.device.type == "cpu" else layout.to("cpu"), cp, strategy=strategy)
+
+
 def _checked_plan(layout, cp: int, cp_group, strategy: str, plan=None):
-    """``plan`` (or, when None, the one ``strategy`` makes on the host from ``layout``: every rank
-    makes the same), checked to be for ``cp`` ranks and the same on every rank of ``cp_group``."""
+    """``plan`` (or, when None, `planned`: every rank makes the same), checked to be for ``cp`` ranks
+    and the same on every rank of ``cp_group``."""
     if plan is None:
-        plan = _PLANS.get_or_plan(layout if layout.device.type == "cpu" else layout.to("cpu"), cp, strategy=strategy)
+        plan = planned(layout, cp, strategy)
     if plan.cp_size != cp:
         raise ValueError(f"the CP plan is for {plan.cp_size} ranks but context_parallel_size is {cp}")
     check_same_plan(plan, cp_group)

@@ -1239,6 +1239,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     cp_group = ps.get_context_parallel_group() if args.context_parallel_size > 1 else None
     if cp_group is not None:
         from ..cp.execution.attention import attention_seconds
+        from ..megatron.forward_step import planned
     history, saved = [], []
     mtp_k = int(getattr(args, "mtp_num_layers", None) or 0)
     show = rank == 0 and not args.quiet
@@ -1308,11 +1309,12 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                     every = [torch.zeros_like(att) for _ in range(dist.get_world_size(cp_group))]
                     dist.all_gather(every, att, group=cp_group)
                     every = torch.cat(every)
-                    m.update(cp_attention_s=float(every.max()),
+                    plans = [p[0] if isinstance(p, tuple) else p for p in step.plans] if step.plans else [
+                        planned(mb.layout, args.context_parallel_size, args.tree_cp_planner)  # carry's, as it ran
+                        for mb in step.microbatches]
+                    m.update(cp_predicted_imbalance=float(np.mean([p.imbalance for p in plans])),
+                             cp_attention_s=float(every.max()),
                              cp_attention_imbalance=float(every.max() / every.mean()) if every.mean() > 0 else 1.0)
-                    if step.plans:  # made ahead (carry plans each item as it runs)
-                        m.update(cp_predicted_imbalance=float(np.mean([(p[0] if isinstance(p, tuple) else p).imbalance
-                                                                        for p in step.plans])))
                 for k in range(mtp_k):  # each MTP depth's per-token loss, named as Megatron-LM logs it
                     m[f"mtp_{k + 1} loss"] = float(red[3 + 2 * k]) / max(float(red[4 + 2 * k]), 1.0)
                 history.append(m)

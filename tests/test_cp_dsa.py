@@ -345,3 +345,26 @@ def test_dsa_planner_terms_and_balance():
         plan_context_parallel(chain, 2, cost_model=gpu, dsa=dsa, window=128)
     with pytest.raises(TypeError, match="DSAWork"):
         plan_context_parallel(chain, 2, cost_model=gpu, dsa=2048)
+
+
+def test_plans_made_as_a_microbatch_runs_price_the_models_dsa_work(monkeypatch):
+    """A carry item's CP plan (`forward_step.carry_cp`, made as the item runs, carried rows included)
+    prices DSA's own work for a DSA model, as the data pipeline's plans made ahead do (`dsa_work`), and
+    is the plan `planned` hands the trainer's balance metric; a dense model's plan prices none."""
+    from types import SimpleNamespace
+
+    from megatron_tree.cp import DSAWork, plan_context_parallel
+    from megatron_tree.megatron import forward_step as fs
+
+    layout = _forest(5)
+    base = dict(context_parallel_size=2, tensor_model_parallel_size=1, sequence_parallel=False,
+                pipeline_model_parallel_size=1)
+    for variant, topk in (("dsa", 3), (None, None)):
+        config = SimpleNamespace(experimental_attention_variant=variant, dsa_indexer_topk=topk, **base)
+        monkeypatch.setattr(fs, "_config_and_cp_group", lambda model, c=config: (c, None))
+        plan = fs.carry_cp(None, layout)[0]
+        want = plan_context_parallel(layout, 2, dsa=None if topk is None else DSAWork(topk=topk))
+        assert plan.stats.get("dsa_topk") == topk
+        assert plan.hash == want.hash
+        np.testing.assert_array_equal(plan.owner, want.owner)
+        assert fs.planned(layout, 2, "balanced", fs.dsa_work(config)) is plan

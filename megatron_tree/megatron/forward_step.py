@@ -34,7 +34,8 @@ from .loss import tree_loss_func
 from .model import unwrap_model as _unwrap
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
-__all__ = ["tree_forward_step", "carry_forward", "carry_cp", "pending_backwards", "planned", "context_parallel_params",
+__all__ = ["tree_forward_step", "carry_forward", "carry_cp", "pending_backwards", "planned", "dsa_work",
+           "context_parallel_params",
            "check_same_plan", "gdn_island_plan", "uses_gdn_islands", "island_plan_fn"]
 
 # Plans made here (microbatches that arrive without one), shared by the pipeline stages of a process.
@@ -102,17 +103,31 @@ def check_same_plan(plan, group) -> None:
                            "strategy, cost model and chunk size")
 
 
-def planned(layout, cp: int, strategy: str = "balanced"):
-    """The `CPPlan` ``strategy`` makes on the host for ``layout`` and ``cp`` ranks, from the plans this
-    process made (`context_parallel_params` and `carry_cp` plan through it: made once per layout)."""
-    return _PLANS.get_or_plan(layout if layout.device.type == "cpu" else layout.to("cpu"), cp, strategy=strategy)
+def dsa_work(config):
+    """The DSA terms the CP planner prices for a model whose attention is DSA (`cp.DSAWork` with the
+    model's top-k), None for any other model. Every plan made for a model takes them from here: the
+    data pipeline's ahead of time (`train`) and those made as a microbatch runs (`planned`)."""
+    if getattr(config, "experimental_attention_variant", None) != "dsa":
+        return None
+    from ..cp import DSAWork
+
+    return DSAWork(topk=int(config.dsa_indexer_topk))
 
 
-def _checked_plan(layout, cp: int, cp_group, strategy: str, plan=None):
-    """``plan`` (or, when None, `planned`: every rank makes the same), checked to be for ``cp`` ranks
-    and the same on every rank of ``cp_group``."""
+def planned(layout, cp: int, strategy: str = "balanced", dsa=None):
+    """The `CPPlan` ``strategy`` makes on the host for ``layout`` and ``cp`` ranks (pricing ``dsa``, a
+    `dsa_work`), from the plans this process made (`context_parallel_params` and `carry_cp` plan
+    through it: made once per layout)."""
+    return _PLANS.get_or_plan(layout if layout.device.type == "cpu" else layout.to("cpu"), cp, strategy=strategy,
+                              dsa=dsa)
+
+
+def _checked_plan(layout, config, cp_group, strategy: str, plan=None):
+    """``plan`` (or, when None, `planned` for ``config``'s CP size and DSA work: every rank makes the
+    same), checked to be for that CP size and the same on every rank of ``cp_group``."""
+    cp = config.context_parallel_size
     if plan is None:
-        plan = planned(layout, cp, strategy)
+        plan = planned(layout, cp, strategy, dsa_work(config))
     if plan.cp_size != cp:
         raise ValueError(f"the CP plan is for {plan.cp_size} ranks but context_parallel_size is {cp}")
     check_same_plan(plan, cp_group)
@@ -123,7 +138,7 @@ def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced"
     """This rank's view of a whole-microbatch `TreePackedSeqParams` under ``model``'s CP size.
 
     Without CP, ``psp`` itself. Otherwise ``plan`` (or, when None, the plan ``strategy`` makes on the
-    host from the layout; every rank makes the same one), checked to be the same on every CP rank,
+    host from the layout, pricing the model's `dsa_work`; every rank makes the same one), checked to be the same on every CP rank,
     then `packed_seq.context_parallel_view` padded to the TP size under sequence parallelism.
     ``plan`` may be a pair ``(plan, gdn_plan)``. When the model has GDN layout islands
     (`uses_gdn_islands`), the view also carries the island plan: ``gdn_plan`` or `gdn_island_plan`
@@ -135,7 +150,7 @@ def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced"
         plan, gdn_plan = plan
     if cp == 1:
         return psp
-    plan = _checked_plan(psp.layout, cp, cp_group, strategy, plan)
+    plan = _checked_plan(psp.layout, config, cp_group, strategy, plan)
     if uses_gdn_islands(model):
         if gdn_plan is None:
             layout = psp.layout if psp.layout.device.type == "cpu" else psp.layout.to("cpu")
@@ -219,7 +234,7 @@ def carry_cp(model, layout, strategy: str = "balanced"):
     cp = config.context_parallel_size
     if cp == 1:
         return None
-    plan = _checked_plan(layout, cp, cp_group, strategy)
+    plan = _checked_plan(layout, config, cp_group, strategy)
     return (plan, cp_group, config.tensor_model_parallel_size if config.sequence_parallel else 1,
             config.pipeline_model_parallel_size > 1)
 

@@ -1199,14 +1199,11 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     # runs, carried rows included: `forward_step.carry_cp`)
     if args.context_parallel_size > 1 and not getattr(args, "tree_carry", False):
         from ..cp import make_plan_fn
+        from ..megatron.forward_step import dsa_work, island_plan_fn, uses_gdn_islands
 
-        dsa = None
-        if model.config.experimental_attention_variant == "dsa":  # the planner prices DSA's own work
-            from ..cp import DSAWork
-
-            dsa = DSAWork(topk=int(model.config.dsa_indexer_topk))
-        kw["plan_fn"] = make_plan_fn(args.context_parallel_size, strategy=args.tree_cp_planner, dsa=dsa)
-        from ..megatron.forward_step import island_plan_fn, uses_gdn_islands
+        # the planner prices DSA's own work, as the plans made while a microbatch runs do
+        kw["plan_fn"] = make_plan_fn(args.context_parallel_size, strategy=args.tree_cp_planner,
+                                     dsa=dsa_work(model.config))
 
         if uses_gdn_islands(ddp):  # GDN layout islands: the island plan is made ahead too, as a pair
             kw["plan_fn"] = island_plan_fn(kw["plan_fn"], args.context_parallel_size,
@@ -1239,7 +1236,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     cp_group = ps.get_context_parallel_group() if args.context_parallel_size > 1 else None
     if cp_group is not None:
         from ..cp.execution.attention import attention_seconds
-        from ..megatron.forward_step import planned
+        from ..megatron.forward_step import dsa_work, planned
     history, saved = [], []
     mtp_k = int(getattr(args, "mtp_num_layers", None) or 0)
     show = rank == 0 and not args.quiet
@@ -1310,7 +1307,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                     dist.all_gather(every, att, group=cp_group)
                     every = torch.cat(every)
                     plans = [p[0] if isinstance(p, tuple) else p for p in step.plans] if step.plans else [
-                        planned(mb.layout, args.context_parallel_size, args.tree_cp_planner)  # carry's, as it ran
+                        planned(mb.layout, args.context_parallel_size, args.tree_cp_planner,  # carry's, as it ran
+                                dsa_work(model.config))
                         for mb in step.microbatches]
                     m.update(cp_predicted_imbalance=float(np.mean([p.imbalance for p in plans])),
                              cp_attention_s=float(every.max()),

@@ -17,6 +17,11 @@ restart count (``TORCHELASTIC_RESTART_COUNT``: 0 until a rank dies under ``--max
 ``$MTREE_LM_ENOSPC=RANK:ITERATION`` (a planted fault): on that rank, in the first attempt, the
 ``torch.save`` of that iteration's checkpoint (``--ckpt-format torch``) writes some bytes and raises
 ENOSPC, as on a disk that fills up.
+
+``$MTREE_LM_PAUSE=RANK:ITERATION`` (so a test kills at a known iteration instead of racing the loop
+by reading the log: an iteration takes tens of milliseconds here): on that rank, in the first
+attempt, the first training microbatch of that iteration is not drawn; the rank prints ``rank RANK
+(pid P) paused before iteration ITERATION`` and sleeps until it is killed.
 """
 import json
 import os
@@ -40,7 +45,21 @@ _next = hooks.MicrobatchStream.__next__
 _loss_func = hooks.loss_func
 
 
+def _pause_here(self) -> None:
+    import time
+
+    import torch.distributed as dist
+    from megatron.training import get_args
+
+    rank, iteration = map(int, os.environ["MTREE_LM_PAUSE"].split(":"))
+    if self.name == "train" and dist.get_rank() == rank and int(get_args().curr_iteration) + 1 == iteration:
+        print(f"rank {rank} (pid {os.getpid()}) paused before iteration {iteration}", flush=True)
+        time.sleep(600)
+
+
 def _recording_next(self):
+    if _PAUSE:
+        _pause_here(self)
     mb = _next(self)
     # --tree-carry hands carry items: a microbatch others read comes twice (fill, restore): counted once
     if self.name == "train" and getattr(mb, "phase", "run") != "restore":
@@ -75,6 +94,7 @@ def _plant_enospc(rank: int, iteration: int) -> None:
     torch.save = save
 
 
+_PAUSE = bool(os.environ.get("MTREE_LM_PAUSE")) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 if os.environ.get("MTREE_LM_ENOSPC") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     _plant_enospc(*map(int, os.environ["MTREE_LM_ENOSPC"].split(":")))
 hooks.MicrobatchStream.__next__ = _recording_next

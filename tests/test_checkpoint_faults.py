@@ -489,3 +489,41 @@ def test_megatron_lm_save_failure_is_named_and_not_retried_by_torchrun(tmp_path,
     fail[0] = False
     assert training.save_checkpoint(6, [model], optimizer, None, 0.0) == "saved"
     assert not (ckpt / FAILED_SAVE_MARKER).exists() and (ckpt / lm_saves.TRACKER).read_text() == "6"
+
+
+# ------------------------------------------------------------------------------- a peer lost mid-save
+def test_a_save_broken_by_a_lost_peer_leaves_no_marker_and_the_restart_trains(tmp_path, monkeypatch):
+    """Under torchrun, rank 1 killed (OOM, a crash) while rank 0 saves: rank 0's save fails only
+    because its collective broke (gloo's text, no errno). That leaves no marker, so torchrun's restart
+    trains again from the last checkpoint, as it does when rank 0 is the one killed (which writes
+    nothing). A storage error (ENOSPC) still leaves one and the restart is refused. (CI once killed
+    rank 1 inside a periodic save of the Megatron-LM chain: the restart was refused.)"""
+    from megatron_tree.training.checkpoint_errors import lost_peer, record_failed_save
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    reset = {0: {"error": "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                          "error [127.0.0.1]:52913: Connection reset by peer. This is typically caused by a remote "
+                          "worker hanging or bugs in the application.", "errno": None, "logged": []}}
+    enospc = {1: {"error": "OSError: [Errno 28] No space left on device", "errno": errno.ENOSPC, "logged": []}}
+    assert lost_peer(reset) and not lost_peer(enospc) and not lost_peer({})
+    assert not lost_peer({**reset, **enospc})  # one rank's storage failed: that is the save's cause
+
+    def attempt(failures):
+        ckpt = tmp_path / f"ckpt{len(list(tmp_path.iterdir()))}"
+        ckpt.mkdir()
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+        marker = record_failed_save(str(ckpt), CheckpointSaveError("the save of step 6 failed", directory=str(ckpt),
+                                                                   step=6, failures=failures))
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        try:
+            refuse_restart_after_failed_save(str(ckpt))
+        except CheckpointSaveError as e:
+            return marker, str(e)
+        return marker, None
+
+    marker, refused = attempt(reset)
+    assert marker is None and refused is None
+    marker, refused = attempt(enospc)
+    assert marker is not None and marker.endswith(FAILED_SAVE_MARKER)
+    assert refused.startswith("the save of step 6 failed") and "does not train again" in refused

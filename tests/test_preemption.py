@@ -160,17 +160,17 @@ def test_one_rank_signalled_all_stop_after_that_step_and_resume_exactly(collecti
 
 
 # --------------------------------------------------------------------------------------------- command line
-def _run_cli(tmp: Path, argv: list, until=None, then=None):
+def _run_cli(tmp: Path, argv: list, until=None, then=None, env=None):
     """Run ``megatron-tree train`` in its own session (as a batch system starts a job step). When a
     line of its output satisfies ``until``, call ``then(proc)`` once. Returns (exit status, output).
     Output is read on a thread until the launcher exits; processes of the session still alive then (a
     killed rank's orphaned helper keeps the output pipe open: the note on issue 27 says which) are
-    killed, so the read ends instead of waiting for them."""
+    killed, so the read ends instead of waiting for them. ``env``: added to the environment."""
     import threading
 
     proc = subprocess.Popen([sys.executable, "-m", "megatron_tree", "train", *argv], cwd=tmp, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                            env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})))
     out, fired = [], []
 
     def read():
@@ -198,6 +198,19 @@ def _step_line(n: int, steps: int = STEPS):
     return lambda line: f" {n}/{steps} |" in line
 
 
+def _pause(tmp: Path, rank: int, step: int, marker: str) -> dict:
+    """The environment under which ``rank`` of a ``megatron-tree train`` run waits before ``step``
+    (tests/rank_pause; its pid is written to ``tmp / marker``): a kill then lands at a known step. A
+    kill aimed by reading the log races the loop, whose 1-layer steps take ~30 ms (CI once saw the
+    run finish first)."""
+    return dict(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent / "rank_pause"), os.environ.get("PYTHONPATH", "")]),
+                MTREE_TEST_PAUSE=f"{rank}:{step}:{tmp / marker}")
+
+
+def _paused(rank: int):
+    return lambda line: re.search(rf"rank {rank} \(pid \d+\) paused before step", line) is not None
+
+
 def _jsonl(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -205,7 +218,8 @@ def _jsonl(path: Path) -> list:
 def test_cli_sigterm_to_launcher_then_sigkill_of_the_job_resume_exactly(collective, tmp_path):
     """The command a requeued job reruns, three times: SIGTERM to the launcher process only after
     step 2 (it forwards to its ranks; they stop together, save, exit 75); SIGKILL to every process
-    once a step past a periodic checkpoint is logged (the steps after it are lost); a rerun that
+    once the step after a periodic checkpoint has run (rank 0 waits before the next one, `_pause`: the
+    steps after the checkpoint are lost); a rerun that
     resumes from that checkpoint, recomputes them identically and finishes."""
     data, _, ranks = collective
     ref = ranks[0][0]["history"]
@@ -223,7 +237,8 @@ def test_cli_sigterm_to_launcher_then_sigkill_of_the_job_resume_exactly(collecti
     assert [m["step"] for m in first] == list(range(1, stopped + 1))
 
     periodic = (stopped // SAVE_EVERY + 1) * SAVE_EVERY  # the first periodic checkpoint after the resume
-    rc, out = _run_cli(tmp_path, argv, _step_line(periodic + 1), lambda p: os.killpg(p.pid, signal.SIGKILL))
+    rc, out = _run_cli(tmp_path, argv, _paused(0), lambda p: os.killpg(p.pid, signal.SIGKILL),
+                       env=_pause(tmp_path, 0, periodic + 2 - stopped, "paused"))  # the run's own steps count from 1
     assert rc == -signal.SIGKILL, out[-4000:]
     assert f"resumed from {ckpt}/iter_{stopped:07d} (step {stopped})" in out
     killed = _jsonl(log)[len(first):]
@@ -295,20 +310,28 @@ def test_cli_signal_to_every_process_saves_the_last_step_and_resumes_exactly(col
 
 def test_cli_a_rank_killed_mid_run_restarts_in_place_and_resumes_exactly(collective, tmp_path):
     """``megatron-tree train --nproc 2 --max-restarts 1``: rank 1 alone is SIGKILLed (the OOM killer, a
-    segfault) once a step past a periodic checkpoint is logged; the launcher restarts every rank, they
-    resume from that checkpoint and finish; the steps lost are recomputed identically and the whole run
-    is the uninterrupted one (losses bit for bit, the same samples). Without a restart budget the same
-    kill fails the run."""
+    segfault) in the step after the one past a periodic checkpoint; the launcher restarts every rank,
+    they resume from that checkpoint and finish; the steps lost are recomputed identically and the
+    whole run is the uninterrupted one (losses bit for bit, the same samples). Without a restart budget
+    the same kill fails the run.
+
+    Rank 1 waits before that step (`_pause`) until the kill comes: a kill aimed by reading the log
+    raced the loop (CI once saw the run finish first: no restart at all)."""
     data, _, ranks = collective
     ref = ranks[0][0]["history"]
     ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
     argv = _argv(data, "--nproc", "2", "--save", ckpt, "--load", ckpt, "--save-interval", SAVE_EVERY,
                  "--metrics-jsonl", log)
 
-    def kill_rank_1(proc):
-        os.kill(_ranks_of(proc.pid)[-1], signal.SIGKILL)  # the last forked: rank 1
+    def kill_rank_1(marker):
+        def kill(proc):
+            pid = int((tmp_path / marker).read_text())
+            assert pid in _ranks_of(proc.pid), (pid, _ranks_of(proc.pid))  # a rank of this launcher (its RANK is 1)
+            os.kill(pid, signal.SIGKILL)
+        return kill
 
-    rc, out = _run_cli(tmp_path, argv + ["--max-restarts", "1"], _step_line(SAVE_EVERY + 1), kill_rank_1)
+    rc, out = _run_cli(tmp_path, argv + ["--max-restarts", "1"], _paused(1), kill_rank_1("paused"),
+                       env=_pause(tmp_path, 1, SAVE_EVERY + 2, "paused"))
     assert rc == 0, out[-4000:]
     assert (f"restarting every rank from step {SAVE_EVERY} ({ckpt}), 0 restarts left (--max-restarts 1)") in out, \
         out[-4000:]
@@ -322,7 +345,8 @@ def test_cli_a_rank_killed_mid_run_restarts_in_place_and_resumes_exactly(collect
     assert latest_checkpoint(str(ckpt)) == STEPS
 
     rc, out = _run_cli(tmp_path, _argv(data, "--nproc", "2", "--save", tmp_path / "c2", "--load", tmp_path / "c2",
-                                       "--save-interval", SAVE_EVERY), _step_line(2), kill_rank_1)
+                                       "--save-interval", SAVE_EVERY), _paused(1), kill_rank_1("paused_c2"),
+                       env=_pause(tmp_path, 1, 3, "paused_c2"))
     assert rc != 0 and "restarting every rank" not in out, out[-3000:]
     assert "rank 1 of 2 was killed by SIGKILL (no traceback: out of memory, a crash or a kill)" in out, out[-3000:]
 
@@ -499,7 +523,8 @@ def _lm_records(tmp: Path, name: str) -> list:
 
 
 def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=signal.SIGTERM,
-               only_rank: int = None, launch_flags: tuple = (), env: Optional[dict] = None):
+               only_rank: int = None, launch_flags: tuple = (), env: Optional[dict] = None,
+               pause_rank: Optional[int] = None):
     """`megatron-tree launch --nproc 2` of the GPT example through tests/lm_entry.py (its records:
     every microbatch's loss sums and sample ids, by iteration). With
     ``signal_after``: once Megatron-LM logs that iteration, ``sig`` to every process of the job, as
@@ -508,11 +533,21 @@ def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=s
     when the launcher had exited). Iterations after ``signal_after`` are left out after a SIGKILL
     (one may have been cut short). ``only_rank``: ``sig`` to that rank's process alone.
     ``launch_flags``: `megatron-tree launch` flags before the script; ``env``: more environment (a
-    planted fault of tests/lm_entry.py)."""
+    planted fault of tests/lm_entry.py). ``pause_rank``: that rank waits before iteration
+    ``signal_after + 1`` (tests/lm_entry.py's MTREE_LM_PAUSE) and ``sig`` comes once it does: a kill
+    at a known iteration (aimed by the log line alone, a SIGKILL once landed two iterations late, in
+    a periodic save)."""
     lm = _lm()
     record = tmp / f"record_{name}"
+    pause = {} if pause_rank is None else {"MTREE_LM_PAUSE": f"{pause_rank}:{signal_after + 1}"}
     env = dict(os.environ, MTREE_LM_SCRIPT=str(lm.GPT), MTREE_LM_RECORD=str(record), PYTHONWARNINGS="ignore",
-               **(env or {}))
+               **pause, **(env or {}))
+
+    def due(line):
+        if pause_rank is not None:
+            return f"rank {pause_rank} (pid" in line and f"paused before iteration {signal_after + 1}" in line
+        return f"iteration {signal_after:8d}/{LM_ITERS:8d}" in line
+
     cmd = [sys.executable, "-m", "megatron_tree", "launch", "--nproc", "2", *launch_flags,
            str(ROOT / "tests" / "lm_entry.py"), *args]
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -521,7 +556,7 @@ def _launch_lm(tmp: Path, name: str, args: list, signal_after: int = None, sig=s
     try:
         for line in proc.stdout:
             out.append(line)
-            if signal_after is not None and not job and f"iteration {signal_after:8d}/{LM_ITERS:8d}" in line:
+            if signal_after is not None and not job and due(line):
                 job = _process_tree(proc.pid)
                 if only_rank is not None:
                     job = [p for p in job if _env_rank(p) == only_rank]
@@ -598,7 +633,7 @@ def test_megatron_lm_sigterm_then_sigkill_reruns_resume_exactly(tmp_path):
 
     periodic = (stopped // LM_SAVE_EVERY + 1) * LM_SAVE_EVERY  # the first periodic checkpoint after it
     rc, out, killed, killed_samples, left = _launch_lm(tmp_path, "killed", args + ckpt, signal_after=periodic + 1,
-                                                       sig=signal.SIGKILL)
+                                                       sig=signal.SIGKILL, pause_rank=0)
     assert re.search(rf"successfully loaded checkpoint from {re.escape(str(tmp_path / 'ckpt'))} .* at iteration "
                      rf"{stopped}\b", out), out[-6000:]
     restart = int(tracker.read_text())
@@ -642,7 +677,7 @@ def test_megatron_lm_sigterm_then_sigkill_reruns_resume_exactly(tmp_path):
     ckpt_r = ["--save", str(tmp_path / "ckpt_r"), "--load", str(tmp_path / "ckpt_r"), "--save-interval",
               str(LM_SAVE_EVERY), "--ckpt-format", "torch"]
     rc, out, _, _, _ = _launch_lm(tmp_path, "restart", args + ckpt_r, signal_after=LM_SAVE_EVERY + 1,
-                                  sig=signal.SIGKILL, only_rank=1, launch_flags=("--max-restarts", "1"))
+                                  sig=signal.SIGKILL, only_rank=1, launch_flags=("--max-restarts", "1"), pause_rank=1)
     assert rc == 0, out[-6000:]
     recs = _lm_records(tmp_path, "restart")
     assert sorted({r["attempt"] for r in recs}) == [0, 1], out[-6000:]

@@ -16,7 +16,10 @@ Under torchrun (``--max-restarts``) a failed save is not retried either: rank 0 
 the same job (``TORCHELASTIC_RESTART_COUNT`` > 0, the same rendezvous run id and SLURM requeue
 count) that finds it raises the same error before it trains (`refuse_restart_after_failed_save`);
 the next successful save removes it (`clear_failed_save`). The local launcher (``--nproc``) needs no
-file: it sees the rank's exception itself (`trainer.run`).
+file: it sees the rank's exception itself (`trainer.run`). A save that failed only because another
+rank was lost meanwhile (`lost_peer`: killed by the OOM killer or a crash mid-save; the surviving
+ranks' collectives break) leaves no marker: the storage is fine, and the restart is what
+``--max-restarts`` is for (the local launcher restarts then too: the killed rank is what it reports).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import re
 from typing import Optional
 
 __all__ = ["CheckpointSaveError", "FAILED_SAVE_MARKER", "capture_logged_errors", "clear_failed_save", "describe_failure",
-           "dir_bytes", "failing_ranks", "format_bytes", "iteration_dir", "record_failed_save",
+           "dir_bytes", "failing_ranks", "format_bytes", "iteration_dir", "lost_peer", "record_failed_save",
            "refuse_restart_after_failed_save", "save_failure_message"]
 
 #: Left in the ``--save`` directory by a save that failed under torchrun (`record_failed_save`).
@@ -38,6 +41,10 @@ FAILED_SAVE_MARKER = "save_failed.json"
 # dist_checkpointing's collective error report does (the writer's OSError is re-raised as a
 # RuntimeError and pickled to the coordinator without its __cause__)
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+# what a rank's error reads when its collective broke because a peer process went away (gloo's TCP
+# pair, NCCL's abort, torch's DistBackendError), as opposed to an error of the storage
+_LOST_PEER_TEXT = re.compile(r"Connection (?:reset|closed) by peer|NCCL communicator was aborted|DistBackendError")
 
 
 def iteration_dir(directory: str, step: int) -> str:
@@ -239,13 +246,23 @@ def _torchrun_job() -> Optional[dict]:
     return {"run_id": run_id, "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT")}
 
 
+def lost_peer(failures: dict) -> bool:
+    """True when every failing rank of ``failures`` (`failing_ranks`) failed only because a peer
+    process went away: a broken collective, no errno. A rank SIGKILLed mid-save writes no failure of
+    its own; the others report it this way."""
+    return bool(failures) and all(f.get("errno") is None and _LOST_PEER_TEXT.search(str(f.get("error", "")))
+                                  for f in failures.values())
+
+
 def record_failed_save(directory: str, error: CheckpointSaveError) -> Optional[str]:
     """Rank 0, under torchrun: write ``error`` to ``directory/FAILED_SAVE_MARKER`` (atomically; best
     effort: a marker that cannot be written only means a restart retrains and fails again) so that
     torchrun's in-place restart of this job refuses to train again (`refuse_restart_after_failed_save`).
-    Returns the marker's path, None outside torchrun or when it could not be written."""
+    Not for a save that failed only because a peer was lost (`lost_peer`): rank 0 would otherwise
+    refuse the restart when another rank was killed mid-save and allow it when rank 0 itself was.
+    Returns the marker's path, None outside torchrun, after a lost peer, or when it could not be written."""
     job = _torchrun_job()
-    if job is None:
+    if job is None or lost_peer(error.failures):
         return None
     path = os.path.join(directory, FAILED_SAVE_MARKER)
     record = {"message": str(error), "directory": error.directory, "step": error.step, "job": job,

@@ -138,8 +138,9 @@ def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced"
     """This rank's view of a whole-microbatch `TreePackedSeqParams` under ``model``'s CP size.
 
     Without CP, ``psp`` itself. Otherwise ``plan`` (or, when None, the plan ``strategy`` makes on the
-    host from the layout, pricing the model's `dsa_work`; every rank makes the same one), checked to be the same on every CP rank,
-    then `packed_seq.context_parallel_view` padded to the TP size under sequence parallelism.
+    host from the layout, pricing the model's `dsa_work`; every rank makes the same one), checked to
+    be the same on every CP rank, then `packed_seq.context_parallel_view` padded to the TP size under
+    sequence parallelism.
     ``plan`` may be a pair ``(plan, gdn_plan)``. When the model has GDN layout islands
     (`uses_gdn_islands`), the view also carries the island plan: ``gdn_plan`` or `gdn_island_plan`
     (left out when it has the attention plan's ownership: nothing would move).

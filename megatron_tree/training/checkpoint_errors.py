@@ -9,7 +9,7 @@ left on device"), the bytes the checkpoint needs against the bytes free when the
 
 Everything here is plain data (dicts of str / int) so that it travels through
 ``all_gather_object`` and the local launcher's pickled exceptions, and imports only the standard
-library and torch.
+library, torch and `files`.
 
 Under torchrun (``--max-restarts``) a failed save is not retried either: rank 0 leaves
 `FAILED_SAVE_MARKER` in the ``--save`` directory (`record_failed_save`), and a restarted attempt of
@@ -29,6 +29,8 @@ import logging
 import os
 import re
 from typing import Optional
+
+from .files import write_atomically
 
 __all__ = ["CheckpointSaveError", "FAILED_SAVE_MARKER", "capture_logged_errors", "clear_failed_save", "describe_failure",
            "dir_bytes", "failing_ranks", "format_bytes", "iteration_dir", "lost_peer", "record_failed_save",
@@ -269,14 +271,8 @@ def record_failed_save(directory: str, error: CheckpointSaveError) -> Optional[s
               "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
               "failures": [[rank, failure] for rank, failure in error.failures.items()]}
     try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
+        write_atomically(path, json.dumps(record).encode())
     except (OSError, TypeError, ValueError):
-        try:
-            os.remove(path + ".tmp")
-        except OSError:
-            pass
         return None
     return path
 

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .files import write_atomically
 from .forkserver_shield import die_with_parent
 import torch.multiprocessing as mp
 
@@ -147,8 +148,9 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str,
     except BaseException as exc:
         # Written here because the parent prefers the first failing rank's own traceback over the
         # secondary errors of ranks that were waiting for it in a collective.
-        _write_atomically(os.path.join(outdir, f"rank{rank}.err"),
-                          f"{time.time()!r}\n{traceback.format_exc()}".encode())
+        # whole or absent (`write_atomically`): the parent reads it while start_processes SIGTERMs the
+        # ranks still alive, which may be writing theirs (a torn .err failed the launcher's own parse)
+        write_atomically(os.path.join(outdir, f"rank{rank}.err"), f"{time.time()!r}\n{traceback.format_exc()}".encode())
         _write_exception(os.path.join(outdir, f"rank{rank}.exc"), exc)
         raise
     finally:
@@ -177,17 +179,7 @@ def _write_exception(path: str, exc: BaseException) -> None:
         data = pickle.dumps(exc)
     except Exception:  # noqa: BLE001 - an unpicklable exception (a lock or a module among its args)
         return
-    _write_atomically(path, data)
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    """``path`` holds all of ``data`` or does not exist: the parent reads a failing rank's files while
-    start_processes SIGTERMs the other ranks, which may be writing theirs (an empty .err read then
-    made the launcher fail on its own parse instead of naming the rank)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    write_atomically(path, data)
 
 
 def _read_exception(outdir: str, rank: int) -> BaseException | None:

@@ -82,6 +82,7 @@ import torch.distributed as dist
 
 from .arguments import add_tree_args, validate_tree_args
 from .checkpoint_errors import dir_bytes as _dir_bytes, iteration_dir as _iter_dir
+from .files import write_atomically
 
 __all__ = ["add_train_args", "build_train_parser", "check_train_args", "load_train_samples", "train", "main",
            "latest_checkpoint", "format_progress", "format_skipped", "exit_status", "PREEMPTED_EXIT_CODE",
@@ -637,17 +638,7 @@ def _commit_checkpoint(directory: str, step: int, partial: str, final: str) -> N
             os.rename(replaced, final)
         raise
     _fsync_path(directory)
-    tmp = os.path.join(directory, "latest.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, "latest"))
-    except OSError:
-        with contextlib.suppress(OSError):  # the marker's own error is the one to report
-            os.remove(tmp)
-        raise
+    write_atomically(os.path.join(directory, "latest"), f"{step}\n".encode(), fsync=True)
     # latest names the new checkpoint from here on: what is left is no reason to call the save failed
     for what, finish in ((f"could not fsync {directory}", lambda: _fsync_path(directory)),
                          (f"could not remove the checkpoint it replaced, {replaced}",

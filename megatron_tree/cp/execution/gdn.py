@@ -52,6 +52,7 @@ from ..planning.gdn_plan import (
     gdn_heads_plan,
     gdn_heads_plan_of_owner,
     gdn_rank_plan,
+    heads_mode_fits,
 )
 from ..planning.plan import CPPlan
 from .carry import carried_gdn, own_rank_of
@@ -206,7 +207,7 @@ def tree_gdn_cp(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_wei
     if activation not in ("silu", None) and not callable(activation):
         raise ValueError(f"activation must be 'silu', None or a callable; got {activation!r}")
     if carry is not None:
-        if mode == "summary" or heads.num_v_heads % cp:
+        if mode == "summary" or not heads_mode_fits(heads, cp):
             raise ValueError("carry under tree CP runs Gated DeltaNet in heads mode (each rank continues its heads' "
                              f"carried state over every own row): the CP size ({cp}) must divide the value heads of "
                              f"this TP rank ({heads.num_v_heads}), and gdn_cp_mode='summary' is not supported")

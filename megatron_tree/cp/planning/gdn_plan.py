@@ -38,7 +38,8 @@ from ...tree.layout import TreeLayout
 from .plan import CPPlan
 
 __all__ = ["GDNHeads", "GDNCostModel", "gdn_cp_figures", "choose_mode", "gdn_pieces", "gdn_rank_plan",
-           "gdn_heads_plan", "gdn_heads_plan_of_owner", "MODES", "summary_terms", "heads_terms", "GDN_CPU_COST_JSON"]
+           "gdn_heads_plan", "gdn_heads_plan_of_owner", "check_heads_mode", "heads_mode_fits", "MODES", "summary_terms",
+           "heads_terms", "GDN_CPU_COST_JSON"]
 
 MODES = ("auto", "summary", "heads")
 
@@ -419,8 +420,13 @@ class HeadsPlan:
     n_by_rank: tuple
 
 
+def heads_mode_fits(heads: GDNHeads, cp: int) -> bool:
+    """Heads mode splits a TP rank's value heads over the CP group: ``cp`` must divide them."""
+    return heads.num_v_heads % cp == 0
+
+
 def check_heads_mode(heads: GDNHeads, cp: int) -> None:
-    if heads.num_v_heads % cp:
+    if not heads_mode_fits(heads, cp):
         raise ValueError(f"GDN heads mode splits value heads over the CP group: the CP size ({cp}) must divide the "
                          f"value heads of this TP rank ({heads.num_v_heads}); use gdn_cp_mode='summary'")
 

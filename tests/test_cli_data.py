@@ -10,7 +10,7 @@ import pytest
 from megatron_tree.cli import main
 from megatron_tree.data.io import ReadReport, read_jsonl, write_jsonl
 from megatron_tree.data.pipeline import read_samples
-from megatron_tree.data.synthetic import PRESETS, make_preset
+from megatron_tree.data.synthetic import PRESETS, make_preset, shared_prompt
 from megatron_tree.tree import pack, summarize
 
 
@@ -33,6 +33,18 @@ def test_presets_are_seeded_and_shaped():
     assert tot["num_trees"] == 2 and tot["num_segments"] == 2 * 31  # forks at every one of 4 turns
     for name in PRESETS:
         make_preset(name, scale=0.01)
+
+
+def test_shared_prompt_is_one_tree_with_loss_on_the_completions():
+    s = shared_prompt(48, 5, 7, vocab=50, seed=1)
+    assert [s_.tokens.tolist() for s_ in s] == [x.tokens.tolist() for x in shared_prompt(48, 5, 7, vocab=50, seed=1)]
+    assert len(s) == 5 and all(len(x) == 55 and x.tokens.min() >= 1 and x.tokens.max() < 50 for x in s)
+    assert all((x.tokens[:48] == s[0].tokens[:48]).all() for x in s)
+    assert all(x.loss_mask.tolist() == [False] * 48 + [True] * 7 for x in s)
+    tot = summarize(pack(s, 4096))
+    # one tree whose rows are the samples' distinct prefixes (a trie's nodes): the prompt once
+    distinct = {x.tokens[:k].tobytes() for x in s for k in range(1, len(x) + 1)}
+    assert tot["num_trees"] == 1 and tot["tree_tokens"] == len(distinct) <= 48 + 5 * 7
 
 
 def test_jsonl_roundtrip_and_bad_lines(tmp_path):

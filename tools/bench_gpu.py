@@ -194,27 +194,19 @@ def bench_ops(args) -> list[dict]:
 # ------------------------------------------------------------------------------------------- model step
 def _model_step_body(a: dict) -> dict:
     """One rank (run_distributed: NCCL on a GPU, gloo + the CPU shims otherwise)."""
-    import numpy as np
-
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_tree.cpu import megatron_core as cpu_layer
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
-    from megatron_tree.tree import Sample, pack, summarize
+    from megatron_tree.data.synthetic import shared_prompt
+    from megatron_tree.tree import pack, summarize
 
     cuda = torch.cuda.is_available()
     cpu_layer.enable(kernels=True)  # a no-op with CUDA
     ps.initialize_model_parallel()
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(1, a["vocab"], a["prompt"])
-    samples = []
-    for _ in range(a["completions"]):
-        toks = np.concatenate([prompt, rng.integers(1, a["vocab"], a["completion_len"])])
-        mask = np.zeros(len(toks), bool)
-        mask[a["prompt"]:] = True
-        samples.append(Sample(toks, loss_mask=mask))
+    samples = shared_prompt(a["prompt"], a["completions"], a["completion_len"], vocab=a["vocab"])
     budget = a["budget"]
     tree = pack(samples, budget, pad_to_multiple_of=8)
     flat = pack(samples, budget, pad_to_multiple_of=8, share_prefixes=False)

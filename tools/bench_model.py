@@ -48,7 +48,6 @@ def best_step_seconds(margs, batches: dict, repeats: int) -> dict:
 
 
 def _body(a: dict) -> dict:
-    import numpy as np
     import torch
 
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
@@ -56,18 +55,12 @@ def _body(a: dict) -> dict:
 
     from megatron_tree.cpu import megatron_core as cpu_layer
     from megatron_tree.training.models import ModelArgs
-    from megatron_tree.tree import Sample, pack, summarize
+    from megatron_tree.data.synthetic import shared_prompt
+    from megatron_tree.tree import pack, summarize
 
     cpu_layer.enable(kernels=True)
     ps.initialize_model_parallel()
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(1, a["vocab"], a["prompt"])
-    samples = []
-    for _ in range(a["completions"]):
-        toks = np.concatenate([prompt, rng.integers(1, a["vocab"], a["completion_len"])])
-        mask = np.zeros(len(toks), bool)
-        mask[a["prompt"]:] = True
-        samples.append(Sample(toks, loss_mask=mask))
+    samples = shared_prompt(a["prompt"], a["completions"], a["completion_len"], vocab=a["vocab"])
     budget = a["budget"]
     tree = pack(samples, budget, pad_to_multiple_of=8)
     flat = pack(samples, budget, pad_to_multiple_of=8, share_prefixes=False)

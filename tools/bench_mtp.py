@@ -25,19 +25,9 @@ import json
 
 
 def _family(a):
-    import numpy as np
+    from megatron_tree.data.synthetic import shared_prompt
 
-    from megatron_tree.tree import Sample
-
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(1, a["vocab"], a["prompt"])
-    out = []
-    for _ in range(a["completions"]):
-        toks = np.concatenate([prompt, rng.integers(1, a["vocab"], a["completion_len"])])
-        mask = np.zeros(len(toks), bool)
-        mask[a["prompt"]:] = True
-        out.append(Sample(toks, loss_mask=mask))
-    return out
+    return shared_prompt(a["prompt"], a["completions"], a["completion_len"], vocab=a["vocab"])
 
 
 def _body(a: dict) -> dict:

@@ -12,6 +12,8 @@ Presets (lengths in tokens):
   long_8k_16x8k          one family: prompt 8192 + 16 completions x 8192
   agent_multiturn        agent traces forking at every turn: 4 turns, branching factor 2 per turn,
                          each turn = observation 96 + action 32 (loss only on actions)
+
+`shared_prompt` is the benchmarks' plain workload: one prompt, equal completions, in arrival order.
 """
 from __future__ import annotations
 
@@ -83,6 +85,18 @@ def make_preset(name: str, *, seed: int = 0, vocab: int = 32000, scale: float = 
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     perm = rng.permutation(len(out))
     return [out[i] for i in perm]
+
+
+def shared_prompt(prompt_len: int, completions: int, completion_len: int, *, vocab: int,
+                  seed: int = 0) -> list[Sample]:
+    """One prompt of ``prompt_len`` tokens and ``completions`` completions of ``completion_len`` each, in
+    arrival order, loss on the completions only (no advantages): the benchmarks' model-step workload.
+    Tokens are drawn from [1, vocab) by ``default_rng(seed)``, the prompt first."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, vocab, prompt_len)
+    mask = np.arange(prompt_len + completion_len) >= prompt_len
+    return [Sample(np.concatenate([prompt, rng.integers(1, vocab, completion_len)]), loss_mask=mask.copy())
+            for _ in range(completions)]
 
 
 def default_budget(samples, cap: int = 65536) -> int:

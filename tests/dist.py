@@ -22,37 +22,8 @@ Spawning and importing Megatron costs a few seconds per run: batch several check
 """
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-# The harness itself lives in the package (``megatron-tree verify`` and the trainer spawn ranks too).
+# Both live in the package: `megatron-tree verify` and the trainer spawn ranks too, and the tools set up ranks alike.
 from megatron_tree.training.launch import DistributedError, run_distributed  # noqa: F401
+from megatron_tree.training.megatron_init import init_megatron  # noqa: F401
 
 __all__ = ["run_distributed", "init_megatron", "DistributedError"]
-
-
-def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, seed: int = 1234, kernels: bool = False,
-                  **parallel_kwargs: Any):
-    """Inside a rank: apply the CPU shims, initialise Megatron's model-parallel state and seed.
-
-    Calls ``megatron_tree.cpu.enable(kernels=kernels)``, then
-    ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-    pipeline_model_parallel_size=pp, context_parallel_size=cp, expert_model_parallel_size=ep,
-    **parallel_kwargs)`` (DP is what remains of the world size), then
-    ``model_parallel_cuda_manual_seed(seed)`` and ``torch.manual_seed(seed)``: every rank draws
-    the same CPU weights, so ``use_cpu_initialization=True`` models match across layouts.
-    Returns ``megatron.core.parallel_state``.
-    """
-    from megatron_tree.cpu import megatron_core as cpu
-
-    cpu.enable(kernels=kernels)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp, expert_model_parallel_size=ep,
-                                             **parallel_kwargs)
-    model_parallel_cuda_manual_seed(seed)
-    torch.manual_seed(seed)
-    return parallel_state

@@ -96,17 +96,13 @@ def _step_time_body(cases, repeats):
     import time as _time
 
     import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tree.cpu import megatron_core as cpu
     from megatron_tree.megatron.carry import carry_geometry, carry_items
     from megatron_tree.training.models import (ModelArgs, build_model, forward_backward, make_config,
                                                report_totals, wrap_ddp)
+    from megatron_tree.training.megatron_init import init_megatron
 
-    cpu.enable(kernels=True)
-    ps.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(0)
+    init_megatron(seed=0, kernels=True)
     out = []
     for name, pattern, samples, budgets in cases:
         margs = ModelArgs(kind="hybrid" if pattern else "gpt", num_layers=2, vocab_size=1024,

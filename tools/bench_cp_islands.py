@@ -40,21 +40,19 @@ def _body(a: dict) -> dict:
     import torch.distributed as dist
 
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tree.cpu import megatron_core as cpu_layer
     from megatron_tree.cp import plan_context_parallel
     from megatron_tree.cp.execution.redistribute import redistribution_count
     from megatron_tree.cp.planning.row_moves import redistribution_figures
     from megatron_tree.data.synthetic import make_preset
     from megatron_tree.megatron.forward_step import gdn_island_plan
+    from megatron_tree.training.megatron_init import init_megatron
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
     from megatron_tree.tree import pack
 
-    cpu_layer.enable(kernels=True)
     cp = dist.get_world_size()
-    ps.initialize_model_parallel(context_parallel_size=cp)
+    init_megatron(cp=cp, seed=0, kernels=True)
     samples = make_preset(a["preset"], vocab=a["vocab"], scale=a["scale"])
     mb = pack(samples, 1 << 30, pad_to_multiple_of=8)[0]
     plan = plan_context_parallel(mb.layout, cp, strategy=a["strategy"])

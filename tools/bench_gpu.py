@@ -195,17 +195,15 @@ def bench_ops(args) -> list[dict]:
 def _model_step_body(a: dict) -> dict:
     """One rank (run_distributed: NCCL on a GPU, gloo + the CPU shims otherwise)."""
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tree.cpu import megatron_core as cpu_layer
-    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
     from megatron_tree.data.synthetic import shared_prompt
+    from megatron_tree.training.megatron_init import init_megatron
+    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
     from megatron_tree.tree import pack, summarize
 
     cuda = torch.cuda.is_available()
-    cpu_layer.enable(kernels=True)  # a no-op with CUDA
-    ps.initialize_model_parallel()
+    init_megatron(seed=0, kernels=True)  # the CPU shims: none with CUDA
     samples = shared_prompt(a["prompt"], a["completions"], a["completion_len"], vocab=a["vocab"])
     budget = a["budget"]
     tree = pack(samples, budget, pad_to_multiple_of=8)

@@ -51,15 +51,13 @@ def _body(a: dict) -> dict:
     import torch
 
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
-    from megatron.core import parallel_state as ps
 
-    from megatron_tree.cpu import megatron_core as cpu_layer
-    from megatron_tree.training.models import ModelArgs
     from megatron_tree.data.synthetic import shared_prompt
+    from megatron_tree.training.megatron_init import init_megatron
+    from megatron_tree.training.models import ModelArgs
     from megatron_tree.tree import pack, summarize
 
-    cpu_layer.enable(kernels=True)
-    ps.initialize_model_parallel()
+    init_megatron(seed=0, kernels=True)
     samples = shared_prompt(a["prompt"], a["completions"], a["completion_len"], vocab=a["vocab"])
     budget = a["budget"]
     tree = pack(samples, budget, pad_to_multiple_of=8)

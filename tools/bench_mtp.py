@@ -35,19 +35,17 @@ def _body(a: dict) -> dict:
 
     torch._dynamo.config.disable = True  # Megatron's jit_fuser would torch.compile on CPU
     from bench_model import best_step_seconds  # tools/, this script's directory
-    from megatron.core import parallel_state as ps
 
-    from megatron_tree.cpu import megatron_core as cpu_layer
     from megatron_tree.megatron.mtp import mtp_tail_rows
+    from megatron_tree.training.megatron_init import init_megatron
     from megatron_tree.training.models import ModelArgs, make_config
     from megatron_tree.tree import pack, summarize
 
-    cpu_layer.enable(kernels=a["model"] == "mamba")  # Mamba's gated norm / scans: torch stand-ins on CPU
+    init_megatron(seed=0, kernels=a["model"] == "mamba")  # Mamba's gated norm / scans: torch stand-ins on CPU
     if a["model"] == "dsa":
         from megatron_tree.cpu import dsa as cpu_dsa
 
         cpu_dsa.enable()  # torch Hadamard stand-in for the indexer on CPU
-    ps.initialize_model_parallel()
     samples = _family(a)
     out = {"runs": {}}
     for k in a["mtp"]:

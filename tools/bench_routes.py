@@ -71,18 +71,16 @@ def rows_figure(a) -> None:
 def _step_body(a):
     import torch
 
-    from megatron_tree.cpu import megatron_core as cpu
+    from megatron_tree.training.megatron_init import init_megatron
 
-    cpu.enable()
-    from megatron.core import parallel_state as ps
+    torch.set_num_threads(1)
+    init_megatron(seed=0)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_tree.megatron.routing_replay import install_routing_replay
     from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, wrap_ddp
     from megatron_tree.tree import pack
 
-    torch.set_num_threads(1)
-    ps.initialize_model_parallel()
     samples = grpo_batch(1, a.step_groups, a.step_per, a.step_prompt, a.step_completion, a.step_layers, 2, 8, 2,
                          a.positions, vocab=512)
     table = np.argsort(np.random.default_rng(2).random((512, a.step_layers, 8)), axis=2)[:, :, :2]

@@ -22,17 +22,11 @@ def _body(cfg: dict):
     import torch
 
     from megatron_tree.cp.planning.activations import KIND_FEATURES
-    from megatron_tree.cpu import megatron_core as cpu
     from megatron_tree.training.activations import calibrate_activations, calibration_workload
+    from megatron_tree.training.megatron_init import init_megatron
     from megatron_tree.training.models import ModelArgs, build_model, make_config, wrap_ddp
 
-    cpu.enable(kernels=True)
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    ps.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(cfg["seed"])
-    torch.manual_seed(cfg["seed"])
+    ps = init_megatron(seed=cfg["seed"], kernels=True)
     dtype = getattr(torch, cfg["dtype"])
     margs = ModelArgs(kind=cfg["model"], num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"],
                       num_attention_heads=cfg["num_attention_heads"], num_query_groups=cfg["num_query_groups"],

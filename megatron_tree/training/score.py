@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import CP_PLANNERS, DEFAULT_PAD_MULTIPLE
+from .files import replaced_atomically
 
 __all__ = ["add_score_args", "build_score_parser", "check_score_args", "load_score_records", "score", "run",
            "resolve_checkpoint", "check_checkpoint_flags", "check_checkpoint_tensors", "megatron_lm_arg_differences",
@@ -652,7 +653,7 @@ def _score(args, samples, on_cpu: bool) -> dict:
 
 def _write(path: str, records: list, occ: dict) -> None:
     """Rank 0: order the occurrences by (record, position), check each record's targets came back
-    exactly once, write the Parquet file."""
+    exactly once, write the Parquet file (whole or not at all: `replaced_atomically`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -675,9 +676,8 @@ def _write(path: str, records: list, occ: dict) -> None:
     table = pa.table({"record": pa.array(np.arange(len(records), dtype=np.int64)), **lists})
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    tmp = path + ".tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with replaced_atomically(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 # --------------------------------------------------------------------------------------------- entry point

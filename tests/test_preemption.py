@@ -203,7 +203,8 @@ def _pause(tmp: Path, rank: int, step: int, marker: str) -> dict:
     (tests/rank_pause; its pid is written to ``tmp / marker``): a kill then lands at a known step. A
     kill aimed by reading the log races the loop, whose 1-layer steps take ~30 ms (CI once saw the
     run finish first)."""
-    return dict(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent / "rank_pause"), os.environ.get("PYTHONPATH", "")]),
+    hook = str(Path(__file__).parent / "rank_pause")
+    return dict(PYTHONPATH=os.pathsep.join([hook, os.environ.get("PYTHONPATH", "")]),
                 MTREE_TEST_PAUSE=f"{rank}:{step}:{tmp / marker}")
 
 

@@ -628,6 +628,38 @@ def test_pretrain_tree_mtp_under_cp_equals_one_rank(model, tmp_path):
     print(f"\n{model} MTP: one rank {one}, {' '.join(layout)} {cp}; mtp_1 {_logged(out1, 'mtp_1 loss')}")
 
 
+#: DeepSeek-V3 attention at toy size (q / kv latents) with DSA's indexer picking 3 keys per query
+DSA = ["--num-layers", "2", "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim",
+       "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8", "--experimental-attention-variant", "dsa",
+       "--dsa-indexer-topk", "3", "--dsa-indexer-n-heads", "2", "--dsa-indexer-head-dim", "8",
+       "--dsa-indexer-loss-coeff", "0.5"]
+
+
+@needs_megatron_training
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
+def test_pretrain_tree_dsa_with_carry_equals_whole_trees(tmp_path):
+    """DSA through Megatron-LM's pretrain() (the GPT example): the hooks' model provider prepares stock
+    DSA's indexer for the host as `megatron-tree train` does (`megatron.dsa.prepare_stock_dsa`; on a CPU
+    host stock's rotation asserted bfloat16 and the job failed at its first forward). DP2, 4 iterations:
+    --tree-carry at an 8-row budget (every tree cut, its K / V and index keys carried) reads the same
+    samples and gives the losses of whole trees at 64 rows (float32 rounding)."""
+    data = _write_data(tmp_path / "train.jsonl")
+    args = COMMON + DSA + ["--tree-data-path", str(data)]
+    whole_samples: dict = {}
+    rc, out, whole = _launch(tmp_path, "whole", GPT, args, samples=whole_samples)
+    _check(rc, out, "DSA DP2 run")
+    carry_args = list(args)
+    carry_args[carry_args.index("--global-batch-size") + 1] = "16"  # more schedule items: fill + restore
+    carry_args[carry_args.index("--tree-max-tokens-per-mb") + 1] = "8"
+    carry_samples: dict = {}
+    rc, out, carry = _launch(tmp_path, "carry", GPT, carry_args + ["--tree-carry"], samples=carry_samples)
+    _check(rc, out, "DSA DP2 --tree-carry run")
+    assert sorted(whole) == sorted(carry) == [1, 2, 3, 4] and carry_samples == whole_samples
+    for it in whole:
+        assert carry[it] == pytest.approx(whole[it], rel=2e-5), (it, carry, whole)
+    assert whole[4] != whole[1]  # it trained
+
+
 @needs_megatron_training
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
 def test_pretrain_bad_data_line_stops_the_run_naming_file_and_line(tmp_path):

@@ -62,13 +62,30 @@ from .mla import _TREE_ROTARY
 from .packed_seq import get_tree_layout
 
 __all__ = ["TreeDSAIndexer", "TreeDSAttention", "capture_selected", "capture_token", "capture_layer",
-           "DuplicatedLinear", "get_tree_dsa_module_spec"]
+           "DuplicatedLinear", "get_tree_dsa_module_spec", "prepare_stock_dsa"]
 
 _SELECTED_KEY = "_tree_dsa_selected"  # per-forward dict on the packed-seq params: layer -> ids
 _HOOKS: list = []
 
 
 _TOKENS = iter(range(1 << 62))
+
+
+def prepare_stock_dsa() -> None:
+    """Make stock DSA's indexer run on this host, before a DSA model trains (idempotent; every entry
+    point calls it: `megatron-tree train` / score, Megatron-LM's ``pretrain()`` through the hooks'
+    model provider). On a CPU host, the CPU shims (`cpu.dsa.enable`: stock's rotation asserts bfloat16
+    and needs the CUDA kernel, its loss tracker allocates on CUDA); on a GPU without
+    ``fast_hadamard_transform``, the torch Hadamard rotation (`compat.dsa.use_torch_hadamard`)."""
+    if not torch.cuda.is_available():
+        from ..cpu import dsa as cpu_dsa
+
+        cpu_dsa.enable()
+    else:
+        from ..ops.backend import module_available
+
+        if not module_available("fast_hadamard_transform"):
+            cdsa.use_torch_hadamard()
 
 
 def capture_token(psp) -> int:

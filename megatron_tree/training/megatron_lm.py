@@ -144,6 +144,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     if config.experimental_attention_variant:
         from ..megatron.family_specs import get_tree_transformer_block_with_experimental_attention_variant_spec
 
+        if config.experimental_attention_variant == "dsa":
+            from ..megatron.dsa import prepare_stock_dsa
+
+            prepare_stock_dsa()  # as `megatron-tree train` does: stock's indexer rotation on this host
         spec = get_tree_transformer_block_with_experimental_attention_variant_spec(
             config, vp_stage=vp_stage, use_transformer_engine=use_te)
     elif pattern:

@@ -1069,16 +1069,9 @@ def init_parallel(args) -> bool:
         cpu_layer.enable(kernels=True)
         torch._dynamo.config.disable = True
     if args.experimental_attention_variant == "dsa":
-        from ..ops.backend import module_available
+        from ..megatron.dsa import prepare_stock_dsa
 
-        if on_cpu:
-            from ..cpu import dsa as cpu_dsa  # torch Hadamard rotation, indexer-loss tracker on the CPU
-
-            cpu_dsa.enable()
-        elif not module_available("fast_hadamard_transform"):
-            from ..compat.dsa import use_torch_hadamard  # torch Hadamard rotation for the indexer (any dtype)
-
-            use_torch_hadamard()
+        prepare_stock_dsa()
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     cp = args.context_parallel_size
     if dist.get_world_size() % (tp * pp * cp):

@@ -96,6 +96,8 @@ MAIN_TIER_ONLY = {
     "test_checkpoint_faults.py::test_the_launcher_carries*": "our launcher's exception transport",
     "test_trainer.py::test_dp2_hybrid_carry*": "megatron-tree train's carry items; verify --carry and pretrain() "
                                                "--tree-carry run in latest",
+    "test_concurrent_runs.py::*": "our launcher's and the single-process runs' rendezvous (stores, not Megatron-Core); "
+                                  "the Megatron-LM launches of the latest tier bind through torchrun's port-0 store",
     "test_activations.py::*": "the activation profile's fit against saved-tensor hooks (our meter and features; "
                               "a profile is per stack and model: tools/calibrate_activations.py on the one you run)",
 }
@@ -108,7 +110,7 @@ LONGEST_FIRST = (
     "test_model_families.py", "test_mla.py", "test_verify_bf16.py", "test_dsa_megatron.py", "test_ops_dsa.py",
     "test_cp_megatron.py", "test_cp_gdn.py", "test_cp_islands.py", "test_ops_attention.py", "test_megatron_lm_hooks.py",
     "test_megatron_stock_oracle.py", "test_trainer.py", "test_checkpoint_faults.py", "test_carry.py",
-    "test_compat_cpu.py", "test_bridge.py", "test_ops_gdn.py",
+    "test_compat_cpu.py", "test_bridge.py", "test_ops_gdn.py", "test_concurrent_runs.py",
 )
 
 

@@ -13,9 +13,10 @@
         results = run_distributed(_body, 2, 3.0)   # one result per rank, in rank order
         assert results[0].tolist() == [3.0, 3.0]
 
-Each rank is a fresh process started by ``torch.multiprocessing`` with the spawn method, with one
-torch/OpenMP thread (the test machine has 2 cores), the gloo process group initialised on a free
-TCP port of 127.0.0.1, and ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` set. An
+Each rank is a fresh process started by ``torch.multiprocessing`` (a forkserver on CPU), with one
+torch/OpenMP thread (the test machine has 2 cores), the gloo process group initialised on the TCP
+store the launcher bound first (port 0, so no other run can take it; a world of one uses an
+in-process store), and ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set. An
 exception on any rank is re-raised here as ``DistributedError`` with that rank's traceback, and
 the other ranks are ended; a run past ``timeout`` seconds is ended and raises ``TimeoutError``.
 Spawning and importing Megatron costs a few seconds per run: batch several checks into one run.

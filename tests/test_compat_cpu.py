@@ -253,47 +253,59 @@ def _world_body():
 
 
 def test_harness_retries_only_rendezvous_failures_of_the_machine():
-    """What `run_distributed` retries (fn has not run): the port taken, or gloo's full mesh losing a
-    connection while the ranks connect (a CI run under load); anything else is raised at once."""
-    from megatron_tree.training.launch import _port_taken
+    """What `run_distributed` retries (fn has not run): gloo's full mesh losing a connection while the
+    ranks connect (a CI run under load); anything else is raised at once. A port taken between choosing
+    and binding it is no longer a case: the launcher's store binds port 0 before any rank starts."""
+    from megatron_tree.training.launch import _rendezvous_lost
 
-    assert _port_taken(RuntimeError("The server socket has failed to listen on any local network address. "
-                                    "port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE"))
-    assert _port_taken(RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:553] "
-                                    "Connection closed by peer [127.0.0.1]:56965"))
-    assert not _port_taken(RuntimeError("Gloo connectFullMesh failed with [pair.cc:1] Timed out"))
-    assert not _port_taken(RuntimeError("boom on rank one"))
+    assert _rendezvous_lost(RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:553] "
+                                         "Connection closed by peer [127.0.0.1]:56965"))
+    assert not _rendezvous_lost(RuntimeError("Gloo connectFullMesh failed with [pair.cc:1] Timed out"))
+    assert not _rendezvous_lost(RuntimeError("The server socket has failed to listen on any local network address. "
+                                             "port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE"))
+    assert not _rendezvous_lost(RuntimeError("boom on rank one"))
 
 
-def test_harness_retries_when_its_port_is_taken_before_rank_0_binds_it(monkeypatch):
-    """The port run_distributed picks is free when picked; a process elsewhere (pytest's other worker)
-    may bind it first. Rank 0 then fails before ``fn`` runs, and the run starts again on a new port."""
-    import socket
+def _store_body():
+    import os
 
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    port = store.port if isinstance(store, dist.TCPStore) else None
+    return dist.get_rank(), type(store).__name__, port, os.environ.get("MASTER_PORT")
+
+
+def test_harness_ranks_join_the_store_the_launcher_bound(monkeypatch):
+    """No port is chosen before it is bound: the launcher binds its TCP store on port 0 first and its ranks
+    join that very port as clients (a MASTER_PORT in the caller's environment is not theirs and is not
+    passed on); a world of one forms on an in-process HashStore and touches no port. A planted launcher
+    that hands the ranks a port its store does not hold fails."""
     from megatron_tree.training import launch
 
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
-    picked = []
-    real = launch._free_port
+    monkeypatch.setenv("MASTER_PORT", "1")  # a stale value: never used
+    bound = []
+    real = launch.launcher_store
 
-    def free_port():
-        picked.append(port if not picked else real())
-        return picked[-1]
+    def recording(world_size, timeout):
+        store = real(world_size, timeout)
+        bound.append(None if store is None else store.port)
+        return store
 
-    monkeypatch.setattr(launch, "_free_port", free_port)
-    try:
-        assert run_distributed(_world_body, 2, timeout=60) == [(0, 2), (1, 2)]
-    finally:
-        taken.close()
-    assert picked[0] == port and len(picked) == 2
-    # other failures are not retried
-    picked.clear()
-    with pytest.raises(DistributedError, match="boom on rank one"):
-        run_distributed(_raises_body, 2, timeout=60)
-    assert len(picked) == 1
+    monkeypatch.setattr(launch, "launcher_store", recording)
+    two = run_distributed(_store_body, 2, timeout=60)
+    assert [r[:2] for r in two] == [(0, "TCPStore"), (1, "TCPStore")]
+    assert bound[0] is not None and [r[2] for r in two] == [bound[0]] * 2 and [r[3] for r in two] == [None, None]
+    assert run_distributed(_store_body, 1, timeout=60) == [(0, "HashStore", None, None)] and bound[1] is None
+
+    class _Elsewhere:  # the old probe-then-bind: a port nobody serves by the time the ranks look
+        port = 1
+
+    monkeypatch.setattr(launch, "launcher_store", lambda world_size, timeout: _Elsewhere())
+    with pytest.raises((DistributedError, TimeoutError)):
+        run_distributed(_store_body, 2, timeout=10)
 
 
 def _env_and_stderr_body(tag):

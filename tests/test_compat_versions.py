@@ -125,12 +125,11 @@ def test_restart_attempts_get_their_own_store_keys(monkeypatch):
     import torch.distributed as dist
 
     from megatron_tree.compat import torchelastic
-    from megatron_tree.training.launch import _free_port
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     monkeypatch.setattr(rdzv, "_create_c10d_store", rdzv._create_c10d_store)  # the shim's patch is undone after
-    port = _free_port()
-    agent = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30))
+    agent = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    port = agent.port
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert torchelastic.isolate_restart_attempts() or torchelastic._prefixes_attempts(rdzv._create_c10d_store)

@@ -396,8 +396,6 @@ def _check_score_of_megatron_lm_checkpoint(tmp: Path, data: Path, lm_loss: float
     all (a single rank in the subprocess, no spawn)."""
     import pyarrow.parquet as pq
 
-    from megatron_tree.training.launch import _free_port
-
     mbs = _microbatches(tmp, run, 3)
     ids = sorted(i for m in mbs for i in m[0])
     assert len(ids) == 8 and len(set(ids)) == 8
@@ -425,8 +423,9 @@ def _check_score_of_megatron_lm_checkpoint(tmp: Path, data: Path, lm_loss: float
                  argv(it2, "bad.parquet", [f for f in flags if f != "--swiglu"]),
                  argv(it2, "bad_keys.parquet", flags[2:] + ["--hybrid-override-pattern", "*-*-"])]
         expected += [0, 0, 2, 2, 2]
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+    # a world of one without MASTER_PORT: score forms its group on an in-process store, no port at all
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     r = subprocess.run([sys.executable, "-c", _SCORE_SCRIPT, json.dumps(runs)], cwd=tmp, env=env, capture_output=True,
                        text=True, timeout=600)
     out = r.stdout + r.stderr

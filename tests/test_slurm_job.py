@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -64,10 +63,16 @@ HYBRID = dict(PATTERN="MG*E", MAMBA_STATE_DIM=8, MAMBA_HEAD_DIM=8, MAMBA_GROUPS=
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([-+0-9.Ee]+) \|")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store():
+    """The job's c10d rendezvous store, held by the test: bound on port 0 before any agent starts (a real
+    job's ``MASTER_PORT`` is its scheduler's choice), so no other process on this machine can take the
+    port in between. Every node's agent then finds the port in use and joins it as a client, as agents on
+    the other nodes of a real job do."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=900), wait_for_workers=False)
 
 
 def _data(path: Path) -> Path:
@@ -108,13 +113,9 @@ def _job(tmp: Path, script: str, name: str, nodes: int, ranks_per_node: int, sig
     ``sigterm_after``: once Megatron-LM logs that iteration, SIGTERM to every process of the job step
     (what ``#SBATCH --signal=TERM@...`` does before the time limit: the srun tasks and everything below
     them, not the batch shell); ``scontrol`` is then a stand-in that records its arguments."""
-    for _ in range(2):
-        rc, out = _run_job(tmp, script, name, nodes, ranks_per_node, sigterm_after, variables)
-        # The rendezvous port is free when the test picks it; another process on this machine (the
-        # other pytest worker's ranks) may bind it before node 0's agent does, and then no agent
-        # serves the store. Nothing has run then: run the job again on another port, once.
-        if rc == 0 or "RendezvousConnectionError" not in out or LOG_LINE.search(out):
-            break
+    store = _rendezvous_store()  # held until the job has ended
+    rc, out = _run_job(tmp, script, name, nodes, ranks_per_node, sigterm_after, variables, store.port)
+    del store
     assert rc == 0, f"{script} as {nodes} x {ranks_per_node} failed:\n{out[-8000:]}"
     assert f"nodes={nodes} gpus/node={ranks_per_node} world={nodes * ranks_per_node}" in out
     for node in range(nodes):  # every node's task ran the launcher with its own node rank
@@ -124,7 +125,8 @@ def _job(tmp: Path, script: str, name: str, nodes: int, ranks_per_node: int, sig
     return out, losses
 
 
-def _run_job(tmp: Path, script: str, name: str, nodes: int, ranks_per_node: int, sigterm_after, variables: dict):
+def _run_job(tmp: Path, script: str, name: str, nodes: int, ranks_per_node: int, sigterm_after, variables: dict,
+             port: int):
     bin_dir = tmp / "bin"
     if not (bin_dir / "srun").exists():
         bin_dir.mkdir(exist_ok=True)
@@ -135,7 +137,7 @@ def _run_job(tmp: Path, script: str, name: str, nodes: int, ranks_per_node: int,
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHON=sys.executable, MTREE_DIR=str(ROOT),
                DATA=str(_data(tmp / "train.jsonl")), RUN_NAME=name, CKPT_DIR=str(tmp / name / "ckpt"),
-               LOG_DIR=str(tmp / name / "logs"), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               LOG_DIR=str(tmp / name / "logs"), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                SLURM_JOB_NUM_NODES=str(nodes), SLURM_JOB_ID=str(4200 + nodes), SLURM_JOB_NAME=name,
                GPUS_PER_NODE=str(ranks_per_node), REQUEUE=str(int(sigterm_after is not None)))
     env.update({k: str(v) for k, v in {**CPU, **TINY, **variables}.items()})

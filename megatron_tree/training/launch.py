@@ -1,7 +1,7 @@
 """Run a function on W local ranks: gloo on CPU, NCCL with one GPU per rank when there are enough.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (one torch/OpenMP
-thread each), initialises the default process group on a free 127.0.0.1 port, calls ``fn(*args)``
+thread each), initialises the default process group (`rendezvous`, below), calls ``fn(*args)``
 on every rank and returns the per-rank results in rank order. An exception on any rank is re-raised
 as ``DistributedError`` with the first failing rank's traceback (and, where it pickles, the
 exception object itself: ``DistributedError.exception``); a run past ``timeout`` seconds
@@ -18,6 +18,13 @@ output / error *at the time of the call* are installed in each rank (the server'
 when it started: a caller that redirected fd 2 since, as pytest's ``capfd`` does, would otherwise
 not see its ranks' messages).
 
+Rendezvous: no port is ever chosen before it is bound. The launcher binds the ranks' TCP store itself
+(port 0: the kernel picks a free port and the store holds it from then on), reads the port from it and
+hands it to the ranks, which join as clients (`rank_store`); nothing else on the machine can take the
+port in between. A world of one rank needs no TCP store at all: it gets an in-process ``HashStore``.
+``MASTER_ADDR`` / ``MASTER_PORT`` are not exported to the ranks (a stale value from the caller's
+environment would point at nothing of theirs).
+
 Signals: a batch system signals every process of a job at once (SLURM at a time limit, ``kill -TERM
 -- -PGID``, a terminal's Ctrl-C), the forkserver included. The forkserver ignores SIGINT on its own;
 it also ignores the preemption signals (SIGTERM, SIGUSR1: `_shield_forkserver`, its first preload),
@@ -30,7 +37,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -43,7 +49,7 @@ from .files import write_atomically
 from .forkserver_shield import die_with_parent
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "DistributedError", "PRELOAD"]
+__all__ = ["run_distributed", "DistributedError", "PRELOAD", "launcher_store", "rank_store"]
 
 #: Modules the forkserver imports once, before it forks any rank. Only imports: a module that
 #: fails to import is skipped by the server (the rank then imports or fails as usual).
@@ -70,24 +76,36 @@ class DistributedError(RuntimeError):
 
 #: Marker file of a rank whose process group could not form for a reason of the machine, not of ``fn``
 #: (see `run_distributed`).
-PORT_TAKEN = "port_taken"
-#: Attempts of `run_distributed` when its process group could not form (the port taken, a connection lost).
-PORT_ATTEMPTS = 3
+RENDEZVOUS_LOST = "rendezvous_lost"
+#: Attempts of `run_distributed` when its process group could not form (a connection lost while forming).
+RENDEZVOUS_ATTEMPTS = 3
 
 
-def _port_taken(exc: BaseException) -> bool:
-    """The process group's rendezvous failed because another process on the machine got in between:
-    the port chosen was taken before rank 0 bound it, or gloo's full mesh lost a connection while the
-    ranks connected (seen under load, with pytest's other worker running gloo jobs of its own)."""
+def _rendezvous_lost(exc: BaseException) -> bool:
+    """The process group failed to form because gloo's full mesh lost a connection while the ranks
+    connected (seen under load, with pytest's other worker running gloo jobs of its own): nothing of
+    ``fn`` ran, so the launcher may start the ranks again. (A port taken between choosing and binding
+    it cannot happen: the launcher's store binds before any rank learns the port.)"""
     text = str(exc)
-    return ("EADDRINUSE" in text or "address already in use" in text.lower()
-            or ("connectFullMesh" in text and "Connection closed by peer" in text))
+    return "connectFullMesh" in text and "Connection closed by peer" in text
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def launcher_store(world_size: int, timeout: float) -> "dist.Store | None":
+    """The ranks' rendezvous store, bound by the launcher before any rank starts: a TCP store on
+    127.0.0.1 port 0 (its ``port`` is the one the kernel gave it, held from then on), None for a world of
+    one rank (`rank_store` gives it an in-process store)."""
+    if world_size == 1:
+        return None
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=max(timeout, 1.0)),
+                         wait_for_workers=False)
+
+
+def rank_store(port: int | None, world_size: int, timeout: float) -> "dist.Store":
+    """A rank's handle on the launcher's store (`launcher_store`): a client of the TCP store on ``port``,
+    or an in-process ``HashStore`` for a world of one (``port`` None)."""
+    if port is None:
+        return dist.HashStore()
+    return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
 
 
 def _same_object(obj: Any) -> Any:
@@ -120,7 +138,7 @@ def _adopt_stdio(stdio: tuple) -> None:
         os.close(fd)
 
 
-def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str, timeout: float, args: tuple,
+def _rank_main(rank: int, fn: Callable, world_size: int, port: int | None, outdir: str, timeout: float, args: tuple,
                environ: dict, stdio: tuple) -> None:
     die_with_parent()  # the kernel kills this rank with its parent (the forkserver, or the launcher under spawn)
     for sig in SHIELDED_SIGNALS:  # a forked rank inherits the forkserver's SIG_IGN: back to the default
@@ -128,8 +146,10 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str,
     os.environ.clear()
     os.environ.update(environ)  # the caller's, as spawn would have inherited it
     _adopt_stdio(stdio)  # and its stdout / stderr
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # the store is the launcher's (`rank_store`), not the caller's
+        os.environ.pop(name, None)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+                      MKL_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
         backend = "gloo"
@@ -137,11 +157,11 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, outdir: str,
             torch.cuda.set_device(rank)
             backend = "nccl"
         try:
-            dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+            dist.init_process_group(backend, store=rank_store(port, world_size, timeout), rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         except Exception as exc:
-            if _port_taken(exc):  # fn has not run: the caller may retry on another port
-                open(os.path.join(outdir, PORT_TAKEN), "w").close()
+            if _rendezvous_lost(exc):  # fn has not run: the caller may start the ranks again
+                open(os.path.join(outdir, RENDEZVOUS_LOST), "w").close()
             raise
         result = fn(*args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -243,14 +263,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
-    for attempt in range(PORT_ATTEMPTS):
+    for attempt in range(RENDEZVOUS_ATTEMPTS):
         with tempfile.TemporaryDirectory(prefix="mtree_dist_") as outdir:
             try:
                 return _run_once(fn, world_size, args, timeout, outdir)
             except DistributedError:
-                # _free_port's port is free when chosen, not when rank 0 binds it: another run on the
-                # machine (pytest's other worker) may take it in between. Nothing of fn ran then.
-                if not os.path.exists(os.path.join(outdir, PORT_TAKEN)) or attempt == PORT_ATTEMPTS - 1:
+                # gloo's mesh lost a connection while it formed (nothing of fn ran): a new store, again
+                if not os.path.exists(os.path.join(outdir, RENDEZVOUS_LOST)) or attempt == RENDEZVOUS_ATTEMPTS - 1:
                     raise
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -259,7 +278,9 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, outdir
     method = "spawn" if torch.cuda.is_available() else "forkserver"
     if method == "forkserver":
         _ensure_preload()
-    ctx = mp.start_processes(_rank_main, args=(fn, world_size, _free_port(), outdir, timeout, args,
+    store = launcher_store(world_size, timeout)  # bound before any rank learns its port; held until they end
+    port = None if store is None else store.port
+    ctx = mp.start_processes(_rank_main, args=(fn, world_size, port, outdir, timeout, args,
                                                dict(os.environ), (_CallerFd(1), _CallerFd(2))),
                              nprocs=world_size, join=False, start_method=method)
     deadline = time.monotonic() + timeout

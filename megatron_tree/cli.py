@@ -156,6 +156,7 @@ def cmd_score(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from .training.arguments import moe_balancing_fields
     from .training.verify import VerifyConfig, format_report, run_verify
 
     cfg = VerifyConfig(model=args.model, pattern=args.pattern, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
@@ -167,6 +168,7 @@ def cmd_verify(args) -> int:
     cfg.mtp_pattern = args.mtp_pattern
     cfg.routing_replay = args.routing_replay
     cfg.carry = args.carry
+    cfg.balancing = moe_balancing_fields(args)
     out = run_verify(cfg)
     print(format_report(cfg, out))
     return 0 if out["passed"] else 1
@@ -186,6 +188,7 @@ def cmd_launch(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .data.synthetic import PRESETS
+    from .training.arguments import add_moe_balancing_args
     from .training.verify import ALL_FAULTS as FAULTS
 
     p = argparse.ArgumentParser(prog="megatron-tree", description="Prefix-tree training for Megatron-Core")
@@ -257,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "parameter's gradient and one logit; mla_rope_physical, with --model mla: MLA's rotary "
                          "indexed by physical row instead of tree depth; dsa_tie_order / dsa_loss_weight, with --model dsa: "
                          "top-k ties by the larger row id / indexer loss without the per-sample row weights)")
+    add_moe_balancing_args(vf)
     vf.set_defaults(func=cmd_verify)
     dm = sub.add_parser("demo", help="the CPU demo (README's first command): sharing report, then tree vs flat "
                                      "training of a tiny hybrid model on 2 CPU ranks")

@@ -32,6 +32,7 @@ from ..cp.planning.planner import layout_key
 from .carry import CarryItem, carry_view, fill_loss, fill_output
 from .loss import tree_loss_func
 from .model import unwrap_model as _unwrap
+from .moe_balance import refuse_aux_losses_under_carry
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
 __all__ = ["tree_forward_step", "carry_forward", "carry_cp", "pending_backwards", "planned", "dsa_work",
@@ -249,6 +250,7 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
     rows are ``local_rows``). Under tree CP ``cp_strategy`` plans each microbatch (`carry_cp`).
     Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
+    refuse_aux_losses_under_carry(config)
     item.store.advance(item.position - pending_backwards(model))  # the items whose backward is done
     dev = device if device is not None else next(model.parameters()).device
     psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)

@@ -54,6 +54,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from ..cp.execution.redistribute import redistribute_rows
 from .loss import vocab_parallel_logprobs, vocab_parallel_logprobs_entropy
+from .moe_balance import install_moe_balancing
 from .packed_seq import TreePackedSeqParams
 
 
@@ -264,6 +265,7 @@ class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
         super().__init__(config, transformer_layer_spec, *args, **kwargs)
         self._non_homogeneous_layers = bool(getattr(transformer_layer_spec, "non_homogeneous_layers", False))
         self.install_gdn_islands()
+        install_moe_balancing(self)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Megatron's sharded state dict; hybrid stacks are always keyed per layer (a Mamba layer
@@ -317,6 +319,7 @@ class TreeMambaModel(TreeLanguageModelMixin, MambaModel):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.install_gdn_islands()
+        install_moe_balancing(self)
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, runtime_gather_output=None, *, inference_params=None,

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from .model import unwrap_model as _unwrap
+from .moe_layers import moe_layers_of, recompute_needs_training
 from .packed_seq import TreePackedSeqParams
 
 __all__ = ["TreeRouterReplay", "install_routing_replay", "reset_routing_replay", "local_routes", "moe_layers_of",
@@ -45,23 +46,6 @@ __all__ = ["TreeRouterReplay", "install_routing_replay", "reset_routing_replay",
 # replays, in a selective MoE recomputation, the routes last set by any forward instead of the FIFO's
 # (the planted faults of ``megatron-tree verify --routing-replay``).
 _FAULT = None
-
-
-def moe_layers_of(model) -> list:
-    """[(decoder layer, MoELayer)] of this model chunk, in layer order."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    m = _unwrap(model)
-    layers = list(getattr(getattr(m, "decoder", None), "layers", None) or [])
-    out = []
-    for layer in layers:
-        moes = [x for x in layer.modules() if isinstance(x, MoELayer)]
-        if len(moes) > 1:
-            raise ValueError(f"layer {getattr(layer, 'layer_number', '?')} holds {len(moes)} MoE layers; routing replay "
-                             "expects at most one per decoder layer")
-        if moes:
-            out.append((layer, moes[0]))
-    return out
 
 
 def local_routes(psp: TreePackedSeqParams) -> torch.Tensor:
@@ -149,19 +133,6 @@ def _moe_layer_offset(local_count: int) -> tuple:
     return int(sum(counts[: dist.get_rank(group)])), int(sum(counts))
 
 
-def _recompute_needs_training() -> bool:
-    """True where MoELayer recomputes only in training mode (0.19: ``moe_layer_recompute and
-    self.training``; 0.16.1 recomputes whenever ``moe_layer_recompute``). Feature check on the source."""
-    import inspect
-
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    try:
-        return "moe_layer_recompute and self.training" in inspect.getsource(MoELayer.forward)
-    except (OSError, TypeError):  # pragma: no cover - no source: assume the stricter rule
-        return True
-
-
 def install_routing_replay(model, *, first_moe_layer: Optional[int] = None) -> list:
     """Make every MoE layer of ``model`` (this pipeline stage / chunk, possibly DDP-wrapped) replay the
     routes of the rows it holds; returns the `TreeRouterReplay` objects in layer order.
@@ -183,7 +154,7 @@ def install_routing_replay(model, *, first_moe_layer: Optional[int] = None) -> l
     total = None
     if first_moe_layer is None:
         first_moe_layer, total = _moe_layer_offset(len(pairs))
-    needs_training = _recompute_needs_training()
+    needs_training = recompute_needs_training()
     pg = getattr(m, "pg_collection", None)
     tp = getattr(pg, "tp", None)
     tp_rank, tp_size = (tp.rank(), tp.size()) if tp is not None else (0, 1)

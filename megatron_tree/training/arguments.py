@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["add_tree_args", "validate_tree_args", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
+__all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
            "DEFAULT_PAD_MULTIPLE"]
 
 TREE_LOSSES = ("sft", "grpo", "ppo")
@@ -25,6 +25,39 @@ BAD_SAMPLE_POLICIES = ("error", "skip")
 # Rows are padded to a multiple of this unless --tree-pad-to-multiple-of says otherwise: GEMM tiles
 # like multiples of 8, and the padding costs at most 7 rows a microbatch.
 DEFAULT_PAD_MULTIPLE = 8
+#: Megatron-LM's --moe-router-load-balancing-type choices the tree weighs per row (sinkhorn is refused)
+BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+
+def add_moe_balancing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """MoE load-balancing flags under Megatron-LM's names and defaults (``megatron-tree train`` and
+    ``verify``; a ``pretrain()`` script has Megatron-LM's own). On a tree every statistic they switch
+    on counts a row once per sample through it (`megatron_tree.megatron.moe_balance`)."""
+    g = parser.add_argument_group("MoE load balancing (Megatron-LM's flags)")
+    g.add_argument("--moe-router-load-balancing-type", choices=BALANCING_TYPES, default="aux_loss",
+                   help="aux_loss (per microbatch), seq_aux_loss (per sequence: a packed microbatch is one), "
+                        "global_aux_loss (running over the step's microbatches) or none; off unless "
+                        "--moe-aux-loss-coeff > 0 (Megatron-LM's defaults)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias updated after each step from the step's "
+                        "tokens per expert (counted per flat token); needs --moe-router-score-function sigmoid "
+                        "to steer routing")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    return parser
+
+
+def moe_balancing_fields(args) -> dict:
+    """The TransformerConfig fields of `add_moe_balancing_args`' flags (empty for a namespace without them)."""
+    if not hasattr(args, "moe_router_load_balancing_type"):
+        return {}
+    return dict(moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+                moe_router_enable_expert_bias=bool(args.moe_router_enable_expert_bias),
+                moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+                moe_router_score_function=args.moe_router_score_function)
 
 
 def _positive_int(text: str) -> int:
@@ -213,6 +246,15 @@ def validate_tree_args(args) -> argparse.Namespace:
                           "tail rows its indexer loss reads are not carried)")
         if _get(args, "tree_flat_packing"):
             errors.append("--tree-carry carries the state of shared rows: drop --tree-flat-packing")
+        kinds, coeffs = _get(args, "moe_router_load_balancing_type"), _get(args, "moe_aux_loss_coeff")
+        kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+        coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+        aux = [k for k, c in zip(kinds, coeffs) if k not in (None, "none", "sinkhorn") and (c or 0) > 0]
+        if _get(args, "num_experts") and aux:
+            errors.append(f"--tree-carry with --moe-router-load-balancing-type {'/'.join(aux)} "
+                          "(--moe-aux-loss-coeff > 0): an aux loss is a product of one microbatch's counts and carry's "
+                          "microbatches hold parts of samples, so no flat run computes it; z-loss and expert bias "
+                          "carry exactly")
 
     # -- parallelism
     if _get(args, "num_experts") and _get(args, "moe_token_dispatcher_type") == "allgather":

@@ -80,7 +80,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .arguments import add_tree_args, validate_tree_args
+from .arguments import add_moe_balancing_args, add_tree_args, moe_balancing_fields, validate_tree_args
 from .checkpoint_errors import dir_bytes as _dir_bytes, iteration_dir as _iter_dir
 from .files import write_atomically
 
@@ -107,6 +107,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from ..data.synthetic import PRESETS
 
     add_model_args(parser)
+    add_moe_balancing_args(parser)
     add_parallel_args(parser)
     _add_optimizer_args(parser)
     c = parser.add_argument_group("checkpoints and logging")
@@ -337,6 +338,12 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
     errors += _family_errors(args) + hf_model_errors(args)
     if args.save_hf and not args.hf_model:
         errors.append("--save-hf DIR needs --hf-model PATH (the Hugging Face config and mapping it saves with)")
+    if getattr(args, "tree_carry", False) and args.moe_aux_loss_coeff > 0 and \
+            args.moe_router_load_balancing_type != "none":
+        errors.append(f"--tree-carry with --moe-router-load-balancing-type {args.moe_router_load_balancing_type} "
+                      "(--moe-aux-loss-coeff > 0): an aux loss is a product of one microbatch's counts and carry's "
+                      "microbatches hold parts of samples, so no flat run computes it; z-loss and expert bias carry "
+                      "exactly (megatron_tree.megatron.moe_balance)")
     if getattr(args, "routing_replay", False):
         if not (args.num_experts or "E" in (args.tree_hybrid_pattern or args.hybrid_override_pattern or "")):
             errors.append("--routing-replay needs MoE layers: --num-experts N (or an 'E' in the hybrid pattern)")
@@ -493,7 +500,11 @@ def _launched() -> bool:
 
 
 def _init_process_group() -> None:
-    """The default group: from torchrun/srun's environment, or a single local rank."""
+    """The default group: from torchrun/srun's environment, or a single local rank.
+
+    A world of one process with no ``MASTER_PORT`` (no launcher, or ``RANK=0 WORLD_SIZE=1`` alone) forms
+    on an in-process ``HashStore``: it touches no port, so any number of such runs share a machine.
+    A ``MASTER_PORT`` the user or the launcher gives (torchrun, SLURM scripts) is used as given."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun without torchrun
@@ -501,19 +512,23 @@ def _init_process_group() -> None:
         os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     if not _launched():
-        from .launch import _free_port
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    store = None
+    if os.environ["WORLD_SIZE"] == "1" and "MASTER_PORT" not in os.environ:
+        store = dist.HashStore()
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        from ..compat.torchelastic import isolate_restart_attempts
 
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from ..compat.torchelastic import isolate_restart_attempts
-
-    isolate_restart_attempts()  # under torchrun --max-restarts: no keys of the attempt before
+        isolate_restart_attempts()  # under torchrun --max-restarts: no keys of the attempt before
+    backend = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        dist.init_process_group("nccl")
+        backend = "nccl"
+    if store is None:
+        dist.init_process_group(backend)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
@@ -1014,6 +1029,8 @@ def _model_args(args):
     pattern = args.tree_hybrid_pattern
     kind = "hybrid" if pattern else "gpt"
     extra = {"bf16": True} if args.bf16 else {}
+    if args.num_experts or "E" in (args.tree_hybrid_pattern or args.hybrid_override_pattern or ""):
+        extra.update(moe_balancing_fields(args))  # each statistic counted per flat token (megatron.moe_balance)
     if getattr(args, "swiglu", False):  # Megatron-LM's --swiglu: gated linear unit with SiLU
         extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     # Megatron-LM's numerics flags (TransformerConfig fields), set only where they leave the defaults

@@ -37,9 +37,17 @@ under ``--bf16``). No optimizer step is compared in bf16: Megatron's bf16 optimi
 weights) needs CUDA tensors, and the stepped parameter is the same elementwise function of the
 gradient on both sides.
 
-Per-token loss over the global batch (``calculate_per_token_loss``) is used for both sides. MoE
-load-balancing losses are off: they are functions of the tokens the model runs, which a tree
-deduplicates by design.
+Per-token loss over the global batch (``calculate_per_token_loss``) is used for both sides.
+
+MoE load balancing (``balancing``: Megatron-LM's ``--moe-router-load-balancing-type``,
+``--moe-aux-loss-coeff``, ``--moe-z-loss-coeff``, ``--moe-router-enable-expert-bias``): the tree side's
+routers count each row once per sample through it (`megatron.moe_balance`). Aux losses are statistics
+of a microbatch, so the reference is then the flat pack of each tree microbatch's samples (every
+sample its own chain, one microbatch per tree microbatch: `_flat_packed`), whose padding rows weigh
+nothing, as stock's padding mask makes them; z-loss and expert-bias counts are compared through the
+gradients and the step (Adam in float64; the expert bias is updated by ``finalize_model_grads``), and
+the expert biases after the step's update ("expert_bias": the update is the sign of each expert's count
+against the mean, so a wrong count flips it). Fault ``multiplicity_ones``: every row weighs 1.
 """
 from __future__ import annotations
 
@@ -67,9 +75,11 @@ REPLAY_FAULTS = ("route_row_shift", "route_recompute_stale")
 # readers' gradient dropped (a detached carry), the store changed after a reader read it (what a
 # recomputation would then re-read), the accumulated gradient injected twice
 CARRY_FAULTS = ("carry_detach", "carry_stale", "carry_twice")
-ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS
+# faults of MoE balancing runs (balancing set): every row weighs 1 in the routers' statistics
+BALANCE_FAULTS = ("multiplicity_ones",)
+ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
-MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS
+MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS
 # faults of MTP runs (mtp_num_layers >= 1), planted in megatron.mtp for the tree side (`verify_mtp`)
 ALL_FAULTS += MTP_FAULTS
 MODEL_FAULTS += MTP_FAULTS
@@ -89,7 +99,8 @@ DSA_METRICS = ("selected_ids", "indexer_loss")
 
 def metrics_of(cfg) -> tuple:
     base = BF16_METRICS if cfg.dtype == "bfloat16" else METRICS
-    return base + (DSA_METRICS if cfg.model == "dsa" else ()) + (("mtp_loss",) if cfg.mtp_num_layers else ())
+    return (base + (DSA_METRICS if cfg.model == "dsa" else ()) + (("mtp_loss",) if cfg.mtp_num_layers else ())
+            + (("expert_bias",) if (cfg.balancing or {}).get("moe_router_enable_expert_bias") else ()))
 
 
 @dataclass
@@ -134,6 +145,14 @@ class VerifyConfig:
     # carry (`tree.carry`): the tree side packs with carry=True (every row once per step at ``budget``;
     # trees over it cut into microbatches that read their ancestors' state) and runs carry items
     carry: bool = False
+    # MoE load balancing: TransformerConfig fields (`training.arguments.moe_balancing_fields`); dense kinds
+    # get 4 experts (every layer MoE). The reference is then the flat pack of each tree microbatch
+    balancing: Optional[dict] = None
+
+    def balancing_on(self) -> bool:
+        b = self.balancing or {}
+        aux = b.get("moe_router_load_balancing_type", "none") != "none" and (b.get("moe_aux_loss_coeff") or 0) > 0
+        return bool(aux or b.get("moe_z_loss_coeff") or b.get("moe_router_enable_expert_bias"))
 
     @property
     def world_size(self) -> int:
@@ -143,7 +162,8 @@ class VerifyConfig:
         from .models import DEFAULT_HYBRID_PATTERN, DEFAULT_MAMBA_PATTERN
 
         default = {"hybrid": DEFAULT_HYBRID_PATTERN, "mamba": DEFAULT_MAMBA_PATTERN}.get(self.model)
-        return self.ep > 1 or self.routing_replay or (default is not None and "E" in (self.pattern or default))
+        return (self.ep > 1 or self.routing_replay or self.balancing_on()
+                or (default is not None and "E" in (self.pattern or default)))
 
     def tol(self) -> float:
         """Default tolerance by dtype. float64 with MoE: Megatron's router softmax runs in fp32.
@@ -244,6 +264,11 @@ def plant_model_fault(model, fault: Optional[str]) -> None:
     gradients to bf16 before summing them (`ops.dsa.tree_dsa_indexer_loss` ``fp32_grad_sum=False``),
     where they nearly cancel: float64-exact, far less accurate than per-sample bf16 training.
     """
+    if fault in BALANCE_FAULTS:
+        from ..megatron import moe_balance
+
+        moe_balance._FAULT = fault  # reset after the tree side's step (`_rank_body`)
+        return
     if fault in REPLAY_FAULTS:
         from ..megatron.routing_replay import install_routing_replay
 
@@ -614,7 +639,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     dense = ("gpt", "qwen3next", "mla", "dsa")
     margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model in dense else 0, window_size=cfg.window,
                       sinks=cfg.sinks,
-                      num_experts=4 if (cfg.ep > 1 or cfg.routing_replay) and cfg.model in dense else None)
+                      num_experts=4 if (cfg.ep > 1 or cfg.routing_replay or cfg.balancing_on()) and cfg.model in dense
+                      else None)
+    balance = cfg.balancing_on()
+    if balance:
+        margs.extra.update(cfg.balancing)
     dsa = cfg.model == "dsa"
     if dsa:
         from . import dsa_oracle
@@ -683,7 +712,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # them into the float32 main_grad, so one sample per microbatch would average that rounding over
     # ~sqrt(#samples) more microbatches than the tree side has (5.9x on GDN's A_log at 34 samples),
     # an effect of the microbatch count, not of the tree. The float64 reference stays per sample.
-    packed_mbs = [_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay) for mb in mine] if bf16 else None
+    # MoE balancing: aux losses are statistics of a microbatch, so the reference packs each tree microbatch's
+    # samples flat (stock's statistic on the same microbatch), padding weighing nothing
+    packed_mbs = ([_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay) for mb in mine]
+                  if bf16 or balance else None)
     if cfg.carry:  # the same number of schedule items on every DP rank (an exporting microbatch is two)
         count = lambda rank_mbs: sum(1 + (len(mbs[i].carry.exported) > 0) for i in rank_mbs)
         tree_mbs += [filler] * (max(count(r) for r in ranks) - count(ranks[dpr]))
@@ -697,7 +729,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         n_flat - len(flat_mbs))
     if cfg.routing_replay:
         flat_routes += [_sample_routes(None, pad, route_shape)] * (len(flat_mbs) - len(flat_routes))
-    if bf16:
+    if bf16 or balance:
         packed_mbs += [filler] * (n_tree - len(packed_mbs))
 
     def fresh(stock_dsa=False, side_dtype=dtype, init=None, recompute=cfg.recompute, stock_mtp=False):
@@ -740,7 +772,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         # router gradients agree to ~1e-7 only, the float32 case, so they step with SGD too (with Adam a
         # few small router gradient elements moved their parameter by 1e-5..2e-4 of the largest, by the
         # chance of the seed)
-        opt_name = "adam" if dtype == torch.float64 and not cfg.routing_replay else "sgd"
+        # MoE balancing likewise (all-MoE models; the z-loss and aux gradients reach every router element)
+        opt_name = "adam" if dtype == torch.float64 and not (cfg.routing_replay or balance) else "sgd"
         opt = get_megatron_optimizer(OptimizerConfig(optimizer=opt_name, lr=1e-2, weight_decay=0.01, clip_grad=0.0,
                                                      params_dtype=dtype), [ddp])
         return ddp, opt
@@ -757,7 +790,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         if cfg.routing_replay:  # each CP rank's routers see its rows of the single-owner plan
             cpr, mult = ps.get_context_parallel_rank(), (cfg.tp if cfg.sp else 1)
             flat_routes = [_cp_rank_routes(r, plan, cpr, mult) for r, (_, plan) in zip(flat_routes, flat_mbs)]
-        if bf16:
+        if bf16 or balance:
             packed_mbs = [(mb, _single_owner_plan(mb, cfg.cp)) for mb in packed_mbs]
     # model "dsa": the per-sample side is stock DSAttention; under tree CP it is our DSA on one CP rank
     # per sample (single-owner plan, as for every model), itself checked against stock by the CP=1 runs
@@ -769,10 +802,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         tree_mbs = carry_items(carry_mbs)
         # a fresh store per pass (the logits pass, the training step): the items again, from the microbatches
         carry_again = lambda batch: carry_items(carry_mbs) if batch and isinstance(batch[0], CarryItem) else batch
-    sides = [("tree", tree_mbs, dtype), ("flat", packed_mbs if bf16 else flat_mbs, dtype)]
+    sides = [("tree", tree_mbs, dtype), ("flat", packed_mbs if bf16 or balance else flat_mbs, dtype)]
     if bf16:  # the reference: per-sample training in float64 from the same initial weights
         sides.append(("ref", flat_mbs, torch.float64))
-    per_sample = ("ref",) if bf16 else ("flat",)  # the sides that run one sample per microbatch
+    # the sides that run one sample per microbatch
+    per_sample = ("ref",) if bf16 else (() if balance else ("flat",))
     init = None
     for side, batch, side_dtype in sides:
         torch.set_default_dtype(torch.float64 if side_dtype == torch.float64 else torch.float32)
@@ -830,6 +864,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             from ..cp.execution import carry as carry_exec
 
             carry_exec._FAULT = None
+        if balance:
+            from ..megatron import moe_balance
+
+            moe_balance._FAULT = None
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
             tot = tot.double()
@@ -847,6 +885,9 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                                                 group=ps.get_context_parallel_group())
             store = [x for part in parts for x in part]
         runs[side] = dict(logits=store, loss=tot, grads=grads, params=params)
+        if balance:  # the expert biases after finalize_model_grads' update (buffers, not parameters)
+            runs[side]["expert_bias"] = {n: b.detach().clone().cpu() for n, b in ddp.module.named_buffers()
+                                         if n.endswith("expert_bias")}
         if cfg.mtp_num_layers:
             from .verify_mtp import mtp_totals, set_mtp_fault
 
@@ -917,6 +958,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         if dsa:
             out["indexer_loss"] = worst([("indexer loss per layer", x["indexer_loss"], y["indexer_loss"])])
             out["selected_ids"] = _diff_selected(selected_tables(a), selected_tables(b))
+        if "expert_bias" in metrics_of(cfg):
+            out["expert_bias"] = worst((n, x["expert_bias"][n], y["expert_bias"][n]) for n in y["expert_bias"])
         if cfg.mtp_num_layers:  # each depth's per-token loss (last stage; elsewhere nothing to compare)
             ma, mb_ = x.get("mtp"), y.get("mtp")
             out["mtp_loss"] = (0.0, None) if ma is None else worst(

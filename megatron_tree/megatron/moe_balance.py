@@ -1,0 +1,420 @@
+"""MoE load balancing on a tree: every router statistic counts a row as many times as flat tokens stand on it.
+
+A tree row shared by ``m`` samples stands for ``m`` flat tokens (``TreePackedSeqParams.row_samples``, from
+`TreeMicrobatch.row_sample_stats`; padding rows 0). Megatron-Core's router computes its balancing
+statistics on the tokens it is given, so on a tree they would see deduplicated rows. Here each router
+of a tree model weighs its rows by ``m`` instead, which makes every statistic the flat one:
+
+* tokens per expert ``f_i = sum_x m_x r_xi`` and the token count ``T = sum_x m_x`` (all-reduced over the
+  groups stock reduces them over), the summed routing probability ``P_i = sum_x m_x p_xi``: so
+  ``aux_loss``, ``seq_aux_loss`` (a packed ``[T, 1]`` microbatch is one sequence to stock, where it
+  equals ``aux_loss``) and ``global_aux_loss`` (its running tokens-per-expert too) are stock's formulas
+  on the flat pack of the microbatch's samples, gradients included (a row's ``m`` equal flat tokens
+  have equal probabilities: ``d/dp_x`` of the flat sum is ``m_x`` times one token's);
+* z-loss: ``coeff * sum_x m_x lse_x^2 / T``, ``T`` over the tensor- and context-parallel group (the
+  flat microbatch's mean, whichever rank holds which rows);
+* the expert-bias counts ``local_tokens_per_expert += sum_x m_x r_xi`` (the dispatch map, after any
+  capacity dropping), which ``finalize_model_grads`` all-reduces and turns into the bias update.
+
+How the weights reach the router: stock ``TopKRouter.routing`` already threads a per-token
+``padding_mask`` (True = padding) through every statistic. Here that argument carries a float weight
+``[S, B]`` instead (`_router_pre_hook`), and the four places that read it take a float as a weight
+(`weighted_scores_for_aux_loss` in the router module's namespace, and per router instance
+``apply_z_loss``, ``_apply_expert_bias``, ``attach_and_log_load_balancing_loss``); a bool mask keeps
+stock's meaning. The weights come from the ``packed_seq_params`` each decoder layer is called with (a
+forward pre-hook, as routing replay reads its routes: every pipeline stage, full recomputation), this
+rank's rows: the CP view's ``local_rows`` then padding, the GDN island view's inside an island, carry's
+own rows, and this TP rank's slice of them under sequence parallelism. Selective MoE recomputation
+re-runs the router in the backward without an MoE module call: each such forward pushes its weights on
+a FIFO that the re-run pops (Megatron runs a stage's backwards in forward order).
+
+Multipliers under ``calculate_per_token_loss`` (what makes the attached loss's gradient the flat one
+after ``finalize_model_grads`` divides by the step's token count): stock multiplies a rank's partial
+loss by its local token count (0.16.1) or by that times the TP x CP size (0.19, the count of the
+whole microbatch when ranks hold equal slices). A tree's ranks hold unequal slices, so every rank
+multiplies by the microbatch's flat token count ``T`` (all-reduced): the single-rank result on every
+layout, on both stacks (stock 0.16.1 itself scales these gradients by ``1 / (TP x CP)`` under sequence
+or context parallelism; 0.19 fixed that).
+
+Refused by name (`check_balancing_config`): capacity-factor token dropping (capacity is sized from the
+rows a rank holds, which no weight can turn into flat counts), the fused TE aux-loss kernels
+(``moe_router_fusion``) and the ``sinkhorn`` balancing type (no statistic to weigh).
+"""
+from __future__ import annotations
+
+import inspect
+import types
+from collections import deque
+from typing import Optional
+
+import torch
+
+from .moe_layers import moe_layers_of, recompute_needs_training
+from .packed_seq import TreePackedSeqParams
+
+__all__ = ["balancing_enabled", "check_balancing_config", "aux_losses_enabled", "refuse_aux_losses_under_carry", "install_moe_balancing", "local_row_weights",
+           "weighted_scores_for_aux_loss", "RowWeights"]
+
+# Test-only fault switch ("multiplicity_ones": every real row weighs 1, the deduplicated statistics of
+# before; the planted fault of ``megatron-tree verify --moe-router-load-balancing-type ...``)
+_FAULT = None
+
+
+def balancing_enabled(config) -> bool:
+    """True when a router of ``config`` computes any statistic the tree must weigh: an aux loss with a
+    positive coefficient, z-loss, or expert-bias counts."""
+    if not getattr(config, "num_moe_experts", None):
+        return False
+    return bool(aux_losses_enabled(config)) or bool(config.moe_z_loss_coeff) or bool(getattr(config, "moe_router_enable_expert_bias", False))
+
+
+def aux_losses_enabled(config) -> list:
+    """The aux-loss types of ``config`` with a positive coefficient (aux_loss, seq_aux_loss, global_aux_loss)."""
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    kinds = config.moe_router_load_balancing_type
+    kinds = kinds if isinstance(kinds, (list, tuple)) else [kinds]
+    coeffs = config.moe_aux_loss_coeff
+    coeffs = coeffs if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    return [k for k, c in zip(kinds, coeffs) if k in ("aux_loss", "seq_aux_loss", "global_aux_loss") and (c or 0) > 0]
+
+
+def refuse_aux_losses_under_carry(config) -> None:
+    """Carry cuts a tree over microbatches that hold no flat microbatch's samples whole; the aux losses
+    are quadratic in a microbatch's counts (``sum_i P_i f_i / T``), so their sum over such microbatches
+    is no flat run's. z-loss and expert-bias counts are sums over rows (per-token loss): they carry."""
+    kinds = aux_losses_enabled(config)
+    if kinds:
+        raise ValueError(f"--tree-carry with --moe-router-load-balancing-type {'/'.join(kinds)} (coefficient > 0): an "
+                         "aux loss is a product of one microbatch's counts, and carry's microbatches hold parts of "
+                         "samples, so no flat run computes the same loss; z-loss and expert bias carry exactly. "
+                         "Train without --tree-carry (whole trees, split packing) or use expert bias")
+
+
+def check_balancing_config(config) -> None:
+    """Refuse, by name, the balancing settings a tree cannot make flat-exact."""
+    if not balancing_enabled(config):
+        return
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        raise ValueError("--moe-expert-capacity-factor (token dropping) with MoE balancing on a tree: an expert's "
+                         "capacity is sized from the rows a rank holds, and a tree row stands for several flat "
+                         "tokens, so which tokens drop cannot match flat training; train without a capacity factor "
+                         "(dropless), as the Bridge recipes do")
+    if getattr(config, "moe_router_fusion", False):
+        raise ValueError("--moe-router-fusion with MoE balancing on a tree: the fused aux-loss kernels take no per-row "
+                         "weight; leave router fusion off")
+    kinds = config.moe_router_load_balancing_type
+    if "sinkhorn" in (kinds if isinstance(kinds, (list, tuple)) else [kinds]):
+        raise ValueError("--moe-router-load-balancing-type sinkhorn on a tree: Sinkhorn balancing normalises over "
+                         "the rows a rank holds, which a tree deduplicates; use aux_loss, seq_aux_loss, "
+                         "global_aux_loss or expert bias")
+
+
+def local_row_weights(psp: TreePackedSeqParams) -> torch.Tensor:
+    """``[n]`` float64 multiplicity of the rows this rank's modules see for ``psp``: every row, or under
+    tree CP / carry / a GDN island the view's ``local_rows`` then ``num_local_padding`` zeros."""
+    w = psp.row_samples
+    if w is None:
+        raise ValueError("MoE balancing on a tree needs packed_seq_params.row_samples (each row's multiplicity): "
+                         "build the params with tree_packed_seq_params(mb)")
+    if _FAULT == "multiplicity_ones":
+        w = (w > 0).to(w.dtype)
+    if psp.local_rows is None:
+        return w
+    return torch.cat([w[psp.local_rows], w.new_zeros(psp.num_local_padding)])
+
+
+class RowWeights:
+    """One router's row weights for the forward in flight (set by its decoder layer's pre-hook)."""
+
+    def __init__(self, tp_rank: int, tp_size: int, sequence_parallel: bool):
+        self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
+        self.current: Optional[torch.Tensor] = None
+        self.in_call = 0
+        self.fifo: deque = deque()
+
+    def for_router(self, n_tokens: int) -> Optional[torch.Tensor]:
+        if self.in_call:
+            w = self.current
+        elif self.fifo:  # selective MoE recomputation in the backward: the oldest pending forward's weights
+            w = self.fifo.popleft()
+        else:
+            w = self.current
+        if w is None:
+            return None
+        n = w.shape[0]
+        if n == n_tokens:
+            return w
+        if self.sp and self.tp_size > 1 and n == n_tokens * self.tp_size:
+            return w[self.tp_rank * n_tokens: (self.tp_rank + 1) * n_tokens]
+        raise RuntimeError(f"MoE balancing: the router sees {n_tokens} tokens but the microbatch gives this rank "
+                           f"{n} weighted rows")
+
+
+# --------------------------------------------------------------------------------------------- router parts
+def _is_weight(mask) -> bool:
+    return mask is not None and mask.is_floating_point()
+
+
+def weighted_scores_for_aux_loss(original):
+    """``compute_routing_scores_for_aux_loss`` that takes a float ``padding_mask`` as per-token weights
+    ``w[N]``: returns ``(w * routing_map, w * scores)`` (float), so stock's counts become ``sum w r`` and
+    ``sum w`` (each row of the map holds ``topk`` ones). Scores are computed at the logits' precision
+    where that is above float32 (stock's softmax is float32: exactness in float64 runs). A bool mask or
+    None: ``original`` unchanged."""
+    def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=False, padding_mask=None):
+        if not _is_weight(padding_mask):
+            return original(logits, topk, score_function, fused=fused, padding_mask=padding_mask)
+        if score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+            _, top = torch.topk(scores, k=topk, dim=1)
+            routing_map = torch.zeros_like(scores).scatter(1, top, 1.0)
+        else:  # the other score functions keep the logits' dtype in stock: its own computation
+            routing_map, scores = original(logits, topk, score_function, fused=fused, padding_mask=None)
+            routing_map = routing_map.to(scores.dtype)
+        w = padding_mask.reshape(-1, 1).to(scores.dtype)
+        return routing_map * w, scores * w
+
+    compute_routing_scores_for_aux_loss._tree_weighted = True
+    compute_routing_scores_for_aux_loss.__wrapped__ = original
+    return compute_routing_scores_for_aux_loss
+
+
+def _group_total(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group`` (a detached copy)."""
+    t = x.detach().clone()
+    if group is not None and group.size() > 1:
+        torch.distributed.all_reduce(t, group=group)
+    return t
+
+
+def _record(router, name: str, value: torch.Tensor, **kw) -> None:
+    """Stock's tracker call for ``name`` (0.19's metrics tracker, 0.16's aux-loss tracker)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    config = router.config
+    num_layers = config.num_layers + (config.mtp_num_layers or 0)
+    layer_number = router.layer_number
+    if getattr(router, "is_mtp_layer", False) and layer_number is not None:
+        layer_number = layer_number + config.num_layers
+    tracker = getattr(moe_utils, "get_moe_metrics_tracker", None)
+    if tracker is None:
+        from megatron.core.transformer.moe import router as router_module
+
+        tracker = getattr(router_module, "get_moe_metrics_tracker", None)
+    if tracker is not None:
+        tracker().record(name, value, layer_number, num_layers, **kw)
+    else:
+        moe_utils.save_to_aux_losses_tracker(name, value, layer_number, num_layers)
+
+
+def _apply_z_loss(self, logits, padding_mask=None):
+    """z-loss with per-row weights: this rank's share ``coeff * sum_x w_x lse_x^2 / T`` of the flat
+    microbatch's mean (``T = sum w`` over TP x CP); attached with ``T`` as the per-token multiplier.
+    Logged as this rank's weighted mean of ``lse^2``. A bool mask / None: stock's."""
+    if not _is_weight(padding_mask):
+        return type(self).apply_z_loss(self, logits, padding_mask=padding_mask)
+    if self.config.moe_z_loss_coeff is None or not (self.training and torch.is_grad_enabled()):
+        return logits
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    coeff = self.config.moe_z_loss_coeff
+    w = padding_mask.reshape(-1).to(torch.promote_types(logits.dtype, torch.float32))
+    lse2 = torch.logsumexp(logits.to(w.dtype), dim=-1).square()
+    local = w.sum()
+    total = _group_total(local, self.tp_cp_group).clamp(min=1)
+    z = coeff * (w * lse2).sum() / total
+    if self.calculate_per_token_loss:
+        logits = MoEAuxLossAutoScaler.apply(logits, z * total)
+    else:
+        logits = MoEAuxLossAutoScaler.apply(logits, z)
+    logged = (w * lse2).sum().detach() / local.clamp(min=1)
+    if getattr(self, "is_mtp_layer", False) and getattr(self.config, "mtp_use_repeated_layer", False) \
+            and self.config.mtp_num_layers:
+        logged = logged / self.config.mtp_num_layers
+    if _tracker_is_v019():
+        _record(self, "z_loss", logged, avg_group=self.tp_dp_cp_group)
+    else:
+        _record(self, "z_loss", logged)
+    return logits
+
+
+def _apply_expert_bias(self, routing_map, padding_mask=None):
+    """Expert-bias counts with per-row weights (``sum_x w_x r_xi`` of the dispatch map); a bool mask /
+    None: stock's."""
+    if not _is_weight(padding_mask):
+        return type(self)._apply_expert_bias(self, routing_map, padding_mask=padding_mask)
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            w = padding_mask.reshape(-1, 1).to(self.local_tokens_per_expert.dtype)
+            self.local_tokens_per_expert += (routing_map.to(w.dtype) * w).sum(dim=0)
+
+
+def _attach_and_log(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group, *args, **kwargs):
+    """Stock's attach, with the per-token multiplier of a weighted microbatch: ``T``, the flat tokens of
+    the whole microbatch over TP x CP, on every rank (see the module docstring)."""
+    count = kwargs.get("valid_token_count")
+    if self.calculate_per_token_loss and self._tree_weighted_call and count is not None:
+        total = _group_total(torch.as_tensor(count, dtype=torch.float64), self.tp_cp_group)
+        kwargs["valid_token_count"] = total / self.tp_cp_group.size() if _attach_scales_by_tp_cp() else total
+    return type(self).attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name,
+                                                         reduce_group, *args, **kwargs)
+
+
+def _routing(self, logits, padding_mask=None):
+    self._tree_weighted_call = _is_weight(padding_mask)
+    try:
+        return type(self).routing(self, logits, padding_mask=padding_mask)
+    finally:
+        self._tree_weighted_call = False
+
+
+_SOURCE_CHECKS: dict = {}
+
+
+def _source_has(fn, text: str) -> bool:
+    key = (fn, text)
+    if key not in _SOURCE_CHECKS:
+        try:
+            _SOURCE_CHECKS[key] = text in inspect.getsource(fn)
+        except (OSError, TypeError):  # pragma: no cover - no source
+            _SOURCE_CHECKS[key] = False
+    return _SOURCE_CHECKS[key]
+
+
+def _attach_scales_by_tp_cp() -> bool:
+    """True where stock's per-token multiplier is ``count * tp_cp_group.size()`` (megatron-core 0.19)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return _source_has(TopKRouter.attach_and_log_load_balancing_loss, "tp_cp_group.size()")
+
+
+def _tracker_is_v019() -> bool:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return _source_has(TopKRouter.apply_z_loss, "get_moe_metrics_tracker")
+
+
+def counts_with_empty_microbatches(original):
+    """``get_tokens_per_expert_and_token_count`` whose token count is at least 1 under a mask: a
+    microbatch whose rows all weigh 0 on the reduce group (the zero-loss padding microbatches that give
+    every data-parallel rank the same count) then has zero counts and probabilities, so its aux loss is
+    0 with a zero gradient, where ``0 / 0`` made stock's NaN. Counts of 1 or more are unchanged."""
+    def get_tokens_per_expert_and_token_count(*args, **kwargs):
+        tokens, local, total = original(*args, **kwargs)
+        with_mask = kwargs.get("with_padding_mask", args[3] if len(args) > 3 else False)
+        if with_mask and torch.is_tensor(total):
+            total = total.clamp(min=1)
+        return tokens, local, total
+
+    get_tokens_per_expert_and_token_count._tree_weighted = True
+    get_tokens_per_expert_and_token_count.__wrapped__ = original
+    return get_tokens_per_expert_and_token_count
+
+
+def _patch_router_module() -> None:
+    """Make the router module's ``compute_routing_scores_for_aux_loss`` accept weights and its token
+    count survive an all-padding microbatch (idempotent; a bool mask or None keeps stock's behaviour
+    otherwise, so stock models are unaffected)."""
+    from megatron.core.transformer.moe import router as router_module
+
+    for name, wrap in (("compute_routing_scores_for_aux_loss", weighted_scores_for_aux_loss),
+                       ("get_tokens_per_expert_and_token_count", counts_with_empty_microbatches)):
+        fn = getattr(router_module, name)
+        if not getattr(fn, "_tree_weighted", False):
+            setattr(router_module, name, wrap(fn))
+
+
+# --------------------------------------------------------------------------------------------- install
+def _router_pre_hook(weights: RowWeights):
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["input"]
+        s, b = hidden.shape[0], hidden.shape[1] if hidden.dim() == 3 else 1
+        w = weights.for_router(s * b)
+        if w is None:
+            return None
+        w = w.to(hidden.device).reshape(s, b)
+        if len(args) > 1:
+            mask = args[1]
+            args = args[:1]
+        else:
+            mask = kwargs.get("padding_mask")
+        if mask is not None:  # a stock padding mask ([S, B], True = padding) beside the weights: padding weighs 0
+            w = w * (~mask.bool().reshape(s, b)).to(w.dtype)
+        kwargs["padding_mask"] = w
+        return args, kwargs
+
+    return hook
+
+
+def _layer_pre_hook(weights: RowWeights):
+    def hook(module, args, kwargs):
+        psp = kwargs.get("packed_seq_params")
+        if isinstance(psp, TreePackedSeqParams) and psp.layout is not None:
+            weights.current = local_row_weights(psp)
+        else:  # any other input: stock's statistics, unweighted
+            weights.current = None
+        return None
+
+    return hook
+
+
+def _moe_pre_hook(weights: RowWeights, moe, needs_training: bool):
+    def hook(module, args):
+        weights.in_call += 1
+        recomputes = getattr(moe, "moe_layer_recompute", False) and (moe.training or not needs_training)
+        if recomputes and torch.is_grad_enabled() and weights.current is not None:
+            weights.fifo.append(weights.current)  # this forward's routing runs again in the backward
+        return None
+
+    return hook
+
+
+def _moe_post_hook(weights: RowWeights):
+    def hook(module, args, output):
+        weights.in_call -= 1
+        return None
+
+    return hook
+
+
+def install_moe_balancing(model) -> list:
+    """Weigh every router statistic of ``model``'s MoE layers (this pipeline stage) by row multiplicity;
+    returns the `RowWeights` per MoE layer (empty when ``model`` has no MoE layer or no balancing is on).
+    Idempotent; called by `TreeGPTModel` / `TreeMambaModel` as they are built."""
+    m = model
+    while hasattr(m, "module"):  # DDP, Float16Module
+        m = m.module
+    if getattr(m, "_tree_moe_balancing", None) is not None:
+        return m._tree_moe_balancing
+    if not balancing_enabled(m.config):
+        m._tree_moe_balancing = []
+        return []
+    check_balancing_config(m.config)
+    _patch_router_module()
+    pg = getattr(m, "pg_collection", None)
+    tp = getattr(pg, "tp", None)
+    tp_rank, tp_size = (tp.rank(), tp.size()) if tp is not None else (0, 1)
+    if tp is None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    sp = bool(m.config.sequence_parallel)
+    needs_training = recompute_needs_training()
+    out = []
+    for layer, moe in moe_layers_of(m):
+        weights = RowWeights(tp_rank, tp_size, sp)
+        router = moe.router
+        router.apply_z_loss = types.MethodType(_apply_z_loss, router)
+        router._apply_expert_bias = types.MethodType(_apply_expert_bias, router)
+        router.attach_and_log_load_balancing_loss = types.MethodType(_attach_and_log, router)
+        router.routing = types.MethodType(_routing, router)
+        router._tree_weighted_call = False
+        router.register_forward_pre_hook(_router_pre_hook(weights), with_kwargs=True)
+        layer.register_forward_pre_hook(_layer_pre_hook(weights), with_kwargs=True)
+        moe.register_forward_pre_hook(_moe_pre_hook(weights, moe, needs_training))
+        moe.register_forward_hook(_moe_post_hook(weights))
+        out.append(weights)
+    m._tree_moe_balancing = out
+    return out

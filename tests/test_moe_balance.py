@@ -1,0 +1,255 @@
+"""MoE load balancing on a tree against **stock** Megatron-Core ``GPTModel`` trained on the same samples flat.
+
+Oracle: stock ``GPTModel`` (stock local spec, stock ``TopKRouter``, nothing of ours installed) run on
+the microbatch's samples as one flat batch ``[B, L]`` (equal lengths: no padding, so stock's own
+statistics count exactly the flat tokens; ordinary causal attention), in float64 with the router in
+float64 (``moe_router_dtype="fp64"``). The tree model (`TreeGPTModel`, same weights) runs the same
+samples as one prefix tree (180 flat tokens on 90 rows), its routers weighing each row by the number of
+samples through it (`megatron.moe_balance`). Compared: the per-occurrence log-probs, every parameter
+gradient of one weighted sum of them (the attached aux / z-loss gradients included:
+``calculate_per_token_loss``, multiplier = the flat token count), the expert-bias counts
+(``local_tokens_per_expert``) and global aux loss's running tokens per expert, and the logged
+balancing losses. Stock casts the router's score function to float32 (``topk_routing_with_score_function``: softmax
+and sigmoid alike), so a row whose float64 logits differ from the flat token's in the last bit can round
+to another float32 probability: the log-probs and gradients agree to float32 rounding (measured
+~3e-8), the expert counts exactly. The balancing terms themselves are far above that floor: the planted
+fault moves the gradients by more than 1e-3.
+Planted fault: every row weighs 1 (the deduplicated statistics of before) must fail.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+try:
+    from dist import init_megatron, run_distributed
+except ImportError:  # run from the repository root as tests.*
+    from tests.dist import init_megatron, run_distributed
+
+V = 64
+# name -> (TransformerConfig balancing fields, tolerance: float32 router scores, see the docstring)
+CASES = {
+    "aux_z_softmax": (dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-1,
+                           moe_z_loss_coeff=1e-2), 1e-6),
+    "aux_z_sigmoid_bias": (dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-1,
+                                moe_z_loss_coeff=1e-2, moe_router_score_function="sigmoid",
+                                moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3), 1e-6),
+    "global_aux_sigmoid": (dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-1,
+                                moe_router_score_function="sigmoid"), 1e-6),
+    "seq_aux_z": (dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-1,
+                       moe_z_loss_coeff=1e-2, moe_router_score_function="sigmoid"), None),
+}
+
+
+def _samples():
+    """Two GRPO groups of equal-length samples (18 tokens): a 12-token prompt with 6 completions (two
+    pairs share 2 more tokens) and an 8-token prompt with 4 completions. 180 flat tokens."""
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda n: torch.randint(1, V, (n,), generator=g).tolist()
+    out = []
+    p1, p2 = rnd(12), rnd(8)
+    fork = rnd(2)
+    for j in range(6):
+        out.append(p1 + (fork + rnd(4) if j < 4 else rnd(6)))
+    for _ in range(4):
+        out.append(p2 + rnd(10))
+    return out
+
+
+def _stock_batch_logprobs(stock, samples) -> dict:
+    x = torch.tensor(samples, dtype=torch.long)
+    logits = stock(x, torch.arange(x.shape[1]).expand_as(x), None)  # [B, L, V]
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return {(i, t): lp[i, t - 1, samples[i][t]] for i in range(len(samples)) for t in range(1, len(samples[i]))}
+
+
+def _tracker_values() -> dict:
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "get_moe_layer_wise_logging_tracker"):
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    else:  # 0.19: the metrics tracker
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        tracker = get_moe_metrics_tracker().metrics if hasattr(get_moe_metrics_tracker(), "metrics") else {}
+    out = {}
+    for name, entry in dict(tracker).items():
+        vals = entry["values"] if isinstance(entry, dict) else getattr(entry, "values", None)
+        if vals is not None:
+            out[name] = vals.detach().clone()
+            vals.zero_()
+    return out
+
+
+def _routers(model):
+    return [layer.mlp.router for layer in model.decoder.layers]
+
+
+def _case(name, fault=None):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_tree.megatron import moe_balance
+    from megatron_tree.megatron.model import TreeGPTModel
+    from megatron_tree.megatron.specs import get_tree_gpt_decoder_block_spec
+    from megatron_tree.training.models import ModelArgs, make_config
+    from megatron_tree.tree import Sample, pack
+    from per_sample import coef, randomize, tree_logprobs  # tests/per_sample.py
+
+    fields, _ = CASES[name]
+    cfg = make_config(ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                ffn_hidden_size=48, vocab_size=V, num_experts=4, moe_ffn_hidden_size=16,
+                                extra=dict(fields)), dtype=torch.float64)
+    stock = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"),
+                     V, 64, position_embedding_type="rope")
+    tree = TreeGPTModel(cfg, get_tree_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                                             normalization="RMSNorm"), V, 64,
+                        position_embedding_type="rope")
+    randomize(stock, seed=sum(map(ord, name)))
+    for router in _routers(stock):  # a non-zero expert bias steers the sigmoid routing
+        if router.expert_bias is not None:
+            router.expert_bias.copy_(torch.linspace(-0.05, 0.05, 4))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    samples = _samples()
+    mbs = pack([Sample(tokens=s) for s in samples], 256)
+    assert len(mbs) == 1
+    moe_balance._FAULT = fault
+    res = {"installed": len(getattr(tree, "_tree_moe_balancing", [])),
+           "stock_installed": getattr(stock, "_tree_moe_balancing", None),
+           "rows": mbs[0].num_rows, "flat": sum(len(s) for s in samples)}
+    stock.train()
+    tree.train()
+    _tracker_values()
+    try:
+        ref = _stock_batch_logprobs(stock, samples)
+        stock_logged = _tracker_values()  # recorded as each forward runs
+        got = tree_logprobs(tree, mbs)
+        tree_logged = _tracker_values()
+        keys = sorted(ref)
+        assert sorted(got) == keys
+        sum(coef(*k) * ref[k] for k in keys).backward()
+        sum(coef(*k) * got[k] for k in keys).backward()
+    finally:
+        moe_balance._FAULT = None
+    res["lp"] = (torch.stack([got[k] for k in keys]).detach(), torch.stack([ref[k] for k in keys]).detach())
+    sg, tg = dict(stock.named_parameters()), dict(tree.named_parameters())
+    res["grads"] = {n: (tg[n].grad.clone(), sg[n].grad.clone()) for n in sorted(sg)}
+    res["counts"] = [(t.local_tokens_per_expert.clone(), s.local_tokens_per_expert.clone())
+                     for t, s in zip(_routers(tree), _routers(stock)) if s.local_tokens_per_expert is not None]
+    res["global_tpe"] = [(t.global_tokens_per_expert.clone(), s.global_tokens_per_expert.clone())
+                         for t, s in zip(_routers(tree), _routers(stock)) if s.global_tokens_per_expert is not None]
+    res["logged"] = {k: (tree_logged.get(k), v) for k, v in stock_logged.items()}
+    return res
+
+
+def _body():
+    import traceback
+
+    init_megatron()
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    for name in CASES:
+        try:
+            out[name] = _case(name)
+        except Exception:  # noqa: BLE001 - reported by the test of that case
+            out[name] = traceback.format_exc()
+    out["fault"] = _case("aux_z_sigmoid_bias", fault="multiplicity_ones")
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return run_distributed(_body, 1, timeout=600)[0]
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _worst_grad(res):
+    return max(_rel(t, s) for t, s in res["grads"].values() if s.abs().max() > 0)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][1] is not None])
+def test_tree_balancing_equals_stock_flat(oracle, name):
+    res = oracle[name]
+    assert isinstance(res, dict), res
+    tol = CASES[name][1]
+    assert res["installed"] == 2 and res["stock_installed"] is None
+    assert res["rows"] == 90 and res["flat"] == 180  # the tree really deduplicates
+    lp_t, lp_s = res["lp"]
+    assert _rel(lp_t, lp_s) <= tol
+    assert _worst_grad(res) <= tol, {n: _rel(t, s) for n, (t, s) in res["grads"].items()}
+    router_grads = [n for n in res["grads"] if "router" in n]
+    assert router_grads and all(res["grads"][n][1].abs().max() > 0 for n in router_grads)
+    for t, s in res["counts"] + res["global_tpe"]:
+        assert torch.equal(t, s) and s.sum() > 0, (t, s)
+    assert res["logged"] and all(t is not None for t, _ in res["logged"].values())
+    for k, (t, s) in res["logged"].items():
+        assert _rel(t, s) <= tol, (k, t, s)
+
+
+def test_expert_bias_counts_are_flat_counts(oracle):
+    res = oracle["aux_z_sigmoid_bias"]
+    assert len(res["counts"]) == 2
+    for t, _ in res["counts"]:  # top-2 of every flat token: 2 x 180 per layer
+        assert float(t.sum()) == 2 * res["flat"]
+
+
+def test_global_aux_running_counts_are_flat(oracle):
+    res = oracle["global_aux_sigmoid"]
+    assert len(res["global_tpe"]) == 2
+    for t, _ in res["global_tpe"]:
+        assert float(t.sum()) == 2 * res["flat"]
+
+
+def test_seq_aux_loss_of_a_packed_microbatch_is_its_aux_loss(oracle):
+    """Stock's seq_aux_loss on a packed ``[T, 1]`` microbatch (one sequence) is aux_loss: the tree's
+    seq_aux_loss gradients equal the aux_loss case's formula. Here: it runs, weighs, and logs."""
+    res = oracle["seq_aux_z"]
+    assert isinstance(res, dict), res
+    assert "seq_load_balancing_loss" in res["logged"] and res["logged"]["seq_load_balancing_loss"][0] is not None
+
+
+def test_planted_fault_deduplicated_counts_fail(oracle):
+    res = oracle["fault"]
+    assert _worst_grad(res) > 1e-3
+    assert any(not torch.equal(t, s) for t, s in res["counts"])
+
+
+BALANCING = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-1, moe_z_loss_coeff=1e-2,
+                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                 moe_router_bias_update_rate=1e-3)
+
+
+def test_verify_balancing_against_the_flat_pack_and_its_planted_fault():
+    """``megatron-tree verify`` with aux loss, z-loss and expert bias (every layer MoE, one step of Adam with
+    finalize_model_grads' expert-bias update) against the flat pack of each tree microbatch; the planted
+    ``multiplicity_ones`` (every row weighs 1) must fail."""
+    from megatron_tree.training.verify import VerifyConfig, run_verify_many
+
+    ok, bad = run_verify_many([VerifyConfig(model="gpt", balancing=dict(BALANCING)),
+                               VerifyConfig(model="gpt", balancing=dict(BALANCING), fault="multiplicity_ones")])
+    assert ok["passed"], ok
+    assert ok["expert_bias"] == 0.0 and ok["grads"] < 5e-6
+    assert ok["tree_rows"] < ok["flat_rows"]
+    assert not bad["passed"] and bad["grads"] > 1e-2
+
+
+def test_aux_losses_with_carry_are_refused_before_any_rank_starts():
+    from megatron_tree.training.arguments import validate_tree_args
+    from megatron_tree.training.trainer import build_train_parser, check_train_args
+
+    args = build_train_parser().parse_args(["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "1",
+                                            "--num-experts", "4", "--moe-aux-loss-coeff", "1e-2", "--tree-carry",
+                                            "--tree-max-tokens-per-mb", "64"])
+    with pytest.raises(ValueError, match="--tree-carry with --moe-router-load-balancing-type aux_loss"):
+        check_train_args(args, None)
+    args.tree_carry = False  # z-loss and expert bias carry: only the aux loss is refused
+    args.moe_aux_loss_coeff, args.moe_z_loss_coeff, args.tree_carry = 0.0, 1e-3, True
+    check_train_args(args, None)
+    import argparse
+
+    with pytest.raises(ValueError, match="--tree-carry with --moe-router-load-balancing-type aux_loss"):
+        validate_tree_args(argparse.Namespace(tree_packing=True, tree_carry=True, num_experts=4, tree_max_tokens_per_mb=64,
+                                              moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss"))

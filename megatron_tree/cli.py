@@ -169,6 +169,8 @@ def cmd_verify(args) -> int:
     cfg.routing_replay = args.routing_replay
     cfg.carry = args.carry
     cfg.balancing = moe_balancing_fields(args)
+    cfg.steps, cfg.optimizer = args.steps, args.optimizer
+    cfg.seq_aux_per_sample = args.tree_seq_aux_per_sample
     out = run_verify(cfg)
     print(format_report(cfg, out))
     return 0 if out["passed"] else 1
@@ -188,7 +190,7 @@ def cmd_launch(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .data.synthetic import PRESETS
-    from .training.arguments import add_moe_balancing_args
+    from .training.arguments import add_moe_balancing_args, add_seq_aux_per_sample_arg
     from .training.verify import ALL_FAULTS as FAULTS
 
     p = argparse.ArgumentParser(prog="megatron-tree", description="Prefix-tree training for Megatron-Core")
@@ -260,7 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "parameter's gradient and one logit; mla_rope_physical, with --model mla: MLA's rotary "
                          "indexed by physical row instead of tree depth; dsa_tie_order / dsa_loss_weight, with --model dsa: "
                          "top-k ties by the larger row id / indexer loss without the per-sample row weights)")
+    vf.add_argument("--steps", type=int, default=1,
+                    help="optimizer steps on the batch; params_after_step (and expert_bias) compare after the last")
+    vf.add_argument("--optimizer", choices=["adam", "sgd"], default=None,
+                    help="default: Adam in float64, SGD in float32 and for routing replay / MoE balancing (Megatron's "
+                         "router rounds its scores to float32, and Adam's first step is lr * sign(g))")
     add_moe_balancing_args(vf)
+    add_seq_aux_per_sample_arg(vf)
     vf.set_defaults(func=cmd_verify)
     dm = sub.add_parser("demo", help="the CPU demo (README's first command): sharing report, then tree vs flat "
                                      "training of a tiny hybrid model on 2 CPU ranks")

@@ -310,3 +310,53 @@ def test_train_hf_model_under_tp2_and_ep2_save_hf_reloads_in_transformers(tmp_pa
     print(f"\nEP2: trained tree model (score --load) vs transformers' reload of --save-hf: max rel {err:.1e}; the step "
           f"moved log-probs by up to {moved:.2e}; TP2's saved model vs EP2's in transformers: max rel {layouts:.1e}")
     assert err <= 1e-5 and moved > 1e-3 and layouts <= 1e-5, (err, moved, layouts)
+
+
+def _safetensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("family,kind", [("qwen3_moe", "aux_loss"), ("qwen3_next", "global_aux_loss")])
+def test_train_hf_model_balancing_as_the_bridge_sets_it_equals_flat(tmp_path, family, kind):
+    """``megatron-tree train --hf-model`` with the Bridge provider's own balancing (Qwen3-MoE: aux_loss 1e-3,
+    Qwen3-Next: global_aux_loss 1e-3, as megatron-bridge 0.6.2 sets them) on prefix trees trains what the
+    same step trains on the same samples packed flat (``--packing flat``; one microbatch each, so the aux
+    losses see the same microbatch): every tensor's update, read back from ``--save-hf``, agrees to float32
+    rounding. SGD, whose update is the gradient (Adam's first step, ``lr * g / (|g| + eps)``, turns float32
+    noise on an expert's near-zero gradient elements into a 2e-2 difference of that element's update)."""
+    import json
+
+    from per_sample import SAMPLES
+
+    path = tmp_path / family
+    hf_tiny.make(family, path)
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps({"tokens": s}) + "\n" for s in SAMPLES))
+    before = _safetensors(path)
+    updates = {}
+    for packing in ("tree", "flat"):
+        out = tmp_path / packing
+        _cli("train", "--hf-model", str(path), "--tree-data-path", str(data), "--tree-global-batch-samples",
+             str(len(SAMPLES)), "--train-iters", "1", "--lr", "0.05", "--optimizer", "sgd", "--nproc", "1",
+             "--packing", packing,
+             "--tree-max-tokens-per-mb", "128", "--save-hf", str(out), "--quiet", "--metrics-json",
+             str(tmp_path / f"{packing}.json"))
+        after = _safetensors(out)
+        updates[packing] = {n: after[n].double() - before[n].double() for n in before}
+        with open(tmp_path / f"{packing}.json") as f:
+            hist = json.load(f)["history"]
+        assert len(hist) == 1
+    routers = [n for n in before if n.endswith("mlp.gate.weight")]
+    assert routers, sorted(before)[:20]
+    rel = {n: float((updates["tree"][n] - updates["flat"][n]).abs().max() / updates["flat"][n].abs().max())
+           for n in before if updates["flat"][n].abs().max() > 0}
+    worst = max(rel.values())
+    print(f"\n{family} ({kind} as the Bridge sets it): tree vs flat step, max rel. update difference {worst:.1e}",
+          sorted(rel.items(), key=lambda kv: -kv[1])[:6])
+    assert worst <= 1e-4, worst
+    assert all(updates["flat"][n].abs().max() > 0 for n in routers)

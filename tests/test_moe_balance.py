@@ -38,6 +38,9 @@ CASES = {
                                 moe_router_score_function="sigmoid"), 1e-6),
     "seq_aux_z": (dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-1,
                        moe_z_loss_coeff=1e-2, moe_router_score_function="sigmoid"), None),
+    # DeepSeek-V3's per-sample seq aux loss (set_seq_aux_per_sample): stock's on a [B, L] batch is exactly that
+    "seq_aux_per_sample": (dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-1,
+                                moe_z_loss_coeff=1e-2), 1e-6),
 }
 
 
@@ -110,6 +113,8 @@ def _case(name, fault=None):
         if router.expert_bias is not None:
             router.expert_bias.copy_(torch.linspace(-0.05, 0.05, 4))
     tree.load_state_dict(stock.state_dict(), strict=True)
+    if name.endswith("per_sample"):
+        moe_balance.set_seq_aux_per_sample(tree)
     samples = _samples()
     mbs = pack([Sample(tokens=s) for s in samples], 256)
     assert len(mbs) == 1
@@ -166,6 +171,17 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
+def _stock_seq_aux_counts_the_batch() -> bool:
+    """megatron-core 0.19 multiplies the per-token seq aux loss by the microbatch's tokens (``local_num_tokens
+    * bsz``); 0.16.1 by one sequence's (its gradient is 1/B of the loss it logs: a stock bug 0.19 fixed). The
+    tree multiplies by the microbatch's flat tokens on both stacks."""
+    import inspect
+
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return "local_num_tokens * bsz" in inspect.getsource(TopKRouter._apply_seq_aux_loss)
+
+
 def _worst_grad(res):
     return max(_rel(t, s) for t, s in res["grads"].values() if s.abs().max() > 0)
 
@@ -175,6 +191,10 @@ def test_tree_balancing_equals_stock_flat(oracle, name):
     res = oracle[name]
     assert isinstance(res, dict), res
     tol = CASES[name][1]
+    if name == "seq_aux_per_sample" and not _stock_seq_aux_counts_the_batch():
+        t, s = res["logged"]["seq_load_balancing_loss"]  # the value; its 0.16.1 gradient is stock's bug
+        assert _rel(t, s) <= tol and _rel(*res["lp"]) <= tol
+        return
     assert res["installed"] == 2 and res["stock_installed"] is None
     assert res["rows"] == 90 and res["flat"] == 180  # the tree really deduplicates
     lp_t, lp_s = res["lp"]
@@ -203,12 +223,16 @@ def test_global_aux_running_counts_are_flat(oracle):
         assert float(t.sum()) == 2 * res["flat"]
 
 
-def test_seq_aux_loss_of_a_packed_microbatch_is_its_aux_loss(oracle):
-    """Stock's seq_aux_loss on a packed ``[T, 1]`` microbatch (one sequence) is aux_loss: the tree's
-    seq_aux_loss gradients equal the aux_loss case's formula. Here: it runs, weighs, and logs."""
+def test_seq_aux_loss_default_is_the_packed_microbatchs_not_per_sample(oracle):
+    """By default the tree's seq_aux_loss is stock's on the packed microbatch (one sequence: aux_loss's value;
+    `verify` checks it against the flat pack), which differs from stock's on a [B, L] batch (per sample):
+    the per-sample case above is the option that equals that."""
     res = oracle["seq_aux_z"]
     assert isinstance(res, dict), res
-    assert "seq_load_balancing_loss" in res["logged"] and res["logged"]["seq_load_balancing_loss"][0] is not None
+    assert res["logged"]["seq_load_balancing_loss"][0] is not None
+    assert _worst_grad(res) > 1e-3
+    if _stock_seq_aux_counts_the_batch():
+        assert _worst_grad(oracle["seq_aux_per_sample"]) <= 1e-6
 
 
 def test_planted_fault_deduplicated_counts_fail(oracle):

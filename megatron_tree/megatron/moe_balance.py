@@ -49,10 +49,10 @@ from typing import Optional
 
 import torch
 
-from .moe_layers import moe_layers_of, recompute_needs_training
+from .moe_layers import moe_layers_of, mtp_moe_layers_of, recompute_needs_training
 from .packed_seq import TreePackedSeqParams
 
-__all__ = ["balancing_enabled", "check_balancing_config", "aux_losses_enabled", "refuse_aux_losses_under_carry", "install_moe_balancing", "local_row_weights",
+__all__ = ["set_seq_aux_per_sample", "local_sample_paths", "balancing_enabled", "check_balancing_config", "aux_losses_enabled", "refuse_aux_losses_under_carry", "install_moe_balancing", "local_row_weights",
            "weighted_scores_for_aux_loss", "RowWeights"]
 
 # Test-only fault switch ("multiplicity_ones": every real row weighs 1, the deduplicated statistics of
@@ -63,18 +63,24 @@ _FAULT = None
 def balancing_enabled(config) -> bool:
     """True when a router of ``config`` computes any statistic the tree must weigh: an aux loss with a
     positive coefficient, z-loss, or expert-bias counts."""
-    if not getattr(config, "num_moe_experts", None):
+    if not _has_experts(config):
         return False
-    return bool(aux_losses_enabled(config)) or bool(config.moe_z_loss_coeff) or bool(getattr(config, "moe_router_enable_expert_bias", False))
+    return bool(aux_losses_enabled(config)) or bool(getattr(config, "moe_z_loss_coeff", None)) or bool(getattr(config, "moe_router_enable_expert_bias", False))
+
+
+def _has_experts(config) -> bool:
+    """A TransformerConfig's ``num_moe_experts`` or Megatron-LM's ``--num-experts``."""
+    return bool(getattr(config, "num_moe_experts", None) or getattr(config, "num_experts", None))
 
 
 def aux_losses_enabled(config) -> list:
-    """The aux-loss types of ``config`` with a positive coefficient (aux_loss, seq_aux_loss, global_aux_loss)."""
-    if not getattr(config, "num_moe_experts", None):
+    """The aux-loss types of ``config`` (a TransformerConfig or Megatron-LM's arguments) with a positive
+    coefficient (aux_loss, seq_aux_loss, global_aux_loss)."""
+    if not _has_experts(config):
         return []
-    kinds = config.moe_router_load_balancing_type
+    kinds = getattr(config, "moe_router_load_balancing_type", "none")
     kinds = kinds if isinstance(kinds, (list, tuple)) else [kinds]
-    coeffs = config.moe_aux_loss_coeff
+    coeffs = getattr(config, "moe_aux_loss_coeff", 0.0)
     coeffs = coeffs if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
     return [k for k, c in zip(kinds, coeffs) if k in ("aux_loss", "seq_aux_loss", "global_aux_loss") and (c or 0) > 0]
 
@@ -110,6 +116,29 @@ def check_balancing_config(config) -> None:
                          "global_aux_loss or expert bias")
 
 
+def local_sample_paths(psp: TreePackedSeqParams) -> Optional[tuple]:
+    """``(sample [F'], row [F'], lengths [S])``: for every flat token of the microbatch whose row this rank's
+    modules hold, its sample and its row in this rank's order (local_rows then padding, as
+    `local_row_weights`), and each sample's length (what a per-sample statistic divides by). None when the
+    params carry no paths. Made once per view (kept on ``psp``), vectorised."""
+    cached = psp.__dict__.get("_local_sample_paths")
+    if cached is not None or psp.sample_paths is None:
+        return cached
+    from ..tree.microbatch import split_sample_paths
+
+    offsets, lengths, rows = split_sample_paths(psp.sample_paths)
+    sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), offsets.diff())
+    if psp.local_rows is not None:
+        pos = torch.full((psp.layout.num_rows,), -1, dtype=torch.int64, device=rows.device)
+        pos[psp.local_rows.to(rows.device)] = torch.arange(psp.local_rows.numel(), device=rows.device)
+        rows = pos[rows]
+        keep = rows >= 0
+        sample, rows = sample[keep], rows[keep]
+    out = (sample, rows, lengths)
+    psp.__dict__["_local_sample_paths"] = out
+    return out
+
+
 def local_row_weights(psp: TreePackedSeqParams) -> torch.Tensor:
     """``[n]`` float64 multiplicity of the rows this rank's modules see for ``psp``: every row, or under
     tree CP / carry / a GDN island the view's ``local_rows`` then ``num_local_padding`` zeros."""
@@ -125,28 +154,38 @@ def local_row_weights(psp: TreePackedSeqParams) -> torch.Tensor:
 
 
 class RowWeights:
-    """One router's row weights for the forward in flight (set by its decoder layer's pre-hook)."""
+    """One router's row weights (and, for a per-sample seq aux loss, its flat tokens' samples: see
+    `local_sample_paths`) for the forward in flight, set by its layer's pre-hook as ``current`` =
+    ``(weights [n], paths or None)``."""
 
     def __init__(self, tp_rank: int, tp_size: int, sequence_parallel: bool):
         self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
-        self.current: Optional[torch.Tensor] = None
+        self.current: Optional[tuple] = None
+        self.per_sample = False  # a per-sample seq aux loss reads the paths (`set_seq_aux_per_sample`)
         self.in_call = 0
         self.fifo: deque = deque()
 
-    def for_router(self, n_tokens: int) -> Optional[torch.Tensor]:
+    def for_router(self, n_tokens: int) -> Optional[tuple]:
+        """``(weights [n_tokens], paths)`` of the rows the router sees (this TP rank's slice under SP)."""
         if self.in_call:
-            w = self.current
+            cur = self.current
         elif self.fifo:  # selective MoE recomputation in the backward: the oldest pending forward's weights
-            w = self.fifo.popleft()
+            cur = self.fifo.popleft()
         else:
-            w = self.current
-        if w is None:
+            cur = self.current
+        if cur is None:
             return None
+        w, paths = cur
         n = w.shape[0]
         if n == n_tokens:
-            return w
+            return w, paths
         if self.sp and self.tp_size > 1 and n == n_tokens * self.tp_size:
-            return w[self.tp_rank * n_tokens: (self.tp_rank + 1) * n_tokens]
+            lo = self.tp_rank * n_tokens
+            if paths is not None:
+                sample, rows, lengths = paths
+                keep = (rows >= lo) & (rows < lo + n_tokens)
+                paths = (sample[keep], rows[keep] - lo, lengths)
+            return w[lo: lo + n_tokens], paths
         raise RuntimeError(f"MoE balancing: the router sees {n_tokens} tokens but the microbatch gives this rank "
                            f"{n} weighted rows")
 
@@ -261,6 +300,33 @@ def _attach_and_log(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, r
                                                          reduce_group, *args, **kwargs)
 
 
+def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask=False):
+    """Per-sample seq aux loss (DeepSeek-V3's definition; `set_seq_aux_per_sample`): with ``P_si`` / ``f_si``
+    the sums of sample s's own tokens' probabilities / expert choices (a shared row counts in every sample
+    through it) and ``T_s`` its length, ``coeff * E / (k S) * sum_s sum_i P_si f_si / T_s^2`` over the S samples
+    of the microbatch; this rank adds its rows' part of ``P`` (``f`` summed over TP x CP), as stock does.
+    Otherwise (the default, a packed microbatch as one sequence, where it equals aux_loss): stock's."""
+    paths = self._tree_paths
+    if not (self._tree_weighted_call and self._tree_seq_aux_per_sample and paths is not None):
+        return type(self)._apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
+                                              with_padding_mask=with_padding_mask)
+    coeff = self.get_aux_loss_coeff("seq_aux_loss")
+    if coeff == 0:
+        return probs
+    sample, rows, lengths = paths
+    w = self._tree_weights.reshape(-1, 1).to(scores_for_aux_loss.dtype)
+    unweighted = w.clamp(min=1)  # the weighted map / scores back per token (w > 0 on every row of a path)
+    p = (scores_for_aux_loss / unweighted)[rows]
+    r = (routing_map.to(scores_for_aux_loss.dtype) / unweighted)[rows].detach()
+    S, E = int(lengths.numel()), scores_for_aux_loss.shape[1]
+    P = scores_for_aux_loss.new_zeros(S, E).index_add(0, sample, p)
+    f = _group_total(scores_for_aux_loss.new_zeros(S, E).index_add(0, sample, r), self.tp_cp_group)
+    T = lengths.to(P.dtype).clamp(min=1).reshape(-1, 1)
+    aux = (P * f / T.square()).sum() * (E * coeff / (self.topk * max(S, 1)))
+    return self.attach_and_log_load_balancing_loss(probs, coeff, aux, "seq_load_balancing_loss", self.tp_cp_group,
+                                                   valid_token_count=self._tree_weights.sum())
+
+
 def _routing(self, logits, padding_mask=None):
     self._tree_weighted_call = _is_weight(padding_mask)
     try:
@@ -330,10 +396,11 @@ def _router_pre_hook(weights: RowWeights):
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs["input"]
         s, b = hidden.shape[0], hidden.shape[1] if hidden.dim() == 3 else 1
-        w = weights.for_router(s * b)
-        if w is None:
+        got = weights.for_router(s * b)
+        module._tree_paths = None if got is None else got[1]  # read by this call's routing, synchronously
+        if got is None:
             return None
-        w = w.to(hidden.device).reshape(s, b)
+        w = got[0].to(hidden.device).reshape(s, b)
         if len(args) > 1:
             mask = args[1]
             args = args[:1]
@@ -342,6 +409,7 @@ def _router_pre_hook(weights: RowWeights):
         if mask is not None:  # a stock padding mask ([S, B], True = padding) beside the weights: padding weighs 0
             w = w * (~mask.bool().reshape(s, b)).to(w.dtype)
         kwargs["padding_mask"] = w
+        module._tree_weights = w.reshape(-1)
         return args, kwargs
 
     return hook
@@ -351,7 +419,8 @@ def _layer_pre_hook(weights: RowWeights):
     def hook(module, args, kwargs):
         psp = kwargs.get("packed_seq_params")
         if isinstance(psp, TreePackedSeqParams) and psp.layout is not None:
-            weights.current = local_row_weights(psp)
+            paths = local_sample_paths(psp) if weights.per_sample else None
+            weights.current = (local_row_weights(psp), paths)
         else:  # any other input: stock's statistics, unweighted
             weights.current = None
         return None
@@ -403,18 +472,41 @@ def install_moe_balancing(model) -> list:
     sp = bool(m.config.sequence_parallel)
     needs_training = recompute_needs_training()
     out = []
-    for layer, moe in moe_layers_of(m):
+    # MTP depths' MoE layers read their depth's view: its row_samples weigh the rows of depth >= k and the
+    # sample's first k MTP tail rows (`mtp._depth_weights`), the positions stock's depth k routes
+    for layer, moe in moe_layers_of(m) + mtp_moe_layers_of(m):
         weights = RowWeights(tp_rank, tp_size, sp)
         router = moe.router
         router.apply_z_loss = types.MethodType(_apply_z_loss, router)
         router._apply_expert_bias = types.MethodType(_apply_expert_bias, router)
         router.attach_and_log_load_balancing_loss = types.MethodType(_attach_and_log, router)
         router.routing = types.MethodType(_routing, router)
-        router._tree_weighted_call = False
+        router._apply_seq_aux_loss = types.MethodType(_apply_seq_aux_loss, router)
+        router._tree_weighted_call, router._tree_seq_aux_per_sample = False, False
+        router._tree_paths = router._tree_weights = None
+        weights.router = router
         router.register_forward_pre_hook(_router_pre_hook(weights), with_kwargs=True)
         layer.register_forward_pre_hook(_layer_pre_hook(weights), with_kwargs=True)
         moe.register_forward_pre_hook(_moe_pre_hook(weights, moe, needs_training))
         moe.register_forward_hook(_moe_post_hook(weights))
         out.append(weights)
     m._tree_moe_balancing = out
+    m._tree_moe_mtp_layers = len(mtp_moe_layers_of(m))
     return out
+
+
+def set_seq_aux_per_sample(model, on: bool = True) -> None:
+    """``seq_aux_loss`` per sample (DeepSeek-V3's definition: each sample's own tokens, a shared row counted in
+    every sample through it) instead of stock's on a packed microbatch (one sequence, equal to aux_loss). The
+    params must carry ``sample_paths`` (`tree_packed_seq_params` and the hooks' `get_batch` do). Not with MTP
+    layers that hold MoE (their depth-k positions are not a sample's path)."""
+    m = model
+    while hasattr(m, "module"):
+        m = m.module
+    weights = install_moe_balancing(m)
+    if on and getattr(m, "_tree_moe_mtp_layers", 0):
+        raise ValueError("--tree-seq-aux-per-sample with MoE in the MTP layers is not supported: an MTP depth's "
+                         "positions are not a sample's path; use the default (the packed microbatch as one sequence)")
+    for w in weights:
+        w.per_sample = bool(on)
+        w.router._tree_seq_aux_per_sample = bool(on)

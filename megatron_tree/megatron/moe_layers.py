@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-__all__ = ["moe_layers_of", "recompute_needs_training"]
+__all__ = ["moe_layers_of", "mtp_moe_layers_of", "recompute_needs_training"]
 
 
 def moe_layers_of(model) -> list:
@@ -24,6 +24,21 @@ def moe_layers_of(model) -> list:
                              "router extensions expect at most one per decoder layer")
         if moes:
             out.append((layer, moes[0]))
+    return out
+
+
+def mtp_moe_layers_of(model) -> list:
+    """[(MTP layer, MoELayer)] of this model chunk's multi-token prediction block (empty without one), in
+    depth order: the MTP layer module is called with each depth's ``packed_seq_params``."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    while hasattr(model, "module"):
+        model = model.module
+    mtp = getattr(model, "mtp", None)
+    out = []
+    for layer in list(getattr(mtp, "layers", None) or []):
+        for moe in (x for x in layer.modules() if isinstance(x, MoELayer)):
+            out.append((layer, moe))
     return out
 
 

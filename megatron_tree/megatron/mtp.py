@@ -71,6 +71,7 @@ from ..cp.execution.comm import fetch_rows
 from ..cp.planning.lru import lru_get
 from ..tree.layout import TreeLayout
 from .loss import vocab_parallel_logprobs
+from .moe_balance import balancing_enabled
 from .packed_seq import TreePackedSeqParams
 
 __all__ = ["TreeMultiTokenPredictionLayer", "mtp_layout", "mtp_view", "mtp_halo",
@@ -172,10 +173,13 @@ def _depth_weights(psp: TreePackedSeqParams, k: int, tail: Optional[torch.Tensor
 def mtp_tail_rows(config) -> int:
     """Tail rows per sample (``pack(..., mtp_tail=)``) the model's MTP layers need: ``mtp_num_layers`` where
     they run DeepSeek sparse attention with an indexer loss (stock's loss covers the k trailing positions
-    of depth k, which embed a rolled-in token 0), else 0."""
+    of depth k, which embed a rolled-in token 0), or MoE with load balancing (stock's depth-k router counts
+    those positions too: `moe_balance`), else 0. ``config``: a TransformerConfig or Megatron-LM's args."""
     K = int(getattr(config, "mtp_num_layers", None) or 0)
     dsa = getattr(config, "experimental_attention_variant", None) == "dsa"
-    return K if dsa and (getattr(config, "dsa_indexer_loss_coeff", None) or 0) > 0 else 0
+    if dsa and (getattr(config, "dsa_indexer_loss_coeff", None) or 0) > 0:
+        return K
+    return K if balancing_enabled(config) else 0
 
 
 def _path_prev(layout: TreeLayout) -> np.ndarray:

@@ -40,6 +40,9 @@ class TreePackedSeqParams(PackedSeqParams):
     row_inv_length     [N] float64 (or None): sum of ``1 / len(s)`` over those samples. Both come from
                        the microbatch (`TreeMicrobatch.row_sample_stats`) and weight per-row terms that
                        stock Megatron averages (or sums) over each sample's tokens: DSA's indexer loss
+    sample_paths       [1 + 2S + 1 + F] int64 (or None): every path of the microbatch (global rows), its length as
+                       stock divides by (`TreeMicrobatch.sample_paths`, `tree.microbatch.split_sample_paths`):
+                       what per-sample statistics sum over (`megatron.moe_balance`'s per-sample seq aux loss)
     mtp_tail_index     [N] int64 (global rows, or None): j on the j-th MTP tail row after a sample (0 elsewhere)
     mtp_tail_inv_length [N] float64 (or None): ``1 / len(s)`` on sample s's tail rows. Both from
                        `TreeMicrobatch.mtp_tail_stats` (``pack(..., mtp_tail=K)``): the trailing positions
@@ -77,6 +80,7 @@ class TreePackedSeqParams(PackedSeqParams):
     gdn_num_local_padding: int = 0
     row_samples: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     row_inv_length: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    sample_paths: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     mtp_tail_index: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     mtp_tail_inv_length: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     step_weight_by_depth: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
@@ -198,8 +202,10 @@ def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
     routes = getattr(mb, "routes", None)
     tail_index, tail_inv = mb.mtp_tail_stats() if getattr(mb, "mtp_tail", 0) else (None, None)
     to = lambda t: None if t is None else t.to(layout.device)
+    paths = mb.sample_paths() if hasattr(mb, "sample_paths") else None
     psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan, row_samples=to(count),
-                              row_inv_length=to(inv), return_entropy=return_entropy, routes=to(routes),
+                              row_inv_length=to(inv), sample_paths=to(paths), return_entropy=return_entropy,
+                              routes=to(routes),
                               mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv))
     if cp_plan is None or cp_plan.cp_size == 1:
         return psp
@@ -247,7 +253,7 @@ def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
     out = TreePackedSeqParams(layout=layout, loss_map=local_lm, cp_plan=cp_plan, cp_rank=cp_rank, local_rows=rows,
                               num_local_padding=pad, gdn_plan=gdn_plan, gdn_local_rows=g_rows,
                               gdn_num_local_padding=g_pad, row_samples=psp.row_samples,
-                              row_inv_length=psp.row_inv_length, return_entropy=psp.return_entropy, routes=psp.routes,
+                              row_inv_length=psp.row_inv_length, sample_paths=psp.sample_paths, return_entropy=psp.return_entropy, routes=psp.routes,
                               mtp_tail_index=psp.mtp_tail_index, mtp_tail_inv_length=psp.mtp_tail_inv_length,
                               step_weight_by_depth=psp.step_weight_by_depth)
     # Megatron's GPTModel builds (and TreeGPTModel then replaces) a rotary table of max_seqlen_q rows,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
+__all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "add_seq_aux_per_sample_arg", "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
            "DEFAULT_PAD_MULTIPLE"]
 
 TREE_LOSSES = ("sft", "grpo", "ppo")
@@ -47,6 +47,14 @@ def add_moe_balancing_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
     g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
     return parser
+
+
+def add_seq_aux_per_sample_arg(group) -> None:
+    """``--tree-seq-aux-per-sample`` (the tree group of train and the ``pretrain()`` hooks; verify)."""
+    group.add_argument("--tree-seq-aux-per-sample", action="store_true",
+                       help="seq_aux_loss per sample, DeepSeek-V3's definition (each sample's own tokens, a shared "
+                            "prefix row counted in every sample through it, divided by the sample's length). "
+                            "Default: as stock computes it on the packed microbatch, one sequence (= aux_loss)")
 
 
 def moe_balancing_fields(args) -> dict:
@@ -83,6 +91,7 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "stay exactly per-sample. Required by the megatron_tree Megatron-LM hooks.")
     g.add_argument("--tree-max-tokens-per-mb", type=_positive_int, default=None, metavar="N",
                    help="Row budget of one microbatch (padding included). Default: --seq-length.")
+    add_seq_aux_per_sample_arg(g)
     g.add_argument("--tree-routing-replay", action="store_true",
                    help="Rollout routing replay (R3) for MoE models: every record carries routed_experts "
                         "([tokens][moe_layers][topk]); rows are shared only where tokens and routes agree and "

@@ -101,15 +101,21 @@ def _tree_config(args, config):
 
 def _replaying(provider):
     """``--tree-routing-replay``: the provider's model replays the routes of the rows each MoE layer
-    holds (`megatron_tree.megatron.routing_replay.install_routing_replay`; ``get_batch`` carries them)."""
+    holds (`megatron_tree.megatron.routing_replay.install_routing_replay`; ``get_batch`` carries them);
+    ``--tree-seq-aux-per-sample``: its seq aux loss is per sample (`moe_balance.set_seq_aux_per_sample`)."""
 
     @functools.wraps(provider)
     def build(*a, **kw):
         model = provider(*a, **kw)
-        if getattr(_args(kw.get("args")), "tree_routing_replay", False):
+        args = _args(kw.get("args"))
+        if getattr(args, "tree_routing_replay", False):
             from ..megatron.routing_replay import install_routing_replay
 
             install_routing_replay(model)
+        if getattr(args, "tree_seq_aux_per_sample", False):  # DeepSeek-V3's per-sample seq aux loss
+            from ..megatron.moe_balance import set_seq_aux_per_sample
+
+            set_seq_aux_per_sample(model)
         return model
 
     return build
@@ -351,6 +357,7 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
         mb = next(data_iterator)
         layout, loss_map = mb.layout.to(device), mb.loss_map.to(device)
         stats, routes, step_w = _row_stats(mb), getattr(mb, "routes", None), _step_weights(mb)
+        paths = mb.sample_paths()
     else:
         if src is None:
             raise ValueError("get_batch: give src (the global rank that reads the data) together with group")
@@ -373,9 +380,12 @@ def get_batch(data_iterator, *, device=None, group=None, src: Optional[int] = No
         # routing replay: every row's routes; MTP logging: the step's target weights by source depth
         routes = _broadcast_optional(getattr(mb, "routes", None) if mine else None, 3, torch.int64, src, group, cdev)
         step_w = _broadcast_optional(_step_weights(mb) if mine else None, 1, torch.float64, src, group, cdev)
+        # per-sample statistics (a per-sample seq aux loss): every path's rows
+        paths = _broadcast_optional(mb.sample_paths() if mine else None, 1, torch.int64, src, group, cdev)
     stats = stats.to(device)
     tails = bool((stats[2] > 0).any())
     return TreePackedSeqParams(layout=layout, loss_map=loss_map, row_samples=stats[0], row_inv_length=stats[1],
+                               sample_paths=None if paths is None else paths.to(device),
                                routes=None if routes is None else routes.to(device),
                                mtp_tail_index=stats[2].long() if tails else None,
                                mtp_tail_inv_length=stats[3] if tails else None,

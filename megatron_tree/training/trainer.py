@@ -1177,6 +1177,10 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
         install_routing_replay(model)
         replay = RouteSpec(moe_layers=model.routing_replay_moe_layers, topk=config.moe_router_topk,
                            num_experts=config.num_moe_experts)
+    if getattr(args, "tree_seq_aux_per_sample", False):  # DeepSeek-V3's per-sample seq aux loss
+        from ..megatron.moe_balance import set_seq_aux_per_sample
+
+        set_seq_aux_per_sample(model)
     ddp = wrap_ddp(model, config, use_distributed_optimizer=args.use_distributed_optimizer)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,

@@ -148,6 +148,12 @@ class VerifyConfig:
     # MoE load balancing: TransformerConfig fields (`training.arguments.moe_balancing_fields`); dense kinds
     # get 4 experts (every layer MoE). The reference is then the flat pack of each tree microbatch
     balancing: Optional[dict] = None
+    # optimizer steps on the batch (``params_after_step`` / ``expert_bias`` after the last); the optimizer
+    # (None: Adam in float64, SGD for float32, routing replay and MoE balancing)
+    steps: int = 1
+    optimizer: Optional[str] = None
+    # seq_aux_loss per sample (DeepSeek-V3's definition, `moe_balance.set_seq_aux_per_sample`) on both sides
+    seq_aux_per_sample: bool = False
 
     def balancing_on(self) -> bool:
         b = self.balancing or {}
@@ -551,15 +557,16 @@ def _mb_of(item):
     return item[0] if isinstance(item, tuple) else item
 
 
-def _flat_packed(samples: list, mb, pad: int, route_aware: bool = False):
+def _flat_packed(samples: list, mb, pad: int, route_aware: bool = False, mtp_tail: int = 0):
     """The samples of tree microbatch ``mb`` as one flat-packed microbatch (every sample its own
     unbranched chain, in the order of ``mb.sample_ids``; its sample ``j`` is ``mb.sample_ids[j]``):
     ordinary packed training of the same microbatch, the bf16 judge's baseline."""
     from ..tree import pack
 
     chosen = [samples[i] for i in mb.sample_ids]
-    rows = sum(len(s.tokens) for s in chosen)
-    out = pack(chosen, -(-rows // pad) * pad, pad_to_multiple_of=pad, share_prefixes=False, route_aware=route_aware)
+    rows = sum(len(s.tokens) + mtp_tail for s in chosen)
+    out = pack(chosen, -(-rows // pad) * pad, pad_to_multiple_of=pad, share_prefixes=False, route_aware=route_aware,
+               mtp_tail=mtp_tail)
     if len(out) != 1:
         raise RuntimeError(f"flat packing of one microbatch's {len(chosen)} samples gave {len(out)} microbatches")
     return out[0]
@@ -670,8 +677,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     route_shape = None
     if cfg.routing_replay:
         margs.extra["moe_enable_routing_replay"] = True
-        if cfg.recompute == "selective" and cfg.model not in ("mla", "dsa"):
-            margs.extra["recompute_modules"] = ["core_attn", "moe"]  # the MoE layer's routing reruns in backward
+    if (cfg.routing_replay or balance) and cfg.recompute == "selective" and cfg.model not in ("mla", "dsa"):
+        margs.extra["recompute_modules"] = ["core_attn", "moe"]  # the MoE layer's routing reruns in backward
     probe = make_config(margs, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, sp=cfg.sp, dtype=dtype, cpu=on_cpu)
     if cfg.routing_replay:
         route_shape = (_moe_layer_count(margs, probe), margs.moe_router_topk)
@@ -714,8 +721,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # an effect of the microbatch count, not of the tree. The float64 reference stays per sample.
     # MoE balancing: aux losses are statistics of a microbatch, so the reference packs each tree microbatch's
     # samples flat (stock's statistic on the same microbatch), padding weighing nothing
-    packed_mbs = ([_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay) for mb in mine]
-                  if bf16 or balance else None)
+    packed_mbs = ([_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay, mtp_tail=tail if balance else 0)
+                   for mb in mine] if bf16 or balance else None)
     if cfg.carry:  # the same number of schedule items on every DP rank (an exporting microbatch is two)
         count = lambda rank_mbs: sum(1 + (len(mbs[i].carry.exported) > 0) for i in rank_mbs)
         tree_mbs += [filler] * (max(count(r) for r in ranks) - count(ranks[dpr]))
@@ -741,6 +748,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         # model "dsa": the per-sample side's DSA core attention is stock DSAttention (the oracle);
         # same parameters and initial weights as the tree side
         m = build_model(config, margs, stock_dsa=stock_dsa, stock_mtp=stock_mtp)
+        if cfg.seq_aux_per_sample:
+            from ..megatron.moe_balance import set_seq_aux_per_sample
+
+            set_seq_aux_per_sample(m)
         if stock_mtp:  # the per-sample side's MTP: stock GPTModel._postprocess (`verify_mtp`)
             from .verify_mtp import install_stock_mtp
 
@@ -772,8 +783,9 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         # router gradients agree to ~1e-7 only, the float32 case, so they step with SGD too (with Adam a
         # few small router gradient elements moved their parameter by 1e-5..2e-4 of the largest, by the
         # chance of the seed)
-        # MoE balancing likewise (all-MoE models; the z-loss and aux gradients reach every router element)
-        opt_name = "adam" if dtype == torch.float64 and not (cfg.routing_replay or balance) else "sgd"
+        # MoE balancing likewise (all-MoE models; the z-loss and aux gradients reach every router element).
+        # ``optimizer`` overrides the choice (the multi-step check of balancing runs Adam)
+        opt_name = cfg.optimizer or ("adam" if dtype == torch.float64 and not (cfg.routing_replay or balance) else "sgd")
         opt = get_megatron_optimizer(OptimizerConfig(optimizer=opt_name, lr=1e-2, weight_decay=0.01, clip_grad=0.0,
                                                      params_dtype=dtype), [ddp])
         return ddp, opt
@@ -818,7 +830,9 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         if cfg.mtp_num_layers and cfg.cp == 1 and side in per_sample:
             side_recompute = "none"  # stock MTP (0.16) cannot checkpoint with packed_seq_params; no number changes
         ddp, opt = fresh(stock_dsa=stock, side_dtype=side_dtype, init=init if side == "ref" else None,
-                         recompute=side_recompute, stock_mtp=bool(cfg.mtp_num_layers) and cfg.cp == 1 and side != "tree")
+                         recompute=side_recompute,
+                         # balancing: the flat pack runs our MTP (stock MTP rolls a pack as one sequence)
+                         stock_mtp=bool(cfg.mtp_num_layers) and cfg.cp == 1 and side != "tree" and not balance)
         if cfg.mtp_num_layers:
             from .verify_mtp import set_mtp_fault
 
@@ -860,14 +874,6 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             if cfg.carry and side == "tree":
                 batch = carry_again(batch)
             reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap)
-        if cfg.carry:
-            from ..cp.execution import carry as carry_exec
-
-            carry_exec._FAULT = None
-        if balance:
-            from ..megatron import moe_balance
-
-            moe_balance._FAULT = None
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
             tot = tot.double()
@@ -878,7 +884,22 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         params = None
         if opt is not None:
             opt.step()
+            for _ in range(cfg.steps - 1):  # the same batch again: Adam's moments, expert-bias updates, drift
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                if cfg.carry and side == "tree":
+                    batch = carry_again(batch)
+                forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap)
+                opt.step()
             params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
+        if cfg.carry:
+            from ..cp.execution import carry as carry_exec
+
+            carry_exec._FAULT = None
+        if balance:
+            from ..megatron import moe_balance
+
+            moe_balance._FAULT = None
         if cfg.carry and side == "tree" and cfg.cp > 1:  # each CP rank holds its rows' logits: gather them
             parts = [None] * cfg.cp
             torch.distributed.all_gather_object(parts, [x for x in store if isinstance(x, tuple)],
@@ -1122,6 +1143,23 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.fault in REPLAY_FAULTS and not cfg.routing_replay:
             raise ValueError(f"fault {cfg.fault} plants a bug in routing replay: it needs routing_replay=True "
                              "(--routing-replay)")
+        if cfg.steps < 1:
+            raise ValueError(f"verify --steps must be >= 1, got {cfg.steps}")
+        if cfg.steps > 1 and (cfg.routing_replay or cfg.dtype == "bfloat16"):
+            raise ValueError("verify --steps > 1 runs without --routing-replay and not in bf16 (the per-sample side "
+                             "feeds stock RouterReplay each sample's routes once; bf16 compares no step)")
+        if cfg.fault in BALANCE_FAULTS and not cfg.balancing_on():
+            raise ValueError(f"fault {cfg.fault} plants a bug in MoE balancing: it needs a balancing setting "
+                             "(--moe-aux-loss-coeff, --moe-z-loss-coeff or --moe-router-enable-expert-bias)")
+        if cfg.carry and cfg.balancing_on():
+            from types import SimpleNamespace
+
+            from ..megatron.moe_balance import aux_losses_enabled
+
+            if aux_losses_enabled(SimpleNamespace(num_moe_experts=4, **cfg.balancing)):
+                raise ValueError("verify --carry with an aux loss: refused (an aux loss is a product of one "
+                                 "microbatch's counts, and carry's microbatches hold parts of samples); z-loss and "
+                                 "expert bias carry")
         from .verify_mtp import check_mtp_config
 
         check_mtp_config(cfg)

@@ -124,6 +124,15 @@ class TreeMicrobatch:
             inv[rows] = (1.0 / np.maximum(np.diff(self._path_offsets), 1))[:, None]
         return torch.from_numpy(index), torch.from_numpy(inv)
 
+    def sample_paths(self) -> torch.Tensor:
+        """``[1 + S+1 + S + F]`` int64, one tensor (it is broadcast as one): S, the path offsets ``[S+1]`` of
+        this layout's S paths (``sample_ids`` order), their lengths as stock divides by ``[S]`` (under carry
+        the sample's whole length), then the F rows of every path concatenated (`split_sample_paths`). The
+        per-sample statistics of a layer (a per-sample sequence aux loss) sum over them."""
+        lens = np.diff(self._path_offsets) if self.carry is None else np.asarray(self.carry.path_sample_lengths)
+        n = len(self._path_offsets) - 1
+        return torch.from_numpy(np.concatenate([[n], self._path_offsets, lens, self._path_rows]).astype(np.int64))
+
     def sample_rows(self, sample_id: int) -> torch.Tensor:
         i = self._slot(sample_id)
         return torch.from_numpy(self._path_rows[self._path_offsets[i]: self._path_offsets[i + 1]])
@@ -211,3 +220,9 @@ def summarize(microbatches) -> dict:
     tot["attention_pair_ratio"] = tot["flat_attention_pairs"] / max(tot["tree_attention_pairs"], 1)
     tot["fill"] = tot["tree_tokens"] / max(budget, 1)
     return tot
+
+
+def split_sample_paths(paths: torch.Tensor) -> tuple:
+    """``(offsets [S+1], lengths [S], rows [F])`` of `TreeMicrobatch.sample_paths`' one tensor."""
+    n = int(paths[0])
+    return paths[1: n + 2], paths[n + 2: 2 * n + 2], paths[2 * n + 2:]

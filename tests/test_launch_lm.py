@@ -687,3 +687,46 @@ def test_examples_readme_documents_launch_cpu_recipe_and_dependencies():
     for word in ("--nnodes", "--rdzv-endpoint", "--node-rank", "--exit-signal-handler", "#SBATCH --signal=TERM@",
                  "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "consumed"):
         assert word in readme, word
+
+
+#: MoE balancing as Megatron-LM users pass it: aux loss, z-loss, expert bias with sigmoid routing
+BALANCED_MOE = ["--num-layers", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+                "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid",
+                "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"]
+
+
+@needs_megatron_training
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is for CPU-only hosts")
+def test_pretrain_moe_balancing_on_trees_equals_flat_packing(tmp_path):
+    """MoE load balancing through Megatron-LM's pretrain() with the flags as users pass them: aux loss 0.1,
+    z-loss 0.01 and expert bias (sigmoid routing, update rate 0.01), one microbatch of the step's 8 samples
+    (so the aux loss, a statistic of a microbatch, sees the same samples either way). Prefix trees against
+    --tree-flat-packing (every sample its own chain, nothing shared): every iteration's loss, and the
+    load-balancing and z-losses Megatron-LM logs, agree to float32 rounding over 4 iterations (each step
+    updates the expert biases from the counts the next routing uses); the tree really shares rows."""
+    data = _write_data(tmp_path / "train.jsonl")
+    args = list(COMMON)
+    for flag, value in (("--tree-max-tokens-per-mb", "128"), ("--seq-length", "128"),
+                        ("--max-position-embeddings", "128"), ("--global-batch-size", "1")):
+        args[args.index(flag) + 1] = value
+    args += BALANCED_MOE + ["--tree-data-path", str(data)]
+    rc, out_tree, tree = _launch(tmp_path, "tree", GPT, args, nproc=1)
+    _check(rc, out_tree, "balanced MoE on trees")
+    rc, out_flat, flat = _launch(tmp_path, "flat", GPT, args + ["--tree-flat-packing"], nproc=1)
+    _check(rc, out_flat, "balanced MoE flat-packed")
+    assert sorted(tree) == sorted(flat) == [1, 2, 3, 4]
+    # float32 rounding (measured 8.5e-8); the deduplicated statistics of before (planted by hand: every row
+    # weighing 1) moved iteration 2's loss by 6.7e-5
+    for it in tree:
+        assert tree[it] == pytest.approx(flat[it], rel=1e-6), (it, tree, flat)
+    for key in ("load_balancing_loss", "z_loss"):
+        a, b = _logged(out_tree, key), _logged(out_flat, key)
+        assert sorted(a) == sorted(b) == [1, 2, 3, 4], (key, a, b, out_tree[-3000:])
+        for it in a:
+            assert a[it] == pytest.approx(b[it], rel=1e-5), (key, it, a, b)
+    rows = {name: sum(len(m[0]) for m in _microbatches(tmp_path, name, 1)) for name in ("tree", "flat")}
+    assert rows["tree"] == rows["flat"] == 8  # the same 8 samples in one microbatch
+    print(f"\nbalanced MoE pretrain(): tree {tree}, flat {flat}; load_balancing_loss tree "
+          f"{_logged(out_tree, 'load_balancing_loss')} flat {_logged(out_flat, 'load_balancing_loss')}; z_loss tree "
+          f"{_logged(out_tree, 'z_loss')} flat {_logged(out_flat, 'z_loss')}")

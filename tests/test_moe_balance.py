@@ -277,3 +277,55 @@ def test_aux_losses_with_carry_are_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match="--tree-carry with --moe-router-load-balancing-type aux_loss"):
         validate_tree_args(argparse.Namespace(tree_packing=True, tree_carry=True, num_experts=4, tree_max_tokens_per_mb=64,
                                               moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss"))
+
+
+def test_train_cli_balancing_on_trees_equals_flat_packing(tmp_path):
+    """``megatron-tree train`` with Megatron-LM's balancing flags (aux loss, z-loss, expert bias with sigmoid
+    routing), prefix trees against ``--packing flat``: one microbatch per step holding the step's 8 samples
+    (the aux loss is a statistic of a microbatch), 4 steps of Adam, every step's loss equal to float32
+    rounding."""
+    import json
+
+    import numpy as np
+
+    from megatron_tree import cli
+
+    rng = np.random.default_rng(5)
+    data = tmp_path / "records.jsonl"
+    with open(data, "w") as f:
+        for _ in range(4):
+            prompt = rng.integers(1, 64, 8).tolist()
+            for _ in range(4):
+                f.write(json.dumps({"tokens": prompt + rng.integers(1, 64, 5).tolist()}) + "\n")
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "64",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "0.1",
+             "--moe-z-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-bias-update-rate", "0.01", "--tree-data-path", str(data), "--tree-global-batch-samples", "8",
+             "--tree-max-tokens-per-mb", "128", "--train-iters", "4", "--lr", "0.01", "--quiet"]
+    losses = {}
+    for packing in ("tree", "flat"):
+        out = tmp_path / f"{packing}.json"
+        assert cli.main(["train", *flags, "--packing", packing, "--metrics-json", str(out)]) == 0
+        with open(out) as f:
+            losses[packing] = [h["loss"] for h in json.load(f)["history"]]
+    assert len(losses["tree"]) == 4
+    assert losses["tree"] == pytest.approx(losses["flat"], rel=1e-6), losses
+    assert losses["tree"][3] != losses["tree"][0]
+
+
+def test_settings_a_tree_cannot_make_exact_are_refused_by_name():
+    from types import SimpleNamespace
+
+    from megatron_tree.megatron.moe_balance import check_balancing_config
+
+    base = dict(num_moe_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                moe_z_loss_coeff=None, moe_router_enable_expert_bias=False, moe_expert_capacity_factor=None,
+                moe_router_fusion=False)
+    check_balancing_config(SimpleNamespace(**base))
+    for change, flag in ((dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),
+                         (dict(moe_router_fusion=True), "--moe-router-fusion"),
+                         (dict(moe_router_load_balancing_type="sinkhorn", moe_z_loss_coeff=1e-3), "sinkhorn")):
+        with pytest.raises(ValueError, match=flag):
+            check_balancing_config(SimpleNamespace(**dict(base, **change)))
+    # nothing to weigh: no refusal (capacity factors train as stock without balancing)
+    check_balancing_config(SimpleNamespace(**dict(base, moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=1.0)))

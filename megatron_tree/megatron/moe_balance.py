@@ -26,7 +26,7 @@ forward pre-hook, as routing replay reads its routes: every pipeline stage, full
 rank's rows: the CP view's ``local_rows`` then padding, the GDN island view's inside an island, carry's
 own rows, and this TP rank's slice of them under sequence parallelism. Selective MoE recomputation
 re-runs the router in the backward without an MoE module call: each such forward pushes its weights on
-a FIFO that the re-run pops (Megatron runs a stage's backwards in forward order).
+a FIFO that the re-run pops (`moe_layers.PerForward`, shared with routing replay).
 
 Multipliers under ``calculate_per_token_loss`` (what makes the attached loss's gradient the flat one
 after ``finalize_model_grads`` divides by the step's token count): stock multiplies a rank's partial
@@ -44,12 +44,11 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections import deque
 from typing import Optional
 
 import torch
 
-from .moe_layers import moe_layers_of, mtp_moe_layers_of, recompute_needs_training
+from .moe_layers import PerForward, moe_layers_of, mtp_moe_layers_of
 from .packed_seq import TreePackedSeqParams
 
 __all__ = ["set_seq_aux_per_sample", "local_sample_paths", "balancing_enabled", "check_balancing_config", "aux_losses_enabled", "refuse_aux_losses_under_carry", "install_moe_balancing", "local_row_weights",
@@ -153,26 +152,19 @@ def local_row_weights(psp: TreePackedSeqParams) -> torch.Tensor:
     return torch.cat([w[psp.local_rows], w.new_zeros(psp.num_local_padding)])
 
 
-class RowWeights:
+class RowWeights(PerForward):
     """One router's row weights (and, for a per-sample seq aux loss, its flat tokens' samples: see
     `local_sample_paths`) for the forward in flight, set by its layer's pre-hook as ``current`` =
-    ``(weights [n], paths or None)``."""
+    ``(weights [n], paths or None)`` (`moe_layers.PerForward`: recomputations)."""
 
     def __init__(self, tp_rank: int, tp_size: int, sequence_parallel: bool):
+        super().__init__()
         self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
-        self.current: Optional[tuple] = None
         self.per_sample = False  # a per-sample seq aux loss reads the paths (`set_seq_aux_per_sample`)
-        self.in_call = 0
-        self.fifo: deque = deque()
 
     def for_router(self, n_tokens: int) -> Optional[tuple]:
         """``(weights [n_tokens], paths)`` of the rows the router sees (this TP rank's slice under SP)."""
-        if self.in_call:
-            cur = self.current
-        elif self.fifo:  # selective MoE recomputation in the backward: the oldest pending forward's weights
-            cur = self.fifo.popleft()
-        else:
-            cur = self.current
+        cur = self.pending()
         if cur is None:
             return None
         w, paths = cur
@@ -428,25 +420,6 @@ def _layer_pre_hook(weights: RowWeights):
     return hook
 
 
-def _moe_pre_hook(weights: RowWeights, moe, needs_training: bool):
-    def hook(module, args):
-        weights.in_call += 1
-        recomputes = getattr(moe, "moe_layer_recompute", False) and (moe.training or not needs_training)
-        if recomputes and torch.is_grad_enabled() and weights.current is not None:
-            weights.fifo.append(weights.current)  # this forward's routing runs again in the backward
-        return None
-
-    return hook
-
-
-def _moe_post_hook(weights: RowWeights):
-    def hook(module, args, output):
-        weights.in_call -= 1
-        return None
-
-    return hook
-
-
 def install_moe_balancing(model) -> list:
     """Weigh every router statistic of ``model``'s MoE layers (this pipeline stage) by row multiplicity;
     returns the `RowWeights` per MoE layer (empty when ``model`` has no MoE layer or no balancing is on).
@@ -470,7 +443,6 @@ def install_moe_balancing(model) -> list:
         if ps.model_parallel_is_initialized():
             tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     sp = bool(m.config.sequence_parallel)
-    needs_training = recompute_needs_training()
     out = []
     # MTP depths' MoE layers read their depth's view: its row_samples weigh the rows of depth >= k and the
     # sample's first k MTP tail rows (`mtp._depth_weights`), the positions stock's depth k routes
@@ -487,8 +459,7 @@ def install_moe_balancing(model) -> list:
         weights.router = router
         router.register_forward_pre_hook(_router_pre_hook(weights), with_kwargs=True)
         layer.register_forward_pre_hook(_layer_pre_hook(weights), with_kwargs=True)
-        moe.register_forward_pre_hook(_moe_pre_hook(weights, moe, needs_training))
-        moe.register_forward_hook(_moe_post_hook(weights))
+        weights.attach(moe)
         out.append(weights)
     m._tree_moe_balancing = out
     m._tree_moe_mtp_layers = len(mtp_moe_layers_of(m))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections import deque
 
-__all__ = ["moe_layers_of", "mtp_moe_layers_of", "recompute_needs_training"]
+import torch
+
+__all__ = ["moe_layers_of", "mtp_moe_layers_of", "recompute_needs_training", "PerForward"]
 
 
 def moe_layers_of(model) -> list:
@@ -52,3 +55,43 @@ def recompute_needs_training() -> bool:
         return "moe_layer_recompute and self.training" in inspect.getsource(MoELayer.forward)
     except (OSError, TypeError):  # pragma: no cover - no source: assume the stricter rule
         return True
+
+
+class PerForward:
+    """What one router reads for the forward in flight, under every recomputation Megatron runs.
+
+    A pre-hook on the router's decoder (or MTP) layer sets ``current`` from the ``packed_seq_params`` the
+    layer is called with (every pipeline stage; full recomputation calls the layer again). Selective MoE
+    recomputation re-runs the router in the backward without an MoE module call: each such forward
+    pushes ``current`` on a FIFO that the re-run pops (Megatron runs a stage's backwards in the order of
+    its forwards under every schedule). `pending` is the value for a router call: ``current`` inside the
+    MoE module's call, else the oldest pushed one, else None. `attach` hangs the MoE module's hooks."""
+
+    def __init__(self):
+        self.current = None
+        self.in_call = 0  # > 0 while the MoE module's forward runs (a module call)
+        self.fifo: deque = deque()
+
+    def pending(self):
+        if self.in_call:
+            return self.current
+        if self.fifo:
+            return self.fifo.popleft()
+        return None
+
+    def attach(self, moe) -> None:
+        needs_training = recompute_needs_training()
+
+        def pre(module, args):
+            self.in_call += 1
+            recomputes = getattr(moe, "moe_layer_recompute", False) and (moe.training or not needs_training)
+            if recomputes and torch.is_grad_enabled() and self.current is not None:
+                self.fifo.append(self.current)  # this forward's routing runs again in the backward
+            return None
+
+        def post(module, args, output):
+            self.in_call -= 1
+            return None
+
+        moe.register_forward_pre_hook(pre)
+        moe.register_forward_hook(post)

@@ -29,13 +29,12 @@ replaces each router's instance by a `TreeRouterReplay` that reads them from the
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Optional
 
 import torch
 
 from .model import unwrap_model as _unwrap
-from .moe_layers import moe_layers_of, recompute_needs_training
+from .moe_layers import PerForward, moe_layers_of
 from .packed_seq import TreePackedSeqParams
 
 __all__ = ["TreeRouterReplay", "install_routing_replay", "reset_routing_replay", "local_routes", "moe_layers_of",
@@ -58,16 +57,14 @@ def local_routes(psp: TreePackedSeqParams) -> torch.Tensor:
     return torch.cat([r[psp.local_rows], pad])
 
 
-class TreeRouterReplay:
+class TreeRouterReplay(PerForward):
     """The replay of one router (set in place of its stock ``RouterReplay``): ``get_replay_topk`` has
     stock's signature and, as stock's replay, returns ``(scores.gather(1, indices), indices)``."""
 
     def __init__(self, moe_ordinal: int, tp_rank: int, tp_size: int, sequence_parallel: bool):
+        super().__init__()  # current: [n_local, topk] routes set by the layer's pre-hook (`PerForward`)
         self.moe_ordinal = moe_ordinal
         self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
-        self.current: Optional[torch.Tensor] = None  # [n_local, topk] set by the layer's pre-hook
-        self.in_call = 0  # > 0 while the MoE module's forward runs (a module call)
-        self.fifo: deque = deque()  # routes of forwards whose MoE layer recomputes in the backward
         self.layer_number = None
         self.fault = None
 
@@ -89,14 +86,10 @@ class TreeRouterReplay:
                            f"microbatch gives this rank {n} routed rows")
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        if self.in_call:
+        recomputation = not self.in_call  # selective MoE recomputation: the oldest pending forward's routes
+        idx = self.pending()
+        if recomputation and idx is not None and (self.fault or _FAULT) == "route_recompute_stale":
             idx = self.current
-        elif self.fifo:  # selective MoE recomputation in the backward: the oldest pending forward's routes
-            idx = self.fifo.popleft()
-            if (self.fault or _FAULT) == "route_recompute_stale":
-                idx = self.current
-        else:
-            idx = None
         if idx is None:
             raise RuntimeError(f"routing replay (MoE layer {self.moe_ordinal}): no routes for this forward. Routing "
                                "replay never re-routes: feed the model TreePackedSeqParams whose microbatch carries "
@@ -154,7 +147,6 @@ def install_routing_replay(model, *, first_moe_layer: Optional[int] = None) -> l
     total = None
     if first_moe_layer is None:
         first_moe_layer, total = _moe_layer_offset(len(pairs))
-    needs_training = recompute_needs_training()
     pg = getattr(m, "pg_collection", None)
     tp = getattr(pg, "tp", None)
     tp_rank, tp_size = (tp.rank(), tp.size()) if tp is not None else (0, 1)
@@ -172,8 +164,7 @@ def install_routing_replay(model, *, first_moe_layer: Optional[int] = None) -> l
         rep.layer_number = getattr(stock, "layer_number", None)
         router.router_replay = rep
         layer.register_forward_pre_hook(_layer_pre_hook(rep, total), with_kwargs=True)
-        moe.register_forward_pre_hook(_moe_pre_hook(rep, moe, needs_training))
-        moe.register_forward_hook(_moe_post_hook(rep))
+        rep.attach(moe)
         replays.append(rep)
     m._tree_routing_replay = replays
     # MoE layers of the whole model (the routes' middle axis): counted over the PP group, or from
@@ -201,25 +192,6 @@ def _layer_pre_hook(rep: TreeRouterReplay, total: Optional[int]):
             raise ValueError(f"routing replay: the routes hold {r.shape[1]} MoE layers but the model has "
                              f"{total if total is not None else f'at least {rep.moe_ordinal + 1}'}")
         rep.current = local_routes(psp)[:, rep.moe_ordinal]
-        return None
-
-    return hook
-
-
-def _moe_pre_hook(rep: TreeRouterReplay, moe, needs_training: bool):
-    def hook(module, args):
-        rep.in_call += 1
-        recomputes = getattr(moe, "moe_layer_recompute", False) and (moe.training or not needs_training)
-        if recomputes and torch.is_grad_enabled():
-            rep.fifo.append(rep.current)  # this forward's routing runs again in the backward
-        return None
-
-    return hook
-
-
-def _moe_post_hook(rep: TreeRouterReplay):
-    def hook(module, args, output):
-        rep.in_call -= 1
         return None
 
     return hook

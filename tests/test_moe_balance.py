@@ -247,17 +247,41 @@ BALANCING = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1
 
 
 def test_verify_balancing_against_the_flat_pack_and_its_planted_fault():
-    """``megatron-tree verify`` with aux loss, z-loss and expert bias (every layer MoE, one step of Adam with
-    finalize_model_grads' expert-bias update) against the flat pack of each tree microbatch; the planted
-    ``multiplicity_ones`` (every row weighs 1) must fail."""
+    """``megatron-tree verify`` with aux loss, z-loss and expert bias (every layer MoE, one SGD step with
+    finalize_model_grads' expert-bias update) against the flat pack of each tree microbatch, one rank:
+    GPT; GPT with 2 MTP depths (their MoE layers weigh the depth's positions, tail rows included); the
+    hybrid ``MG*E`` with carry (z-loss and expert bias: sums over rows, exact under carry); 10 Adam steps;
+    the per-sample seq aux loss; the planted ``multiplicity_ones`` (every row weighs 1) must fail."""
     from megatron_tree.training.verify import VerifyConfig, run_verify_many
 
-    ok, bad = run_verify_many([VerifyConfig(model="gpt", balancing=dict(BALANCING)),
-                               VerifyConfig(model="gpt", balancing=dict(BALANCING), fault="multiplicity_ones")])
-    assert ok["passed"], ok
-    assert ok["expert_bias"] == 0.0 and ok["grads"] < 5e-6
-    assert ok["tree_rows"] < ok["flat_rows"]
+    zb = {k: v for k, v in BALANCING.items() if k != "moe_aux_loss_coeff"}
+    cfgs = [VerifyConfig(model="gpt", balancing=dict(BALANCING)),
+            VerifyConfig(model="gpt", balancing=dict(BALANCING), mtp_num_layers=2),
+            VerifyConfig(model="hybrid", pattern="MG*E", balancing=zb, carry=True, budget=32),
+            VerifyConfig(model="gpt", balancing=dict(BALANCING), steps=10, optimizer="adam"),
+            VerifyConfig(model="gpt", balancing=dict(BALANCING, moe_router_load_balancing_type="seq_aux_loss"),
+                         seq_aux_per_sample=True),
+            VerifyConfig(model="gpt", balancing=dict(BALANCING), fault="multiplicity_ones")]
+    *good, bad = run_verify_many(cfgs)
+    for cfg, out in zip(cfgs, good):
+        assert out["passed"], (cfg, out)
+        assert out["expert_bias"] == 0.0 and out["grads"] < 5e-6, (cfg, out)
+        assert out["tree_rows"] < out["flat_rows"]
+    assert good[2]["carry_microbatches"] > 1
     assert not bad["passed"] and bad["grads"] > 1e-2
+
+
+def test_verify_balancing_under_tp_sp_cp_and_ep():
+    """The same against the flat pack on two ranks: the hybrid ``MG*E`` under TP2 + SP (each TP rank's slice
+    of the weights), GPT under tree CP2 with global_aux_loss (its running counts over TP x DP x CP), GPT
+    under EP2 x DP2 (padding microbatches weigh nothing: an all-padding microbatch's aux loss is 0, not NaN)."""
+    from megatron_tree.training.verify import VerifyConfig, run_verify_many
+
+    cfgs = [VerifyConfig(model="hybrid", pattern="MG*E", tp=2, sp=True, balancing=dict(BALANCING)),
+            VerifyConfig(model="gpt", cp=2, balancing=dict(BALANCING, moe_router_load_balancing_type="global_aux_loss")),
+            VerifyConfig(model="gpt", ep=2, dp=2, balancing=dict(BALANCING))]
+    for cfg, out in zip(cfgs, run_verify_many(cfgs)):
+        assert out["passed"] and out["expert_bias"] == 0.0 and out["grads"] < 5e-6, (cfg, out)
 
 
 def test_aux_losses_with_carry_are_refused_before_any_rank_starts():

@@ -51,7 +51,7 @@ import torch
 from .moe_layers import PerForward, moe_layers_of, mtp_moe_layers_of
 from .packed_seq import TreePackedSeqParams
 
-__all__ = ["set_seq_aux_per_sample", "local_sample_paths", "balancing_enabled", "check_balancing_config", "aux_losses_enabled", "refuse_aux_losses_under_carry", "install_moe_balancing", "local_row_weights",
+__all__ = ["set_seq_aux_per_sample", "reset_moe_tracker", "local_sample_paths", "balancing_enabled", "check_balancing_config", "aux_losses_enabled", "refuse_aux_losses_under_carry", "install_moe_balancing", "local_row_weights",
            "weighted_scores_for_aux_loss", "RowWeights"]
 
 # Test-only fault switch ("multiplicity_ones": every real row weighs 1, the deduplicated statistics of
@@ -237,6 +237,20 @@ def _record(router, name: str, value: torch.Tensor, **kw) -> None:
         tracker().record(name, value, layer_number, num_layers, **kw)
     else:
         moe_utils.save_to_aux_losses_tracker(name, value, layer_number, num_layers)
+
+
+def reset_moe_tracker() -> None:
+    """Drop stock's MoE logging tracker (0.19's metrics tracker, 0.16's layer-wise dict): it is sized by the
+    first model that records into it, so a process that builds another model with more MoE layers (verify's
+    configs, one after another) must start a new one."""
+    from megatron.core.transformer.moe import moe_utils
+
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # megatron-core 0.16: the layer-wise dict
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
 
 
 def _apply_z_loss(self, logits, padding_mask=None):

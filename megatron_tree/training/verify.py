@@ -650,7 +650,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                       else None)
     balance = cfg.balancing_on()
     if balance:
+        from ..megatron.moe_balance import reset_moe_tracker
+
         margs.extra.update(cfg.balancing)
+        reset_moe_tracker()  # sized by the first model that records: this config's may have more MoE layers
     dsa = cfg.model == "dsa"
     if dsa:
         from . import dsa_oracle

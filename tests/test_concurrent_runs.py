@@ -51,7 +51,8 @@ def test_eight_scores_and_four_two_rank_trainings_at_once(tmp_path):
     procs = []
     for i in range(SCORES):
         procs.append(("score", i, subprocess.Popen(
-            cmd + ["score", *MODEL, "--load", ckpt, "--data", data, "--out", str(tmp_path / f"s{i}.parquet"), "--dtype", "float64",
+            cmd + ["score", *MODEL, "--load", ckpt, "--data", data, "--out", str(tmp_path / f"s{i}.parquet"),
+                   "--dtype", "float64",
                    "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     for i in range(TRAINS):
         procs.append(("train", i, train(i)))

@@ -278,7 +278,8 @@ def test_verify_balancing_under_tp_sp_cp_and_ep():
     from megatron_tree.training.verify import VerifyConfig, run_verify_many
 
     cfgs = [VerifyConfig(model="hybrid", pattern="MG*E", tp=2, sp=True, balancing=dict(BALANCING)),
-            VerifyConfig(model="gpt", cp=2, balancing=dict(BALANCING, moe_router_load_balancing_type="global_aux_loss")),
+            VerifyConfig(model="gpt", cp=2,
+                         balancing=dict(BALANCING, moe_router_load_balancing_type="global_aux_loss")),
             VerifyConfig(model="gpt", ep=2, dp=2, balancing=dict(BALANCING))]
     for cfg, out in zip(cfgs, run_verify_many(cfgs)):
         assert out["passed"] and out["expert_bias"] == 0.0 and out["grads"] < 5e-6, (cfg, out)
@@ -299,8 +300,9 @@ def test_aux_losses_with_carry_are_refused_before_any_rank_starts():
     import argparse
 
     with pytest.raises(ValueError, match="--tree-carry with --moe-router-load-balancing-type aux_loss"):
-        validate_tree_args(argparse.Namespace(tree_packing=True, tree_carry=True, num_experts=4, tree_max_tokens_per_mb=64,
-                                              moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss"))
+        validate_tree_args(argparse.Namespace(tree_packing=True, tree_carry=True, num_experts=4,
+                                              tree_max_tokens_per_mb=64, moe_aux_loss_coeff=1e-2,
+                                              moe_router_load_balancing_type="aux_loss"))
 
 
 def test_train_cli_balancing_on_trees_equals_flat_packing(tmp_path):
@@ -353,3 +355,40 @@ def test_settings_a_tree_cannot_make_exact_are_refused_by_name():
             check_balancing_config(SimpleNamespace(**dict(base, **change)))
     # nothing to weigh: no refusal (capacity factors train as stock without balancing)
     check_balancing_config(SimpleNamespace(**dict(base, moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=1.0)))
+
+
+def test_train_cli_balancing_is_the_same_on_every_layout(tmp_path):
+    """Aux loss, z-loss and expert bias through ``megatron-tree train``: one rank, TP2 + SP and tree CP2 train
+    the same 4 steps (float32 rounding). Verify compares tree and flat on one layout; this compares layouts:
+    each rank's attached loss is multiplied by the microbatch's flat tokens summed from the row weights
+    (stock's ``valid_token_count`` under a mask is already the TP x CP group's, which doubled the aux
+    gradient at TP2: 1.1e-5 here)."""
+    import json
+
+    import numpy as np
+
+    from megatron_tree import cli
+
+    rng = np.random.default_rng(5)
+    data = tmp_path / "records.jsonl"
+    with open(data, "w") as f:
+        for _ in range(4):
+            prompt = rng.integers(1, 64, 8).tolist()
+            for _ in range(4):
+                f.write(json.dumps({"tokens": prompt + rng.integers(1, 64, 5).tolist()}) + "\n")
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "64",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "0.1",
+             "--moe-z-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--tree-data-path", str(data), "--tree-global-batch-samples", "8", "--tree-max-tokens-per-mb", "128",
+             "--train-iters", "4", "--lr", "0.01", "--optimizer", "sgd", "--quiet"]
+    losses = {}
+    for name, layout in (("one", ["--nproc", "1"]),
+                         ("tp2sp", ["--nproc", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                         ("cp2", ["--nproc", "2", "--context-parallel-size", "2"])):
+        out = tmp_path / f"{name}.json"
+        assert cli.main(["train", *flags, *layout, "--metrics-json", str(out)]) == 0
+        with open(out) as f:
+            losses[name] = [h["loss"] for h in json.load(f)["history"]]
+    assert len(losses["one"]) == 4 and losses["one"][3] != losses["one"][0]
+    for name in ("tp2sp", "cp2"):
+        assert losses[name] == pytest.approx(losses["one"], rel=1e-6), losses

@@ -48,11 +48,12 @@ from typing import Optional
 
 import torch
 
-from .moe_layers import PerForward, moe_layers_of, mtp_moe_layers_of
+from .moe_layers import PerForward, moe_layers_of, mtp_moe_layers_of, tensor_parallel_of
 from .packed_seq import TreePackedSeqParams
 
-__all__ = ["set_seq_aux_per_sample", "reset_moe_tracker", "local_sample_paths", "balancing_enabled", "check_balancing_config", "aux_losses_enabled", "refuse_aux_losses_under_carry", "install_moe_balancing", "local_row_weights",
-           "weighted_scores_for_aux_loss", "RowWeights"]
+__all__ = ["set_seq_aux_per_sample", "reset_moe_tracker", "local_sample_paths", "balancing_enabled",
+           "check_balancing_config", "aux_losses_enabled", "refuse_aux_losses_under_carry", "install_moe_balancing",
+           "local_row_weights", "weighted_scores_for_aux_loss", "RowWeights"]
 
 # Test-only fault switch ("multiplicity_ones": every real row weighs 1, the deduplicated statistics of
 # before; the planted fault of ``megatron-tree verify --moe-router-load-balancing-type ...``)
@@ -64,7 +65,8 @@ def balancing_enabled(config) -> bool:
     positive coefficient, z-loss, or expert-bias counts."""
     if not _has_experts(config):
         return False
-    return bool(aux_losses_enabled(config)) or bool(getattr(config, "moe_z_loss_coeff", None)) or bool(getattr(config, "moe_router_enable_expert_bias", False))
+    return (bool(aux_losses_enabled(config)) or bool(getattr(config, "moe_z_loss_coeff", None))
+            or bool(getattr(config, "moe_router_enable_expert_bias", False)))
 
 
 def _has_experts(config) -> bool:
@@ -158,8 +160,7 @@ class RowWeights(PerForward):
     ``(weights [n], paths or None)`` (`moe_layers.PerForward`: recomputations)."""
 
     def __init__(self, tp_rank: int, tp_size: int, sequence_parallel: bool):
-        super().__init__()
-        self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
+        super().__init__(tp_rank, tp_size, sequence_parallel)
         self.per_sample = False  # a per-sample seq aux loss reads the paths (`set_seq_aux_per_sample`)
 
     def for_router(self, n_tokens: int) -> Optional[tuple]:
@@ -168,18 +169,12 @@ class RowWeights(PerForward):
         if cur is None:
             return None
         w, paths = cur
-        n = w.shape[0]
-        if n == n_tokens:
-            return w, paths
-        if self.sp and self.tp_size > 1 and n == n_tokens * self.tp_size:
-            lo = self.tp_rank * n_tokens
-            if paths is not None:
-                sample, rows, lengths = paths
-                keep = (rows >= lo) & (rows < lo + n_tokens)
-                paths = (sample[keep], rows[keep] - lo, lengths)
-            return w[lo: lo + n_tokens], paths
-        raise RuntimeError(f"MoE balancing: the router sees {n_tokens} tokens but the microbatch gives this rank "
-                           f"{n} weighted rows")
+        seen = self.router_rows(w.shape[0], n_tokens, "MoE balancing, weighted rows")
+        if paths is not None:  # the flat tokens on the rows it sees, their rows counted from the slice's start
+            sample, rows, lengths = paths
+            keep = (rows >= seen.start) & (rows < seen.stop)
+            paths = (sample[keep], rows[keep] - seen.start, lengths)
+        return w[seen], paths
 
 
 # --------------------------------------------------------------------------------------------- router parts
@@ -297,10 +292,12 @@ def _apply_expert_bias(self, routing_map, padding_mask=None):
 
 def _attach_and_log(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group, *args, **kwargs):
     """Stock's attach, with the per-token multiplier of a weighted microbatch: ``T``, the flat tokens of
-    the whole microbatch over TP x CP, on every rank (see the module docstring)."""
-    count = kwargs.get("valid_token_count")
-    if self.calculate_per_token_loss and self._tree_weighted_call and count is not None:
-        total = _group_total(torch.as_tensor(count, dtype=torch.float64), self.tp_cp_group)
+    the whole microbatch over TP x CP, on every rank (see the module docstring). ``T`` is summed from this
+    call's row weights, not from the ``valid_token_count`` stock passes: under TP x CP > 1 stock's count is
+    already the group's (`get_tokens_per_expert_and_token_count` all-reduces its local counts in place
+    before it sums them: stock's padding-mask path doubles the multiplier at TP 2)."""
+    if self.calculate_per_token_loss and self._tree_weighted_call:
+        total = _group_total(self._tree_weights.sum().to(torch.float64), self.tp_cp_group)
         kwargs["valid_token_count"] = total / self.tp_cp_group.size() if _attach_scales_by_tp_cp() else total
     return type(self).attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name,
                                                          reduce_group, *args, **kwargs)
@@ -448,15 +445,7 @@ def install_moe_balancing(model) -> list:
         return []
     check_balancing_config(m.config)
     _patch_router_module()
-    pg = getattr(m, "pg_collection", None)
-    tp = getattr(pg, "tp", None)
-    tp_rank, tp_size = (tp.rank(), tp.size()) if tp is not None else (0, 1)
-    if tp is None:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    sp = bool(m.config.sequence_parallel)
+    tp_rank, tp_size, sp = tensor_parallel_of(m)
     out = []
     # MTP depths' MoE layers read their depth's view: its row_samples weigh the rows of depth >= k and the
     # sample's first k MTP tail rows (`mtp._depth_weights`), the positions stock's depth k routes

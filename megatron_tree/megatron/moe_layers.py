@@ -8,7 +8,7 @@ from collections import deque
 
 import torch
 
-__all__ = ["moe_layers_of", "mtp_moe_layers_of", "recompute_needs_training", "PerForward"]
+__all__ = ["moe_layers_of", "mtp_moe_layers_of", "recompute_needs_training", "PerForward", "tensor_parallel_of"]
 
 
 def moe_layers_of(model) -> list:
@@ -45,6 +45,22 @@ def mtp_moe_layers_of(model) -> list:
     return out
 
 
+def tensor_parallel_of(model) -> tuple:
+    """``(TP rank, TP size, sequence parallel)`` of a model chunk's routers: its process groups, else
+    Megatron's parallel state, else one rank."""
+    while hasattr(model, "module"):
+        model = model.module
+    tp = getattr(getattr(model, "pg_collection", None), "tp", None)
+    if tp is not None:
+        rank, size = tp.rank(), tp.size()
+    else:
+        from megatron.core import parallel_state as ps
+
+        rank, size = ((ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+                      if ps.model_parallel_is_initialized() else (0, 1))
+    return rank, size, bool(model.config.sequence_parallel)
+
+
 @functools.lru_cache(maxsize=None)
 def recompute_needs_training() -> bool:
     """True where MoELayer recomputes only in training mode (0.19: ``moe_layer_recompute and
@@ -65,12 +81,24 @@ class PerForward:
     recomputation re-runs the router in the backward without an MoE module call: each such forward
     pushes ``current`` on a FIFO that the re-run pops (Megatron runs a stage's backwards in the order of
     its forwards under every schedule). `pending` is the value for a router call: ``current`` inside the
-    MoE module's call, else the oldest pushed one, else None. `attach` hangs the MoE module's hooks."""
+    MoE module's call, else the oldest pushed one, else None. `attach` hangs the MoE module's hooks.
+    ``current`` covers this rank's rows; under sequence parallelism the router sees its TP rank's slice
+    of them (`router_rows`)."""
 
-    def __init__(self):
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False):
+        self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
         self.current = None
         self.in_call = 0  # > 0 while the MoE module's forward runs (a module call)
         self.fifo: deque = deque()
+
+    def router_rows(self, n: int, n_tokens: int, what: str) -> slice:
+        """Which of the ``n`` rows this rank holds its router sees (``n_tokens`` of them): all, or under
+        sequence parallelism this TP rank's slice. ``what`` names the values in the error."""
+        if n == n_tokens:
+            return slice(0, n)
+        if self.sp and self.tp_size > 1 and n == n_tokens * self.tp_size:
+            return slice(self.tp_rank * n_tokens, (self.tp_rank + 1) * n_tokens)
+        raise RuntimeError(f"{what}: the router sees {n_tokens} tokens but the microbatch gives this rank {n} rows")
 
     def pending(self):
         if self.in_call:

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from .model import unwrap_model as _unwrap
-from .moe_layers import PerForward, moe_layers_of
+from .moe_layers import PerForward, moe_layers_of, tensor_parallel_of
 from .packed_seq import TreePackedSeqParams
 
 __all__ = ["TreeRouterReplay", "install_routing_replay", "reset_routing_replay", "local_routes", "moe_layers_of",
@@ -62,9 +62,9 @@ class TreeRouterReplay(PerForward):
     stock's signature and, as stock's replay, returns ``(scores.gather(1, indices), indices)``."""
 
     def __init__(self, moe_ordinal: int, tp_rank: int, tp_size: int, sequence_parallel: bool):
-        super().__init__()  # current: [n_local, topk] routes set by the layer's pre-hook (`PerForward`)
+        # current: [n_local, topk] routes set by the layer's pre-hook (`PerForward`)
+        super().__init__(tp_rank, tp_size, sequence_parallel)
         self.moe_ordinal = moe_ordinal
-        self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
         self.layer_number = None
         self.fault = None
 
@@ -76,15 +76,6 @@ class TreeRouterReplay(PerForward):
     def set_layer_number(self, n):
         self.layer_number = n
 
-    def _rows_for(self, idx: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        n = idx.shape[0]
-        if n == n_tokens:
-            return idx
-        if self.sp and self.tp_size > 1 and n == n_tokens * self.tp_size:
-            return idx[self.tp_rank * n_tokens: (self.tp_rank + 1) * n_tokens]
-        raise RuntimeError(f"routing replay (MoE layer {self.moe_ordinal}): the router sees {n_tokens} tokens but the "
-                           f"microbatch gives this rank {n} routed rows")
-
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         recomputation = not self.in_call  # selective MoE recomputation: the oldest pending forward's routes
         idx = self.pending()
@@ -94,7 +85,8 @@ class TreeRouterReplay(PerForward):
             raise RuntimeError(f"routing replay (MoE layer {self.moe_ordinal}): no routes for this forward. Routing "
                                "replay never re-routes: feed the model TreePackedSeqParams whose microbatch carries "
                                "routes (pack(..., route_aware=True))")
-        idx = self._rows_for(idx, scores.shape[0]).to(scores.device)
+        idx = idx[self.router_rows(idx.shape[0], scores.shape[0], f"routing replay (MoE layer {self.moe_ordinal}), "
+                                   "routed rows")].to(scores.device)
         if idx.shape[1] != topk:
             raise RuntimeError(f"routing replay (MoE layer {self.moe_ordinal}): routes hold top-{idx.shape[1]} but the "
                                f"router is top-{topk}")
@@ -147,10 +139,7 @@ def install_routing_replay(model, *, first_moe_layer: Optional[int] = None) -> l
     total = None
     if first_moe_layer is None:
         first_moe_layer, total = _moe_layer_offset(len(pairs))
-    pg = getattr(m, "pg_collection", None)
-    tp = getattr(pg, "tp", None)
-    tp_rank, tp_size = (tp.rank(), tp.size()) if tp is not None else (0, 1)
-    sp = bool(m.config.sequence_parallel)
+    tp_rank, tp_size, sp = tensor_parallel_of(m)
     replays = []
     for k, (layer, moe) in enumerate(pairs):
         router = moe.router

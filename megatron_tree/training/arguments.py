@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "add_seq_aux_per_sample_arg", "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
+__all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "add_seq_aux_per_sample_arg",
+           "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
            "DEFAULT_PAD_MULTIPLE"]
 
 TREE_LOSSES = ("sft", "grpo", "ppo")

@@ -788,7 +788,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         # chance of the seed)
         # MoE balancing likewise (all-MoE models; the z-loss and aux gradients reach every router element).
         # ``optimizer`` overrides the choice (the multi-step check of balancing runs Adam)
-        opt_name = cfg.optimizer or ("adam" if dtype == torch.float64 and not (cfg.routing_replay or balance) else "sgd")
+        exact_adam = dtype == torch.float64 and not (cfg.routing_replay or balance)
+        opt_name = cfg.optimizer or ("adam" if exact_adam else "sgd")
         opt = get_megatron_optimizer(OptimizerConfig(optimizer=opt_name, lr=1e-2, weight_decay=0.01, clip_grad=0.0,
                                                      params_dtype=dtype), [ddp])
         return ddp, opt

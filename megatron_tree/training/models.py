@@ -123,6 +123,8 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
         raise ValueError("MambaModel has no full-layer recomputation in Megatron-Core 0.16.1 (MambaStack ignores "
                          "recompute_granularity='full'); use selective recomputation")
     if margs.num_experts:
+        # balancing off unless asked for: ``margs.extra`` carries the flags (`arguments.moe_balancing_fields`;
+        # on a tree every statistic counts flat tokens, `megatron.moe_balance`)
         kw.update(num_moe_experts=margs.num_experts, moe_ffn_hidden_size=margs.moe_ffn_hidden_size,
                   moe_router_topk=margs.moe_router_topk,
                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,

@@ -305,11 +305,11 @@ def test_aux_losses_with_carry_are_refused_before_any_rank_starts():
                                               moe_router_load_balancing_type="aux_loss"))
 
 
-def test_train_cli_balancing_on_trees_equals_flat_packing(tmp_path):
-    """``megatron-tree train`` with Megatron-LM's balancing flags (aux loss, z-loss, expert bias with sigmoid
-    routing), prefix trees against ``--packing flat``: one microbatch per step holding the step's 8 samples
-    (the aux loss is a statistic of a microbatch), 4 steps of Adam, every step's loss equal to float32
-    rounding."""
+def _train_losses(tmp_path, runs: dict, *extra) -> dict:
+    """{run: per-step losses} of ``megatron-tree train`` on one data file (4 GRPO-like groups of 4 samples
+    sharing an 8-token prompt), a tiny GPT with every layer MoE and aux loss 0.1, z-loss 0.01 and expert
+    bias (sigmoid routing); one microbatch of the step's 8 samples, 4 steps. ``runs``: {name: its flags};
+    ``extra``: flags of every run."""
     import json
 
     import numpy as np
@@ -326,14 +326,24 @@ def test_train_cli_balancing_on_trees_equals_flat_packing(tmp_path):
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "64",
              "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "0.1",
              "--moe-z-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-             "--moe-router-bias-update-rate", "0.01", "--tree-data-path", str(data), "--tree-global-batch-samples", "8",
-             "--tree-max-tokens-per-mb", "128", "--train-iters", "4", "--lr", "0.01", "--quiet"]
+             "--tree-data-path", str(data), "--tree-global-batch-samples", "8", "--tree-max-tokens-per-mb", "128",
+             "--train-iters", "4", "--lr", "0.01", "--quiet", *extra]
     losses = {}
-    for packing in ("tree", "flat"):
-        out = tmp_path / f"{packing}.json"
-        assert cli.main(["train", *flags, "--packing", packing, "--metrics-json", str(out)]) == 0
+    for name, run_flags in runs.items():
+        out = tmp_path / f"{name}.json"
+        assert cli.main(["train", *flags, *run_flags, "--metrics-json", str(out)]) == 0
         with open(out) as f:
-            losses[packing] = [h["loss"] for h in json.load(f)["history"]]
+            losses[name] = [h["loss"] for h in json.load(f)["history"]]
+    return losses
+
+
+def test_train_cli_balancing_on_trees_equals_flat_packing(tmp_path):
+    """``megatron-tree train`` with Megatron-LM's balancing flags (aux loss, z-loss, expert bias with sigmoid
+    routing), prefix trees against ``--packing flat``: one microbatch per step holding the step's 8 samples
+    (the aux loss is a statistic of a microbatch), 4 steps of Adam, every step's loss equal to float32
+    rounding."""
+    losses = _train_losses(tmp_path, {"tree": ["--packing", "tree"], "flat": ["--packing", "flat"]},
+                           "--moe-router-bias-update-rate", "0.01")
     assert len(losses["tree"]) == 4
     assert losses["tree"] == pytest.approx(losses["flat"], rel=1e-6), losses
     assert losses["tree"][3] != losses["tree"][0]
@@ -363,32 +373,11 @@ def test_train_cli_balancing_is_the_same_on_every_layout(tmp_path):
     each rank's attached loss is multiplied by the microbatch's flat tokens summed from the row weights
     (stock's ``valid_token_count`` under a mask is already the TP x CP group's, which doubled the aux
     gradient at TP2: 1.1e-5 here)."""
-    import json
-
-    import numpy as np
-
-    from megatron_tree import cli
-
-    rng = np.random.default_rng(5)
-    data = tmp_path / "records.jsonl"
-    with open(data, "w") as f:
-        for _ in range(4):
-            prompt = rng.integers(1, 64, 8).tolist()
-            for _ in range(4):
-                f.write(json.dumps({"tokens": prompt + rng.integers(1, 64, 5).tolist()}) + "\n")
-    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "64",
-             "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "0.1",
-             "--moe-z-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-             "--tree-data-path", str(data), "--tree-global-batch-samples", "8", "--tree-max-tokens-per-mb", "128",
-             "--train-iters", "4", "--lr", "0.01", "--optimizer", "sgd", "--quiet"]
-    losses = {}
-    for name, layout in (("one", ["--nproc", "1"]),
-                         ("tp2sp", ["--nproc", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                         ("cp2", ["--nproc", "2", "--context-parallel-size", "2"])):
-        out = tmp_path / f"{name}.json"
-        assert cli.main(["train", *flags, *layout, "--metrics-json", str(out)]) == 0
-        with open(out) as f:
-            losses[name] = [h["loss"] for h in json.load(f)["history"]]
+    losses = _train_losses(tmp_path, {"one": ["--nproc", "1"],
+                                      "tp2sp": ["--nproc", "2", "--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel"],
+                                      "cp2": ["--nproc", "2", "--context-parallel-size", "2"]},
+                           "--optimizer", "sgd")
     assert len(losses["one"]) == 4 and losses["one"][3] != losses["one"][0]
     for name in ("tp2sp", "cp2"):
         assert losses[name] == pytest.approx(losses["one"], rel=1e-6), losses

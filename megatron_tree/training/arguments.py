@@ -260,7 +260,9 @@ def validate_tree_args(args) -> argparse.Namespace:
         kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
         coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
         aux = [k for k, c in zip(kinds, coeffs) if k not in (None, "none", "sinkhorn") and (c or 0) > 0]
-        if _get(args, "num_experts") and aux:
+        moe = _get(args, "num_experts") or "E" in (_get(args, "tree_hybrid_pattern") or "") + (
+            _get(args, "hybrid_override_pattern") or "")
+        if moe and aux:
             errors.append(f"--tree-carry with --moe-router-load-balancing-type {'/'.join(aux)} "
                           "(--moe-aux-loss-coeff > 0): an aux loss is a product of one microbatch's counts and carry's "
                           "microbatches hold parts of samples, so no flat run computes it; z-loss and expert bias "

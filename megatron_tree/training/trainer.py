@@ -338,12 +338,6 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
     errors += _family_errors(args) + hf_model_errors(args)
     if args.save_hf and not args.hf_model:
         errors.append("--save-hf DIR needs --hf-model PATH (the Hugging Face config and mapping it saves with)")
-    if getattr(args, "tree_carry", False) and args.moe_aux_loss_coeff > 0 and \
-            args.moe_router_load_balancing_type != "none":
-        errors.append(f"--tree-carry with --moe-router-load-balancing-type {args.moe_router_load_balancing_type} "
-                      "(--moe-aux-loss-coeff > 0): an aux loss is a product of one microbatch's counts and carry's "
-                      "microbatches hold parts of samples, so no flat run computes it; z-loss and expert bias carry "
-                      "exactly (megatron_tree.megatron.moe_balance)")
     if getattr(args, "routing_replay", False):
         if not (args.num_experts or "E" in (args.tree_hybrid_pattern or args.hybrid_override_pattern or "")):
             errors.append("--routing-replay needs MoE layers: --num-experts N (or an 'E' in the hybrid pattern)")

@@ -156,9 +156,11 @@ class VerifyConfig:
     seq_aux_per_sample: bool = False
 
     def balancing_on(self) -> bool:
-        b = self.balancing or {}
-        aux = b.get("moe_router_load_balancing_type", "none") != "none" and (b.get("moe_aux_loss_coeff") or 0) > 0
-        return bool(aux or b.get("moe_z_loss_coeff") or b.get("moe_router_enable_expert_bias"))
+        from types import SimpleNamespace
+
+        from ..megatron.moe_balance import balancing_enabled  # (light: torch and our packed-seq params)
+
+        return balancing_enabled(SimpleNamespace(num_moe_experts=4, **(self.balancing or {})))
 
     @property
     def world_size(self) -> int:

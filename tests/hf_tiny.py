@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss")
 
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
@@ -49,6 +49,27 @@ def _config(family: str):
         return tf.GlmMoeDsaConfig(**common, num_hidden_layers=2, first_k_dense_replace=1, head_dim=8,
                                   index_topk=4, index_head_dim=16, index_n_heads=2,
                                   indexer_rope_interleave=False)  # transformers: half-split rope in the indexer
+    if family == "llama":
+        # Llama 3's rope scaling as published (at head_dim 8 and theta 500000 one frequency is divided by 8 and
+        # one smoothed); not in FAMILIES: the checkpoint tests' save / load source
+        return tf.LlamaConfig(**_COMMON, num_hidden_layers=2,
+                              rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                   high_freq_factor=4.0, original_max_position_embeddings=8192,
+                                                   rope_theta=500000.0))
+    if family == "qwen2":  # q/k/v biases (the base of `remote_code_mimo`)
+        return tf.Qwen2Config(**_COMMON, num_hidden_layers=2)
+    if family == "gpt_oss":
+        # its features all matter on SAMPLES (up to 14 tokens): YaRN as published (factor 32 over 4096
+        # positions: at head_dim 8 and theta 150000 one frequency is interpolated, one ramped, and the
+        # attention factor is 1.35), a 4-token window on every other layer, learned sinks, biased experts
+        # with the clamped GLU
+        return tf.GptOssConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, num_hidden_layers=2, num_local_experts=4,
+                               num_experts_per_tok=2, sliding_window=4, max_position_embeddings=131072,
+                               layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                               rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                                    truncate=False, original_max_position_embeddings=4096,
+                                                    rope_theta=150000.0))
     raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
 
 
@@ -83,7 +104,7 @@ def _nvidia_embedding_name(path) -> None:
     save_file(tensors, str(f), metadata={"format": "pt"})
 
 
-def hf_logprobs(path, samples, dtype=torch.float64, stable_dsa_ties: bool = False) -> dict:
+def hf_logprobs(path, samples, dtype=torch.float64, stable_dsa_ties: bool = False, trust_remote_code: bool = False) -> dict:
     """{(i, t): log p(tokens[t] | tokens[:t])} of `transformers`' model at ``path``, each sample alone.
 
     ``stable_dsa_ties``: GLM-5's DSA indexer picks its top-k keys with ``torch.topk``, whose order among
@@ -95,7 +116,8 @@ def hf_logprobs(path, samples, dtype=torch.float64, stable_dsa_ties: bool = Fals
     import transformers as tf
 
     # eager experts: transformers' default grouped-GEMM experts take no float64
-    model = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, experts_implementation="eager")
+    model = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, experts_implementation="eager",
+                                                    trust_remote_code=trust_remote_code)
     model.eval()
     out = {}
     with torch.no_grad(), (_stable_dsa_topk() if stable_dsa_ties else contextlib.nullcontext()):
@@ -135,3 +157,44 @@ class _stable_dsa_topk:
     def __exit__(self, *exc):
         self._cls.forward = self._forward
         return False
+
+
+_MIMO_CONFIG = """from transformers import Qwen2Config
+
+
+class MiMoConfig(Qwen2Config):
+    model_type = "mimo"
+
+    def __init__(self, num_nextn_predict_layers=0, **kwargs):
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        super().__init__(**kwargs)
+"""
+
+_MIMO_MODEL = """from transformers import Qwen2ForCausalLM
+
+from .configuration_mimo import MiMoConfig
+
+
+class MiMoForCausalLM(Qwen2ForCausalLM):
+    config_class = MiMoConfig
+"""
+
+
+def remote_code_mimo(path, seed: int = 0):
+    """A tiny checkpoint laid out as Xiaomi's MiMo is published: ``model_type`` "mimo", which transformers
+    does not know, its config and model classes in the checkpoint's own ``configuration_mimo.py`` /
+    ``modeling_mimo.py`` named by ``auto_map`` (here Qwen2 underneath, no MTP layer), so that loading it
+    needs ``trust_remote_code``. Returns the path."""
+    import json
+    from pathlib import Path
+
+    make("qwen2", path, seed=seed)
+    p = Path(path)
+    cfg = json.loads((p / "config.json").read_text())
+    cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=0,
+               auto_map={"AutoConfig": "configuration_mimo.MiMoConfig",
+                         "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"})
+    (p / "config.json").write_text(json.dumps(cfg, indent=1))
+    (p / "configuration_mimo.py").write_text(_MIMO_CONFIG)
+    (p / "modeling_mimo.py").write_text(_MIMO_MODEL)
+    return path

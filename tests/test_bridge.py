@@ -1,7 +1,7 @@
 """Hugging Face checkpoints through Megatron-Bridge into tree models (`megatron_tree.bridge`), checked
 against `transformers` itself and against stock Megatron-Core run per sample.
 
-For each family (`hf_tiny.FAMILIES`: Qwen3, Qwen3-MoE, Qwen3-Next, Nemotron-H, DeepSeek-V3, GLM-5) a
+For each family (`hf_tiny.FAMILIES`: Qwen3, Qwen3-MoE, Qwen3-Next, Nemotron-H, DeepSeek-V3, GLM-5, gpt-oss) a
 tiny random model is made and saved by `transformers` in the test; ``bridge.hf_provider`` imports it
 (float64) as a tree provider, ``load_hf_weights`` loads it (refusing any parameter left unloaded),
 and the tree model's per-occurrence log-probs on a packed forest with shared prefixes, forks, a
@@ -44,12 +44,13 @@ pytestmark = pytest.mark.skipif(
     reason="megatron-bridge / transformers are not installed: the extra 'megatron-tree[hf]' needs Python 3.12 and "
            "megatron-core >= 0.19; `make test-latest` installs it")
 
-STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3")
+STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss")
 # Tree vs stock per sample, float64: 1e-12, except where stock itself rounds to fp32 inside a float64
 # model (tests/test_model_families.py measures it): Qwen3-Next's stock GatedDeltaNet keeps its decay and
-# output gate in fp32 (measured 8.4e-9 here); DeepSeek-V3's sigmoid router scores with expert bias in
-# fp32 (measured 3.0e-10). A wrong tree computation moves log-probs by O(0.1).
-STOCK_TOL = {"qwen3_next": 1e-7, "deepseek_v3": 1e-9}
+# output gate in fp32 (measured 8.4e-9 here). Route scores, which stock also keeps in fp32 (DeepSeek-V3's
+# sigmoid with expert bias: 3.0e-10), are widened to float64 on both sides (`router_precision`).
+# A wrong tree computation moves log-probs by O(0.1).
+STOCK_TOL = {"qwen3_next": 1e-7}
 
 
 def _cpu_provider(bridge, stock: bool):
@@ -102,6 +103,9 @@ def _families_body(root: str) -> dict:
     from per_sample import SAMPLES, stock_logprobs, tree_logprobs
 
     cpu_dsa.enable()
+    from megatron_tree.megatron.router_precision import widen_router_scores
+
+    widen_router_scores(True)  # route scores at float64 on both sides (stock scores them in fp32)
     out = {}
     mbs = pack([Sample(tokens=s) for s in SAMPLES], 256)
     for fam in hf_tiny.FAMILIES + ("glm5_dense",):
@@ -113,6 +117,8 @@ def _families_body(root: str) -> dict:
         res = {"tree_class": type(tree).__name__, "hf": hf_tiny.hf_logprobs(path, SAMPLES), "tree": lp}
         if fam == "glm5":
             res["hf_stable_ties"] = hf_tiny.hf_logprobs(path, SAMPLES, stable_dsa_ties=True)
+        if fam == "gpt_oss":  # the same weights with plain RoPE: YaRN must matter on these records
+            res["hf_plain_rope"] = hf_tiny.hf_logprobs(f"{root}/gpt_oss_plain_rope", SAMPLES)
         if fam in STOCK:
             stock = _build(bridge, stock=True)
             with torch.no_grad():
@@ -168,6 +174,7 @@ def families(tmp_path_factory):
         hf_tiny.make(fam, root / fam)
     hf_tiny.make("glm5", root / "glm5_dense", index_topk=32)  # top-k over every key of every sample
     hf_tiny.make("nemotron_h", root / "nemotron_h_transformers_names", nvidia_names=False)
+    hf_tiny.make("gpt_oss", root / "gpt_oss_plain_rope", rope_parameters=dict(rope_type="default", rope_theta=150000.0))
     return run_distributed(_families_body, 1, str(root), timeout=1200)[0]
 
 
@@ -192,6 +199,15 @@ def test_tree_model_from_hf_equals_stock_megatron_per_sample(families, fam):
     err = _max_rel(res["tree"], res["stock"])
     print(f"\n{fam}: tree vs stock Megatron-Core per sample max rel {err:.1e}")
     assert err <= STOCK_TOL.get(fam, 1e-12), err
+
+
+def test_gpt_oss_yarn_is_applied_on_the_tree(families):
+    """gpt-oss's YaRN (factor 32 over 4096 positions; the tree indexes stock's YaRN table by depth, stock's
+    attention applies its attention factor): transformers with plain RoPE on the same weights is far away."""
+    res = families["gpt_oss"]
+    plain = _max_rel(res["tree"], res["hf_plain_rope"])
+    print(f"\ngpt-oss tree vs transformers with plain RoPE (same weights): max rel {plain:.1e}")
+    assert plain > 1e-3, plain
 
 
 def test_glm5_sparse_topk_differs_from_transformers_only_by_its_tie_rule(families):

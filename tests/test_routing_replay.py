@@ -5,9 +5,9 @@ routes of the rows each MoE layer holds (`megatron_tree.megatron.routing_replay`
 side replays each sample's own routes through stock ``RouterReplay`` (independent code: the sample's
 ``routed_experts`` plus padding, fed to every stock router before the sample's forward). Routes are
 drawn from the token prefix, with a planted disagreement on a shared prompt in every fourth sample,
-so the route-aware trie really forks. Float64; MoE's router softmax runs in fp32 in Megatron (hence
-verify's 5e-6 MoE tolerance, and the SGD step verify takes for replay runs: Adam's sign-like first
-step would turn that fp32 noise into visible parameter differences).
+so the route-aware trie really forks. Float64; Megatron scores routes in fp32 whatever the dtype, and
+verify widens that scoring to float64 on both sides (`megatron_tree.megatron.router_precision`), so
+replay runs are held to verify's float64 tolerance like every other.
 """
 from __future__ import annotations
 

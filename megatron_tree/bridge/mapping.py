@@ -9,7 +9,8 @@ first made) and by mirroring for any stock parent registered now.
 """
 from __future__ import annotations
 
-__all__ = ["auto_bridge", "register_tree_modules", "load_hf_weights", "save_hf_pretrained", "HFWeightsError"]
+__all__ = ["auto_bridge", "register_tree_modules", "load_hf_weights", "save_hf_pretrained", "HFWeightsError",
+           "copy_source_files", "save_hf_errors"]
 
 # the Bridge's own type for these stock parents (param_mapping.AutoMapping, qwen3_next_bridge)
 _STATIC = {"TreeDotProductAttention": "column", "TreeGatedDeltaNet": "column",
@@ -100,21 +101,118 @@ def load_hf_weights(bridge, model, hf_path=None) -> None:
                              f"{where}")
 
 
-def save_hf_pretrained(bridge, model, path, **kwargs) -> None:
-    """``bridge.save_hf_pretrained(model, path)`` (a Hugging Face directory: config, weights, tokenizer
-    files of the source checkpoint). megatron-bridge 0.6.2's save imports ``modelopt`` (NVIDIA ModelOpt)
-    only to ask whether the model is ModelOpt-quantized, and does not declare the dependency; where
-    ModelOpt is not installed that question has the answer no (a tree provider refuses ModelOpt
-    specs), given by a stand-in module for the duration of the save."""
+# what a Hugging Face directory holds besides the weights and config.json: copied from the source as it is
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def save_hf_pretrained(bridge, model, path, *, trust_remote_code: bool = False, **kwargs) -> None:
+    """The model as a Hugging Face directory that a failure cannot cost the trained weights (collective).
+
+    In this order: the weights (the Bridge's ``save_hf_weights``: gathered over TP / PP / EP, rank 0
+    writes), then ``config.json`` (the source's config; its ``auto_map`` kept only with
+    ``trust_remote_code``, as the Bridge does), then every other file of the source directory copied as
+    it is (tokenizer and processor files, chat template, generation config; the source's own ``*.py``
+    with ``trust_remote_code``): never re-instantiated, so a tokenizer that needs a package this host
+    lacks (sentencepiece, tiktoken) or no tokenizer at all costs nothing. (The Bridge's own
+    ``save_hf_pretrained`` instantiates the tokenizer first and lost every trained weight when it
+    could not.) A source that is not a local directory (a hub id) gets its files from the local hub
+    cache; where they are not there, a warning names them. megatron-bridge 0.6.2's weight save imports
+    ``modelopt`` (NVIDIA ModelOpt) only to ask whether the model is ModelOpt-quantized, and does not
+    declare the dependency; where ModelOpt is not installed that question has the answer no (a tree
+    provider refuses ModelOpt specs), given by a stand-in module for the duration of the save."""
     import importlib.util
+    from pathlib import Path
+
+    import torch.distributed as dist
 
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     kwargs.setdefault("show_progress", False)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        Path(path).mkdir(parents=True, exist_ok=True)
     if importlib.util.find_spec("modelopt") is not None:
-        bridge.save_hf_pretrained(models, str(path), **kwargs)
-        return
-    with _modelopt_is_quantized_stand_in():
-        bridge.save_hf_pretrained(models, str(path), **kwargs)
+        bridge.save_hf_weights(models, str(path), **kwargs)
+    else:
+        with _modelopt_is_quantized_stand_in():
+            bridge.save_hf_weights(models, str(path), **kwargs)
+    if rank0:
+        _save_config(bridge.hf_pretrained, path, trust_remote_code)
+        copy_source_files(getattr(bridge.hf_pretrained, "model_name_or_path", None), path,
+                          trust_remote_code=trust_remote_code)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _save_config(hf_pretrained, path, trust_remote_code: bool) -> None:
+    import copy
+
+    config = copy.deepcopy(getattr(hf_pretrained, "config", hf_pretrained))
+    if hasattr(config, "quantization_config"):  # the saved weights are plain
+        del config.quantization_config
+    if not trust_remote_code and "auto_map" in vars(config):
+        del config.auto_map
+    config.save_pretrained(str(path))
+
+
+def copy_source_files(source, path, *, trust_remote_code: bool = False) -> list:
+    """Copy the files of HF checkpoint ``source`` that are neither weights nor ``config.json`` into ``path``,
+    byte for byte (``*.py`` only with ``trust_remote_code``); returns their names. A hub id is read from
+    the local hub cache; what cannot be found is a warning, not an error (the weights are saved)."""
+    import os
+    import shutil
+    import warnings
+    from pathlib import Path
+
+    if source is None:
+        return []
+    src = Path(str(source))
+    if not src.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            src = Path(snapshot_download(str(source), local_files_only=True))
+        except Exception as e:  # noqa: BLE001 - any failure: the files are named in the warning
+            warnings.warn(f"--save-hf {path}: the tokenizer / processor files of {source} are not copied (not a "
+                          f"local directory, not in the local hub cache: {type(e).__name__}); the weights and "
+                          "config.json are saved", stacklevel=2)
+            return []
+    copied = []
+    for f in sorted(src.iterdir()):
+        name = f.name
+        if (not f.is_file() or name.startswith(".") or name in _NOT_COPIED or name.endswith(_WEIGHT_SUFFIXES)
+                or (name.endswith(".py") and not trust_remote_code)):
+            continue
+        target = Path(path) / name
+        if os.path.abspath(target) != os.path.abspath(f):
+            shutil.copy2(f, target)
+        copied.append(name)
+    return copied
+
+
+def save_hf_errors(save_hf, hf_model) -> list:
+    """Why ``--save-hf save_hf`` could not be written at the end of a run, found before its first step: a
+    file where the directory goes, a directory (or the nearest existing parent) this process cannot write,
+    or the ``--hf-model`` source directory itself (its weights would be overwritten while it is read)."""
+    import os
+
+    if not save_hf:
+        return []
+    target = os.path.abspath(save_hf)
+    if hf_model and os.path.isdir(str(hf_model)) and os.path.realpath(target) == os.path.realpath(str(hf_model)):
+        return [f"--save-hf {save_hf} is the --hf-model checkpoint directory itself: save the trained model elsewhere"]
+    if os.path.exists(target) and not os.path.isdir(target):
+        return [f"--save-hf {save_hf} is a file, not a directory"]
+    probe = target
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        return [f"--save-hf {save_hf}: {probe} cannot be written by this user (the trained model is saved there "
+                "after the last step)"]
+    return []
 
 
 class _modelopt_is_quantized_stand_in:

@@ -143,6 +143,12 @@ def check_tree_model(model) -> None:
             left.append(f"{name} ({cls}: {_STOCK_MIXERS[cls]})")
         elif "TransformerLayer" in cls and not isinstance(module, TransformerLayer):
             left.append(f"{name} ({cls}: not a Megatron TransformerLayer)")
+    from ..megatron.output_path import TreeOutputError, check_output_layer
+
+    try:
+        check_output_layer(model)
+    except TreeOutputError as e:
+        left.append(str(e))
     if left:
         raise TreeProviderError("the built model still holds stock modules where the tree needs its own (a spec "
                                 "function or setting put them back): " + ", ".join(left[:8])
@@ -207,15 +213,17 @@ def _building_tree_models(provider_cls):
                 setattr(module, name, stock)
 
 
-def hf_provider(path, *, load_weights: bool = True, **overrides):
+def hf_provider(path, *, load_weights: bool = True, trust_remote_code: bool = False, **overrides):
     """(bridge, tree provider) for a Hugging Face checkpoint directory or id: ``AutoBridge
     .from_hf_pretrained(path)``, its provider made a tree provider, ``overrides`` set on it
     (e.g. ``tensor_model_parallel_size=2``, ``params_dtype=torch.float64``), then ``finalize()``d. With ``load_weights``
     the provider's pre-wrap hook loads the checkpoint's weights (``provide_distributed_model``);
-    with ``provide()`` call ``bridge.load_hf_weights([model])`` yourself."""
+    with ``provide()`` call ``bridge.load_hf_weights([model])`` yourself. ``trust_remote_code``: let
+    transformers run the checkpoint's own Python code (its config's ``auto_map``), as
+    ``from_pretrained(trust_remote_code=True)`` does."""
     from .mapping import auto_bridge
 
-    bridge = auto_bridge(path)
+    bridge = auto_bridge(path, trust_remote_code=True) if trust_remote_code else auto_bridge(path)
     provider = tree_provider(bridge.to_megatron_provider(load_weights=load_weights))
     for key, value in overrides.items():
         if not hasattr(provider, key):

@@ -35,6 +35,15 @@ from ..ops.backend import module_available
 _LOCK = threading.Lock()
 
 
+def _below_warning(record) -> bool:
+    return record.levelno >= logging.WARNING
+
+
+def _drop_probe_notes(logger) -> None:
+    if _below_warning not in logger.filters:
+        logger.addFilter(_below_warning)
+
+
 class BridgeImportError(ImportError):
     """``megatron.bridge`` cannot be imported on this host (named cause)."""
 
@@ -125,17 +134,16 @@ def _import_bridge():
         before = set(sys.modules)
         finder = _StandInFinder()
         sys.meta_path.insert(0, finder)
-        # the Bridge logs a traceback for every optional TE symbol it probes; that is expected here
-        quiet = logging.getLogger("megatron.bridge.utils.import_utils")
-        level = quiet.level
-        quiet.setLevel(logging.WARNING)
+        # the Bridge logs a traceback for every optional TE symbol it probes (at import and later, when a
+        # provider first asks for one); that is expected here, so its probe log shows warnings only (a
+        # filter: the module sets its own logger to INFO, with a handler of its own, when it is imported)
+        _drop_probe_notes(logging.getLogger("megatron.bridge.utils.import_utils"))
         try:
             bridge = importlib.import_module("megatron.bridge")
         except Exception as e:
             raise BridgeImportError(f"import megatron.bridge failed on this host (no transformer-engine): "
                                     f"{type(e).__name__}: {e}") from e
         finally:
-            quiet.setLevel(level)
             sys.meta_path.remove(finder)
             for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
                 del sys.modules[name]

@@ -43,7 +43,6 @@ import os
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.mamba.mamba_model import MambaModel
 from megatron.core.tensor_parallel.mappings import (
@@ -55,6 +54,7 @@ from megatron.core.tensor_parallel.mappings import (
 from ..cp.execution.redistribute import redistribute_rows
 from .loss import vocab_parallel_logprobs, vocab_parallel_logprobs_entropy
 from .moe_balance import install_moe_balancing
+from .output_path import output_logits
 from .packed_seq import TreePackedSeqParams
 
 
@@ -219,14 +219,18 @@ class TreeLanguageModelMixin:
         (learned absolute embeddings get depth ``position_ids`` from the caller)."""
         if getattr(self.config, "multi_latent_attention", False):
             return None  # MLA builds its rotary inside attention: TreeMLASelfAttention indexes it by depth
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type in ("rope", "yarn"):
             # depth < number of rows, so a table of num_rows positions covers every depth; under CP
             # the rank's rows are indexed by their own depths (no zigzag slicing of the table)
             table = self.rotary_pos_emb(packed_seq_params.layout.num_rows, packed_seq=True)  # [N, 1, 1, dim]
+            if self.position_embedding_type == "yarn":
+                # YarnRotaryEmbedding returns (table, mscale); stock's attention applies the mscale to
+                # q and k itself (from the config), as it does for the flat table
+                table = table[0]
             return table[packed_seq_params.position_ids]
         if self.position_embedding_type in ("learned_absolute", "none"):
             return None
-        raise ValueError(f"tree training supports rope, learned_absolute or none position embeddings, "
+        raise ValueError(f"tree training supports rope, yarn, learned_absolute or none position embeddings, "
                          f"not {self.position_embedding_type!r}")
 
     def wants_tree_logprobs(self, packed_seq_params, labels=None) -> bool:
@@ -251,7 +255,7 @@ class TreeLanguageModelMixin:
         h_u = h[rows, 0]
         weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
                   else self.output_layer.weight)
-        logits = F.linear(h_u, weight, getattr(self.output_layer, "bias", None))
+        logits = output_logits(self, h_u, weight)  # stock's output path: soft-cap and MuP scaling included
         v_local = weight.shape[0]
         fn = vocab_parallel_logprobs_entropy if return_entropy else vocab_parallel_logprobs
         return fn(logits, inverse, loss_map.targets, vocab_start=tp_group.rank() * v_local,

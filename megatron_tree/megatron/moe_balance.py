@@ -42,6 +42,7 @@ rows a rank holds, which no weight can turn into flat counts), the fused TE aux-
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Optional
@@ -185,24 +186,17 @@ def _is_weight(mask) -> bool:
 def weighted_scores_for_aux_loss(original):
     """``compute_routing_scores_for_aux_loss`` that takes a float ``padding_mask`` as per-token weights
     ``w[N]``: returns ``(w * routing_map, w * scores)`` (float), so stock's counts become ``sum w r`` and
-    ``sum w`` (each row of the map holds ``topk`` ones). Scores are computed at the logits' precision
-    where that is above float32 (stock's softmax is float32: exactness in float64 runs). A bool mask or
-    None: ``original`` unchanged."""
+    ``sum w`` (each row of the map holds ``topk`` ones). The scores are ``original``'s (stock's precision,
+    or float64 where `router_precision` widens it). A bool mask or None: ``original`` unchanged."""
+    @functools.wraps(original)  # keeps the markers of the wrappers below (router_precision's)
     def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=False, padding_mask=None):
         if not _is_weight(padding_mask):
             return original(logits, topk, score_function, fused=fused, padding_mask=padding_mask)
-        if score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-            _, top = torch.topk(scores, k=topk, dim=1)
-            routing_map = torch.zeros_like(scores).scatter(1, top, 1.0)
-        else:  # the other score functions keep the logits' dtype in stock: its own computation
-            routing_map, scores = original(logits, topk, score_function, fused=fused, padding_mask=None)
-            routing_map = routing_map.to(scores.dtype)
+        routing_map, scores = original(logits, topk, score_function, fused=fused, padding_mask=None)
         w = padding_mask.reshape(-1, 1).to(scores.dtype)
-        return routing_map * w, scores * w
+        return routing_map.to(scores.dtype) * w, scores * w
 
     compute_routing_scores_for_aux_loss._tree_weighted = True
-    compute_routing_scores_for_aux_loss.__wrapped__ = original
     return compute_routing_scores_for_aux_loss
 
 
@@ -369,6 +363,7 @@ def counts_with_empty_microbatches(original):
     microbatch whose rows all weigh 0 on the reduce group (the zero-loss padding microbatches that give
     every data-parallel rank the same count) then has zero counts and probabilities, so its aux loss is
     0 with a zero gradient, where ``0 / 0`` made stock's NaN. Counts of 1 or more are unchanged."""
+    @functools.wraps(original)
     def get_tokens_per_expert_and_token_count(*args, **kwargs):
         tokens, local, total = original(*args, **kwargs)
         with_mask = kwargs.get("with_padding_mask", args[3] if len(args) > 3 else False)
@@ -377,7 +372,6 @@ def counts_with_empty_microbatches(original):
         return tokens, local, total
 
     get_tokens_per_expert_and_token_count._tree_weighted = True
-    get_tokens_per_expert_and_token_count.__wrapped__ = original
     return get_tokens_per_expert_and_token_count
 
 

@@ -57,7 +57,6 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -72,6 +71,7 @@ from ..cp.planning.lru import lru_get
 from ..tree.layout import TreeLayout
 from .loss import vocab_parallel_logprobs
 from .moe_balance import balancing_enabled
+from .output_path import output_logits
 from .packed_seq import TreePackedSeqParams
 
 __all__ = ["TreeMultiTokenPredictionLayer", "mtp_layout", "mtp_view", "mtp_halo",
@@ -472,7 +472,7 @@ def _head(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
               else model.output_layer.weight)
     if getattr(model.config, "mtp_detach_heads", False):
         weight = weight.detach()
-    logits = F.linear(h[uniq, 0], weight, getattr(model.output_layer, "bias", None))
+    logits = output_logits(model, h[uniq, 0], weight)  # stock's output path (soft-cap, MuP scaling)
     v_local = weight.shape[0]
     group = tp if tp.size() > 1 else None
     logp = vocab_parallel_logprobs(logits, inverse, targets, vocab_start=tp.rank() * v_local, group=group)

@@ -294,8 +294,8 @@ def validate_tree_args(args) -> argparse.Namespace:
             if "E" in letters and not _get(args, "num_experts"):
                 errors.append("--tree-hybrid-pattern has MoE layers (E): set --num-experts")
     pos = _get(args, "position_embedding_type")
-    if pos is not None and pos not in ("rope", "learned_absolute", "none"):
-        errors.append(f"--position-embedding-type must be rope, learned_absolute or none with --tree-packing "
+    if pos is not None and pos not in ("rope", "yarn", "learned_absolute", "none"):
+        errors.append(f"--position-embedding-type must be rope, yarn, learned_absolute or none with --tree-packing "
                       f"(positions are depths on the tree); got {pos!r}")
     max_pos = _get(args, "max_position_embeddings")
     if pos == "learned_absolute" and max_pos is not None and budget is not None and max_pos < budget:

@@ -270,7 +270,8 @@ def build_hf_model(args, dtype, on_cpu: bool, *, recompute: Optional[str] = None
     if getattr(args, "routing_replay", False):
         overrides["moe_enable_routing_replay"] = True
     hf, provider = tb.hf_provider(
-        args.hf_model, load_weights=False, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        args.hf_model, load_weights=False, trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size, context_parallel_size=args.context_parallel_size,
         sequence_parallel=bool(args.sequence_parallel), params_dtype=dtype, pipeline_dtype=dtype,

@@ -144,7 +144,8 @@ def load_score_records(args) -> tuple[list, list]:
     if getattr(args, "hf_model", None) is not None:  # the vocabulary the records are checked against
         from ..bridge.hf_config import hf_config_value
 
-        args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size"))
+        args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size",
+                                              trust_remote_code=bool(getattr(args, "trust_remote_code", False))))
     samples = read_samples(args.data, vocab_size=args.vocab_size, bad_sample="error", report=report,
                            route_spec=read_time_route_spec(args) if replay else None, require_routes=replay)
     return samples, list(report.sources)

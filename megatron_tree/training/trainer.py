@@ -117,7 +117,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (and one at the end)")
     c.add_argument("--save-hf", type=str, default=None, metavar="DIR",
                    help="with --hf-model: after the last step, save the trained model as a Hugging Face directory "
-                        "(config, weights; Megatron-Bridge's save_hf_pretrained, gathered over TP / PP / EP)")
+                        "(weights gathered over TP / PP / EP first, then config.json, then the source's tokenizer "
+                        "and processor files copied as they are; DIR's writability is checked before step 1)")
     c.add_argument("--log-interval", type=int, default=1)
     c.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="after each step's forward and backward, stop before the optimizer step when a "
@@ -156,6 +157,9 @@ def add_model_args(parser: argparse.ArgumentParser):
                    help="a Hugging Face checkpoint (directory or hub id): architecture and weights from it through "
                         "Megatron-Bridge (megatron_tree.bridge; the hf extra), token ids in the records (no "
                         "tokenizer); the other model flags are then refused")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="with --hf-model: let transformers run the checkpoint's own Python code (its config.json's "
+                        "auto_map, e.g. MiMo as published); off by default, as in transformers")
     m.add_argument("--num-layers", type=int, default=None,
                    help="GPT layers (default 4); with --hybrid-override-pattern it must equal the pattern length")
     m.add_argument("--hidden-size", type=int, default=64)
@@ -277,7 +281,7 @@ def model_flags_given(args) -> list:
     parser = argparse.ArgumentParser(add_help=False)
     add_model_args(parser)
     return [a.option_strings[0] for a in parser._actions
-            if a.dest not in ("help", "hf_model", "vocab_size") and hasattr(args, a.dest)
+            if a.dest not in ("help", "hf_model", "trust_remote_code", "vocab_size") and hasattr(args, a.dest)
             and getattr(args, a.dest) != a.default]
 
 
@@ -285,13 +289,19 @@ def hf_model_errors(args) -> list:
     """With ``--hf-model``: the model flags given beside it (checked once, on the flags as given: the
     checked args are filled with model defaults afterwards). Also sets ``args.vocab_size`` from the
     checkpoint's config (the records' token ids are checked against it before any rank starts)."""
-    if not getattr(args, "hf_model", None) or getattr(args, "hf_model_flags_checked", False):
+    if getattr(args, "hf_model_flags_checked", False):
         return []
-    from ..bridge.hf_config import hf_config_value
+    trust = bool(getattr(args, "trust_remote_code", False))
+    if not getattr(args, "hf_model", None):
+        return ["--trust-remote-code needs --hf-model PATH (the checkpoint whose code it runs)"] if trust else []
+    from ..bridge.hf_config import hf_config_value, remote_code_error
 
     errors = [f"{flag}: the architecture comes from --hf-model" for flag in model_flags_given(args)]
     args.hf_model_flags_checked = True
-    args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size"))
+    remote = remote_code_error(args.hf_model, trust)
+    if remote:
+        return errors + [remote]
+    args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size", trust_remote_code=trust))
     return errors
 
 
@@ -338,6 +348,10 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
     errors += _family_errors(args) + hf_model_errors(args)
     if args.save_hf and not args.hf_model:
         errors.append("--save-hf DIR needs --hf-model PATH (the Hugging Face config and mapping it saves with)")
+    elif args.save_hf:
+        from ..bridge.mapping import save_hf_errors  # (no Bridge import: plain file checks)
+
+        errors += save_hf_errors(args.save_hf, args.hf_model)
     if getattr(args, "routing_replay", False):
         if not (args.num_experts or "E" in (args.tree_hybrid_pattern or args.hybrid_override_pattern or "")):
             errors.append("--routing-replay needs MoE layers: --num-experts N (or an 'E' in the hybrid pattern)")
@@ -1351,7 +1365,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     if args.save_hf and preempted is None:  # the trained weights as a Hugging Face directory (collective)
         from ..bridge import save_hf_pretrained
 
-        save_hf_pretrained(hf, [model], args.save_hf)
+        save_hf_pretrained(hf, [model], args.save_hf, trust_remote_code=bool(args.trust_remote_code))
         saved.append(args.save_hf)
         if rank == 0 and not args.quiet:
             print(f"megatron-tree train: saved the Hugging Face model to {args.save_hf}", flush=True)
@@ -1373,8 +1387,19 @@ def _quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
 
 
+def _quiet_logs() -> None:
+    """``--quiet``: the libraries' informational logs off too (Megatron-Core's deprecation notes, the
+    Bridge's fusion notes, transformers' advice); warnings of ours and errors still show."""
+    import logging
+
+    for name in ("megatron.core", "megatron.bridge", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _rank_train(args) -> dict:
     _quiet_warnings()
+    if args.quiet:
+        _quiet_logs()
     return train(args)
 
 
@@ -1390,12 +1415,15 @@ def run(args) -> dict:
     if args.hf_model:  # the vocabulary the records are checked against
         from ..bridge.hf_config import hf_config_value
 
-        args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size"))
+        args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size",
+                                              trust_remote_code=bool(getattr(args, "trust_remote_code", False))))
     report = ReadReport()
     samples = load_train_samples(args, report) if (args.tree_data_path or args.synthetic_preset) else None
     check_train_args(args, samples)
     if _launched() or dist.is_initialized():
         _quiet_warnings()
+        if args.quiet:
+            _quiet_logs()
         return train(args, samples, skipped=report.skipped, sources=report.sources)
     from .checkpoint_errors import CheckpointSaveError
     from .launch import DistributedError, run_distributed

@@ -174,15 +174,14 @@ class VerifyConfig:
                 or (default is not None and "E" in (self.pattern or default)))
 
     def tol(self) -> float:
-        """Default tolerance by dtype. float64 with MoE: Megatron's router softmax runs in fp32.
+        """Default tolerance by dtype. float64: MoE included, since verify scores routes at float64 on
+        both sides (`router_precision`; stock's float32 scoring alone put a ~1e-7 floor under it).
         bfloat16: the absolute floor of the ratio rule (``BF16_FLOOR`` unless ``tolerance`` is given)."""
         if self.tolerance is not None:
             return self.tolerance
         if self.dtype == "bfloat16":
             return BF16_FLOOR
         if self.dtype == "float64":
-            if self.has_moe():
-                return 5e-6
             return 1e-9
         # float32: per-head decay gradients (GDN A_log, dt_bias) are sums over every token with heavy
         # cancellation, and the chunked kernels round differently on a tree than on a chain, so a
@@ -635,6 +634,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
     from ..cpu import megatron_core as cpu_layer
     from ..megatron.mtp import mtp_tail_rows
+    from ..megatron.router_precision import widen_router_scores
     from ..tree import pack, padding_microbatch
     from .models import ModelArgs, build_model, forward_backward, make_config, report_totals, wrap_ddp
 
@@ -645,6 +645,9 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[cfg.dtype]
     if dtype == torch.float64:
         torch.set_default_dtype(torch.float64)  # Megatron's torch norms take the default dtype, not params_dtype
+    # stock scores MoE routes in float32 whatever the dtype: float64 runs score them in float64 on both
+    # sides (stock's own code, `router_precision`), so the check is exact to float64 rounding
+    widen_router_scores(dtype == torch.float64)
     dense = ("gpt", "qwen3next", "mla", "dsa")
     margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model in dense else 0, window_size=cfg.window,
                       sinks=cfg.sinks,

@@ -1,0 +1,128 @@
+"""Checkpoints users bring, through the CLI as they run it (``megatron-tree score / train --hf-model``):
+a checkpoint whose model code ships with it (``--trust-remote-code``), and ``--save-hf`` that cannot lose
+a run (weights first, the source's tokenizer files copied as they are, an unwritable target refused
+before the first step, a quiet run quiet).
+
+Oracles: `transformers` itself, per record (float64); byte equality of the copied files.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+import hf_tiny  # tests/hf_tiny.py
+from per_sample import SAMPLES  # tests/per_sample.py
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.bridge") is None or importlib.util.find_spec("transformers") is None,
+    reason="megatron-bridge / transformers are not installed: the extra 'megatron-tree[hf]' needs Python 3.12 and "
+           "megatron-core >= 0.19; `make test-latest` installs it")
+
+
+def _run(*argv, timeout=600):
+    return subprocess.run([sys.executable, "-m", "megatron_tree", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _ok(*argv, timeout=600):
+    r = _run(*argv, timeout=timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r
+
+
+def _records(tmp_path):
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps({"tokens": s}) + "\n" for s in SAMPLES))
+    return data
+
+
+def _score(path, data, out, *extra) -> dict:
+    import pyarrow.parquet as pq
+
+    _ok("score", "--hf-model", str(path), "--data", str(data), "--out", str(out), "--dtype", "float64",
+        "--nproc", "1", "--quiet", *extra)
+    rows = pq.read_table(out).to_pylist()
+    return {(i, t + 1): v for i, row in enumerate(rows) for t, v in enumerate(row["logprobs"])}
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b) and len(a) > 0
+    return max(abs(a[k] - b[k]) / max(1.0, abs(b[k])) for k in a)
+
+
+def test_remote_code_checkpoint_scores_with_trust_remote_code_and_is_refused_without(tmp_path):
+    """A MiMo-style checkpoint (model type unknown to transformers, its classes in the checkpoint's own
+    files): without ``--trust-remote-code`` refused before any rank starts, in transformers' words; with it,
+    ``score --hf-model`` equals transformers (run with ``trust_remote_code=True``) record by record."""
+    path = hf_tiny.remote_code_mimo(tmp_path / "mimo")
+    data = _records(tmp_path)
+    bad = _run("score", "--hf-model", str(path), "--data", str(data), "--out", str(tmp_path / "bad.parquet"),
+               "--nproc", "1", "--quiet", timeout=300)
+    assert bad.returncode != 0
+    assert "--trust-remote-code" in bad.stderr and "auto_map" in bad.stderr and "trust_remote_code" in bad.stderr, \
+        bad.stderr[-3000:]
+    assert "rank 0" not in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-3000:]  # refused up front
+    ours = _score(path, data, tmp_path / "scores.parquet", "--trust-remote-code")
+    ref = hf_tiny.hf_logprobs(path, SAMPLES, trust_remote_code=True)
+    err = _max_rel(ours, ref)
+    print(f"\nMiMo-style remote-code checkpoint: score --hf-model --trust-remote-code vs transformers max rel {err:.1e}")
+    assert err <= 1e-5, err
+
+
+def _slow_tokenizer_files(path) -> dict:
+    """What a checkpoint with a slow sentencepiece tokenizer holds beside its weights (the bytes of
+    ``tokenizer.model`` are opaque here: nothing may parse them on the save path)."""
+    files = {"tokenizer.model": bytes(range(256)) * 4,
+             "tokenizer_config.json": json.dumps({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True,
+                                                  "model_max_length": 128}).encode(),
+             "special_tokens_map.json": json.dumps({"bos_token": "<s>", "eos_token": "</s>"}).encode()}
+    for name, blob in files.items():
+        (path / name).write_bytes(blob)
+    return files
+
+
+def test_save_hf_saves_weights_then_copies_the_sources_files(tmp_path):
+    """``train --hf-model --save-hf`` on a Llama 3 checkpoint with no tokenizer files and on one with a slow
+    sentencepiece tokenizer (which the Bridge's own save re-instantiates, and where sentencepiece is not
+    installed lost the trained weights): both save; the tokenizer files are the source's bytes; the saved
+    directory is a model transformers loads, equal to the tree model scoring it; the step moved it; the
+    quiet run prints no library tracebacks."""
+    data = _records(tmp_path)
+    for name in ("plain", "sentencepiece"):
+        src = tmp_path / f"src_{name}"
+        hf_tiny.make("llama", src)
+        files = _slow_tokenizer_files(src) if name == "sentencepiece" else {}
+        out = tmp_path / f"saved_{name}"
+        r = _ok("train", "--hf-model", str(src), "--tree-data-path", str(data), "--tree-global-batch-samples",
+                str(len(SAMPLES)), "--train-iters", "1", "--lr", "0.05", "--optimizer", "sgd", "--nproc", "1",
+                "--save-hf", str(out), "--quiet")
+        assert "Traceback" not in r.stderr and "FP8GlobalStateManager" not in r.stderr, r.stderr[-3000:]
+        assert (out / "config.json").is_file() and list(out.glob("*.safetensors")), sorted(p.name for p in out.iterdir())
+        for fname, blob in files.items():
+            assert (out / fname).read_bytes() == blob, fname
+        hf_saved = hf_tiny.hf_logprobs(out, SAMPLES)
+        before = hf_tiny.hf_logprobs(src, SAMPLES)
+        ours = _score(out, data, tmp_path / f"scores_{name}.parquet")
+        moved, err = max(abs(hf_saved[k] - before[k]) for k in before), _max_rel(ours, hf_saved)
+        print(f"\n--save-hf ({name} source): the step moved log-probs by up to {moved:.2e}; score --hf-model of the "
+              f"saved directory vs transformers' reload max rel {err:.1e}")
+        assert moved > 1e-3 and err <= 1e-5, (moved, err)
+
+
+def test_save_hf_that_cannot_be_written_is_refused_before_the_first_step(tmp_path):
+    src = tmp_path / "src"
+    hf_tiny.make("llama", src)
+    data = _records(tmp_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    common = ["train", "--hf-model", str(src), "--tree-data-path", str(data), "--tree-global-batch-samples",
+              str(len(SAMPLES)), "--train-iters", "1", "--nproc", "1", "--quiet"]
+    for target, why in ((blocker, "is a file, not a directory"), (blocker / "sub", "cannot be written"),
+                        (src, "is the --hf-model checkpoint directory itself")):
+        r = _run(*common, "--save-hf", str(target), timeout=300)
+        assert r.returncode != 0 and why in r.stderr, (target, r.stderr[-3000:])
+        assert "rank 0" not in r.stderr, r.stderr[-3000:]

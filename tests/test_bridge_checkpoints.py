@@ -126,3 +126,96 @@ def test_save_hf_that_cannot_be_written_is_refused_before_the_first_step(tmp_pat
         r = _run(*common, "--save-hf", str(target), timeout=300)
         assert r.returncode != 0 and why in r.stderr, (target, r.stderr[-3000:])
         assert "rank 0" not in r.stderr, r.stderr[-3000:]
+
+
+def _config_only(path, config: dict):
+    """A checkpoint directory holding only its config.json: all the refusals below read (no rank starts)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, num_hidden_layers=2, max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("name,config,named", [
+    ("gemma3", dict(_TINY, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], sliding_window=4),
+     "Gemma 3's per-layer local / global attention"),
+    ("falcon_h1", dict(_TINY, model_type="falcon_h1", architectures=["FalconH1ForCausalLM"]),
+     "Falcon-H1's parallel attention + Mamba-2 layers"),
+    ("llama3_rope", dict(_TINY, model_type="llama", architectures=["LlamaForCausalLM"],
+                         rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=16, rope_theta=500000.0)),
+     "original_max_position_embeddings=16 (built as 8192)"),
+    ("gpt_oss_yarn", dict(_TINY, model_type="gpt_oss", architectures=["GptOssForCausalLM"],
+                          rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                               original_max_position_embeddings=16, rope_theta=150000.0)),
+     "factor=4.0 (built as 32.0)"),
+])
+def test_checkpoints_the_tree_cannot_build_are_refused_before_any_rank_starts(tmp_path, name, config, named):
+    path = _config_only(tmp_path / name, config)
+    data = _records(tmp_path)
+    r = _run("score", "--hf-model", str(path), "--data", str(data), "--out", str(tmp_path / "x.parquet"),
+             "--nproc", "1", "--quiet", timeout=300)
+    assert r.returncode != 0 and named in r.stderr and f"model_type {config['model_type']!r}" in r.stderr, \
+        r.stderr[-3000:]
+    assert "rank 0" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_mtp_checkpoint_without_transformer_engine_is_refused_before_any_rank_starts(tmp_path):
+    from megatron_tree.ops.backend import module_available
+
+    if module_available("transformer_engine"):
+        pytest.skip("this host has transformer-engine: the Bridge's MTP block spec can be built here")
+    path = tmp_path / "deepseek_v3_mtp"
+    hf_tiny.make("deepseek_v3", path, num_nextn_predict_layers=1)
+    r = _run("train", "--hf-model", str(path), "--tree-data-path", str(_records(tmp_path)), "--train-iters", "1",
+             "--nproc", "1", "--quiet", timeout=300)
+    assert r.returncode != 0 and "1 MTP layer(s) (num_nextn_predict_layers)" in r.stderr, r.stderr[-3000:]
+    assert "rank 0" not in r.stderr, r.stderr[-3000:]
+
+
+class _FamilyProvider:
+    """Stands for a family provider (Gemma's) whose ``provide()`` calls its parent's, in another module."""
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        return super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+
+def _hierarchy_body(path: str) -> dict:
+    from dist import init_megatron
+
+    init_megatron()
+    from megatron_tree import bridge as tb
+    from megatron_tree.bridge.cpu import use_local_specs
+
+    provider = tb.auto_bridge(path).to_megatron_provider(load_weights=False)
+    family = type("Qwen3FamilyProvider", (_FamilyProvider, type(provider)), {})
+    provider.__class__ = family
+    tree = tb.tree_provider(provider)
+    tree.finalize()
+    out = {"class": type(tree.provide()).__name__}
+    custom = tb.auto_bridge(path).to_megatron_provider(load_weights=False)
+    custom.transformer_layer_spec = lambda config, vp_stage=None: None  # a family's own (TE) spec stands here
+    try:
+        use_local_specs(custom)
+    except ValueError as e:
+        out["custom_spec"] = str(e)
+    return out
+
+
+def test_a_provider_whose_provide_calls_its_parents_builds_the_tree_model_and_custom_specs_are_refused(tmp_path):
+    """The tree swap reaches every module whose ``provide()`` runs: a family provider calling
+    ``super().provide()`` (Gemma's way) builds `TreeGPTModel`. On a host without transformer-engine, a
+    family's own layer spec is refused by name rather than replaced by the generic local spec."""
+    from dist import run_distributed
+    from megatron_tree.ops.backend import module_available
+
+    path = tmp_path / "qwen3"
+    hf_tiny.make("qwen3", path)
+    out = run_distributed(_hierarchy_body, 1, str(path), timeout=300)[0]
+    assert out["class"] == "TreeGPTModel", out
+    if not module_available("transformer_engine"):
+        assert "a family's own spec with transformer-engine modules" in out.get("custom_spec", ""), out
+        assert "test_bridge_checkpoints" in out["custom_spec"], out

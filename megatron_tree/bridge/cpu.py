@@ -65,6 +65,12 @@ def use_local_specs(provider) -> bool:
         return True
     te_spec = provider.transformer_layer_spec
     name = getattr(te_spec, "__name__", type(te_spec).__name__)
+    if not _stock_spec(te_spec):
+        fn = getattr(te_spec, "func", te_spec)
+        raise ValueError(f"{type(provider).__name__}.transformer_layer_spec is {getattr(fn, '__module__', '?')}."
+                         f"{getattr(fn, '__qualname__', name)}, a family's own spec with transformer-engine modules: "
+                         "megatron_tree.bridge has no local (no transformer-engine) twin of it, and replacing it with "
+                         "the generic local spec would drop what the family's layers do (refused instead)")
 
     def local_spec(config, vp_stage=None):
         spec = _local_gpt_spec(config, vp_stage)
@@ -73,6 +79,17 @@ def use_local_specs(provider) -> bool:
     local_spec.__name__ = f"local_for_{name}"
     provider.transformer_layer_spec = local_spec
     return True
+
+
+#: modules whose spec functions build Megatron's stock GPT layers (their local counterpart is `_local_gpt_spec`)
+_STOCK_SPEC_MODULES = ("megatron.bridge.models.gpt_provider", "megatron.bridge.models.mla_provider",
+                       "megatron.core.models.gpt.gpt_layer_specs",
+                       "megatron.core.models.gpt.experimental_attention_variant_module_specs")
+
+
+def _stock_spec(spec) -> bool:
+    fn = getattr(spec, "func", spec)  # functools.partial (the DeepSeek-V3 provider's)
+    return callable(fn) and getattr(fn, "__module__", None) in _STOCK_SPEC_MODULES
 
 
 def _local_gpt_spec(config, vp_stage):

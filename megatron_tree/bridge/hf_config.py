@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["hf_config_value", "remote_code_error"]
+__all__ = ["hf_config_value", "remote_code_error", "checkpoint_refusals"]
 
 
 def hf_config_value(path: str, key: str, *, trust_remote_code: bool = False):
@@ -46,3 +46,65 @@ def remote_code_error(path: str, trust_remote_code: bool):
         return (f"--hf-model {path}: its config.json names code of its own (auto_map), and transformers says: "
                 f"{' '.join(str(e).split())} -- pass --trust-remote-code to run that code")
     return None
+
+
+def _rope(cfg: dict) -> dict:
+    """The rope settings of a config.json (transformers 5's ``rope_parameters``, 4's ``rope_scaling``)."""
+    return dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+
+
+def _differs(rope: dict, expected: dict) -> list:
+    return [f"{k}={rope.get(k)!r} (built as {v!r})" for k, v in expected.items()
+            if rope.get(k) is not None and float(rope[k]) != float(v)]
+
+
+#: what Megatron-Core / megatron-bridge 0.6.2 build whatever a checkpoint says
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_GPT_OSS_YARN = {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+#: model types built with a layer the tree does not have yet: why
+_NOT_BUILT = {
+    "gemma2": "Gemma 2's attention logit soft-cap and its per-layer local / global attention (an integer window) "
+              "are not built on the tree yet",
+    "gemma3": "Gemma 3's per-layer local / global attention (an integer window and two rotary tables) is not built "
+              "on the tree yet",
+    "gemma3_text": "Gemma 3's per-layer local / global attention (an integer window and two rotary tables) is not "
+                   "built on the tree yet",
+    "falcon_h1": "Falcon-H1's parallel attention + Mamba-2 layers (the Bridge's own FalconH1Model) are not built "
+                 "from the tree mixers yet",
+}
+#: model types whose Bridge spec is transformer-engine only, with no local twin yet: why (hosts without TE)
+_TE_ONLY = {
+    "olmoe": "OLMoE's layer spec (full-width q / k norms) exists with transformer-engine modules only",
+}
+
+
+def checkpoint_refusals(path: str, *, transformer_engine: bool) -> list:
+    """What a local ``--hf-model`` checkpoint carries that the tree cannot build exactly, each named with
+    the setting and the family, read from its config.json before any rank starts (no Bridge import).
+    ``transformer_engine``: whether this host has it (some families' Bridge specs need it)."""
+    cfg_path = os.path.join(str(path), "config.json")
+    if not os.path.isfile(cfg_path):
+        return []
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg = {**(cfg.get("text_config") or {}), **cfg}
+    kind = str(cfg.get("model_type", ""))
+    where = f"--hf-model {path} (model_type {kind!r})"
+    out = []
+    if kind in _NOT_BUILT:
+        out.append(f"{where}: {_NOT_BUILT[kind]}")
+    if kind in _TE_ONLY and not transformer_engine:
+        out.append(f"{where}: {_TE_ONLY[kind]}; this host has no transformer-engine")
+    rope = _rope(cfg)
+    kind_of_rope = rope.get("rope_type", rope.get("type"))
+    if kind_of_rope == "llama3" and _differs(rope, _LLAMA3_ROPE):
+        out.append(f"{where}: llama3 rope scaling with {', '.join(_differs(rope, _LLAMA3_ROPE))}: Megatron-Core's "
+                   "llama3 scaling fixes these values, so the model would use other positions than the checkpoint's")
+    if kind == "gpt_oss" and kind_of_rope == "yarn" and _differs(rope, _GPT_OSS_YARN):
+        out.append(f"{where}: YaRN with {', '.join(_differs(rope, _GPT_OSS_YARN))}: megatron-bridge's gpt-oss "
+                   "bridge sets gpt-oss's published YaRN whatever the checkpoint says")
+    mtp = int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0)
+    if mtp and not transformer_engine:
+        out.append(f"{where}: {mtp} MTP layer(s) (num_nextn_predict_layers): megatron-bridge's MTP block spec "
+                   "(gpt_provider.mtp_block_spec) is transformer-engine only and this host has none")
+    return out

@@ -193,23 +193,27 @@ def _stock_builders() -> dict:
 
 @contextlib.contextmanager
 def _building_tree_models(provider_cls):
-    """While a tree provider's ``provide()`` runs, the module that defines the inherited ``provide``
-    resolves its stock model class names to the tree builders (the module's own globals, restored on
-    exit; serialised by a lock)."""
-    owner = next((c for c in provider_cls.__mro__[1:] if "provide" in vars(c) and c is not _TreeProviderMixin), None)
-    module = sys.modules.get(owner.__module__) if owner is not None else None
+    """While a tree provider's ``provide()`` runs, every module that defines a ``provide`` on its class's
+    MRO resolves its stock model class names to the tree builders (the modules' own globals, restored on
+    exit; serialised by a lock): a family provider whose ``provide()`` calls ``super().provide()``
+    (Gemma's) builds its model in its parent's module."""
+    owners = [c for c in provider_cls.__mro__[1:] if "provide" in vars(c) and c is not _TreeProviderMixin]
     builders = _stock_builders()
-    names = {k: v for k, v in vars(module).items() if isinstance(v, type) and v in builders} if module else {}
-    if not names:
-        raise TreeProviderError(f"{provider_cls.__name__}: its provide() ({getattr(owner, '__qualname__', '?')}) "
-                                "builds no GPTModel / HybridModel that megatron_tree.bridge knows how to swap")
+    swaps = []  # (module, global name, stock class)
+    for module in dict.fromkeys(sys.modules.get(c.__module__) for c in owners):
+        if module is not None:
+            swaps += [(module, k, v) for k, v in vars(module).items() if isinstance(v, type) and v in builders]
+    if not swaps:
+        raise TreeProviderError(f"{provider_cls.__name__}: its provide() "
+                                f"({', '.join(c.__qualname__ for c in owners) or '?'}) builds no GPTModel / "
+                                "HybridModel that megatron_tree.bridge knows how to swap")
     with _LOCK:
         try:
-            for name, stock in names.items():
+            for module, name, stock in swaps:
                 setattr(module, name, builders[stock])
             yield
         finally:
-            for name, stock in names.items():
+            for module, name, stock in swaps:
                 setattr(module, name, stock)
 
 

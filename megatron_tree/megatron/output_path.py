@@ -15,6 +15,8 @@ know what it does.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -26,11 +28,10 @@ class TreeOutputError(ValueError):
 
 
 def _softcapping_forward():
-    try:
-        from megatron.bridge.models.gemma.gemma2_provider import Gemma2OutputLayer
-    except Exception:  # noqa: BLE001 - no Bridge (or it fails to import): no such layer can exist here
-        return None
-    return Gemma2OutputLayer.forward
+    # a Gemma2OutputLayer exists only once its module is imported: never import the Bridge from here
+    module = sys.modules.get("megatron.bridge.models.gemma.gemma2_provider")
+    layer = getattr(module, "Gemma2OutputLayer", None)
+    return layer.forward if layer is not None else None
 
 
 def _final_softcap(model):

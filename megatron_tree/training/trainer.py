@@ -287,20 +287,24 @@ def model_flags_given(args) -> list:
 
 def hf_model_errors(args) -> list:
     """With ``--hf-model``: the model flags given beside it (checked once, on the flags as given: the
-    checked args are filled with model defaults afterwards). Also sets ``args.vocab_size`` from the
-    checkpoint's config (the records' token ids are checked against it before any rank starts)."""
+    checked args are filled with model defaults afterwards), a checkpoint that needs its own code without
+    ``--trust-remote-code``, and what the checkpoint carries that the tree cannot build (`checkpoint_refusals`).
+    Also sets ``args.vocab_size`` from the checkpoint's config (the records' token ids are checked against
+    it before any rank starts)."""
     if getattr(args, "hf_model_flags_checked", False):
         return []
     trust = bool(getattr(args, "trust_remote_code", False))
     if not getattr(args, "hf_model", None):
         return ["--trust-remote-code needs --hf-model PATH (the checkpoint whose code it runs)"] if trust else []
-    from ..bridge.hf_config import hf_config_value, remote_code_error
+    from ..bridge.hf_config import checkpoint_refusals, hf_config_value, remote_code_error
+    from ..ops.backend import module_available
 
     errors = [f"{flag}: the architecture comes from --hf-model" for flag in model_flags_given(args)]
     args.hf_model_flags_checked = True
     remote = remote_code_error(args.hf_model, trust)
     if remote:
         return errors + [remote]
+    errors += checkpoint_refusals(args.hf_model, transformer_engine=module_available("transformer_engine"))
     args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size", trust_remote_code=trust))
     return errors
 

@@ -198,3 +198,32 @@ def remote_code_mimo(path, seed: int = 0):
     (p / "configuration_mimo.py").write_text(_MIMO_CONFIG)
     (p / "modeling_mimo.py").write_text(_MIMO_MODEL)
     return path
+
+
+@torch.no_grad()
+def deepseek_v3_with_mtp(path, seed: int = 0):
+    """A tiny DeepSeek-V3 laid out as published with its MTP layer: ``num_nextn_predict_layers`` 1, the MTP
+    layer's tensors under ``model.layers.{num_hidden_layers}.*`` (a decoder layer's, made by transformers as a
+    third layer, plus its ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm``, random). transformers
+    itself ignores that layer (its DeepSeek-V3 has no MTP): its log-probs are the two-layer model's."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    make("deepseek_v3", path, seed=seed, num_hidden_layers=3)
+    p = Path(path)
+    cfg = json.loads((p / "config.json").read_text())
+    cfg.update(num_hidden_layers=2, num_nextn_predict_layers=1)
+    (p / "config.json").write_text(json.dumps(cfg, indent=1))
+    f = p / "model.safetensors"
+    tensors = load_file(str(f))
+    gen = torch.Generator().manual_seed(seed + 2)
+    h = cfg["hidden_size"]
+    extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=gen), "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
+             "eh_proj.weight": torch.randn(h, 2 * h, generator=gen) / (2 * h) ** 0.5,
+             "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=gen)}
+    for name, t in extra.items():
+        tensors[f"model.layers.2.{name}"] = t.float()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return path

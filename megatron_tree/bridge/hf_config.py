@@ -103,8 +103,4 @@ def checkpoint_refusals(path: str, *, transformer_engine: bool) -> list:
     if kind == "gpt_oss" and kind_of_rope == "yarn" and _differs(rope, _GPT_OSS_YARN):
         out.append(f"{where}: YaRN with {', '.join(_differs(rope, _GPT_OSS_YARN))}: megatron-bridge's gpt-oss "
                    "bridge sets gpt-oss's published YaRN whatever the checkpoint says")
-    mtp = int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0)
-    if mtp and not transformer_engine:
-        out.append(f"{where}: {mtp} MTP layer(s) (num_nextn_predict_layers): megatron-bridge's MTP block spec "
-                   "(gpt_provider.mtp_block_spec) is transformer-engine only and this host has none")
     return out

@@ -155,6 +155,13 @@ def check_tree_model(model) -> None:
                                 + (f" and {len(left) - 8} more" if len(left) > 8 else ""))
 
 
+def _mtp_marker(config, vp_stage=None):
+    """Stands for the Bridge's ``gpt_provider.mtp_block_spec`` while a tree model is built: the tree builder
+    makes the MTP block itself for this host (`_tree_gpt_model`), and the Bridge's function builds it with
+    transformer-engine modules whatever the host has (it fails where there is none). True iff MTP layers."""
+    return True if getattr(config, "mtp_num_layers", None) else None
+
+
 def _tree_gpt_model(config, transformer_layer_spec=None, *args, mtp_block_spec=None, vp_stage=None, **kwargs):
     """Stands where a Bridge provider calls ``GPTModel``: the same call, the tree model."""
     from ..megatron.model import TreeGPTModel
@@ -199,10 +206,12 @@ def _building_tree_models(provider_cls):
     (Gemma's) builds its model in its parent's module."""
     owners = [c for c in provider_cls.__mro__[1:] if "provide" in vars(c) and c is not _TreeProviderMixin]
     builders = _stock_builders()
-    swaps = []  # (module, global name, stock class)
+    swaps = []  # (module, global name, stock object)
     for module in dict.fromkeys(sys.modules.get(c.__module__) for c in owners):
         if module is not None:
             swaps += [(module, k, v) for k, v in vars(module).items() if isinstance(v, type) and v in builders]
+            if callable(getattr(module, "mtp_block_spec", None)):
+                swaps.append((module, "mtp_block_spec", module.mtp_block_spec))
     if not swaps:
         raise TreeProviderError(f"{provider_cls.__name__}: its provide() "
                                 f"({', '.join(c.__qualname__ for c in owners) or '?'}) builds no GPTModel / "
@@ -210,7 +219,7 @@ def _building_tree_models(provider_cls):
     with _LOCK:
         try:
             for module, name, stock in swaps:
-                setattr(module, name, builders[stock])
+                setattr(module, name, _mtp_marker if name == "mtp_block_spec" else builders[stock])
             yield
         finally:
             for module, name, stock in swaps:

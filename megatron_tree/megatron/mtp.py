@@ -514,9 +514,12 @@ def tree_mtp_postprocess(model, hidden_states: torch.Tensor, psp: TreePackedSeqP
     have = 0 if psp.mtp_tail_index is None else int(psp.mtp_tail_index.max())
     # a padding microbatch (no sample, so no tail rows: a DP rank with nothing left to score) needs none
     if psp.loss_map is not None and psp.loss_map.sample_index.numel() and have < need:
-        raise ValueError(f"tree MTP: the MTP layers run DeepSeek sparse attention, whose indexer loss covers the "
-                         f"{need} trailing positions stock's depth {need} adds after every sample, but the microbatch "
-                         f"has {have} tail rows per sample: pack it with megatron_tree.tree.pack(..., mtp_tail={need})")
+        why = ("run DeepSeek sparse attention, whose indexer loss covers" if getattr(
+            cfg, "experimental_attention_variant", None) == "dsa" else "route with MoE load balancing, whose router "
+            "statistics count")
+        raise ValueError(f"tree MTP: the MTP layers {why} the {need} trailing positions stock's depth {need} adds "
+                         f"after every sample, but the microbatch has {have} tail rows per sample: pack it with "
+                         f"megatron_tree.tree.pack(..., mtp_tail={need}) (megatron_tree.megatron.mtp.mtp_tail_rows)")
     layers = model.mtp.layers
     repeated = bool(getattr(cfg, "mtp_use_repeated_layer", False))
     h = hidden_states.detach() if getattr(cfg, "mtp_detach_heads", False) else hidden_states

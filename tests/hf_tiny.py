@@ -180,20 +180,36 @@ class MiMoForCausalLM(Qwen2ForCausalLM):
 """
 
 
-def remote_code_mimo(path, seed: int = 0):
+@torch.no_grad()
+def remote_code_mimo(path, seed: int = 0, mtp: bool = False):
     """A tiny checkpoint laid out as Xiaomi's MiMo is published: ``model_type`` "mimo", which transformers
     does not know, its config and model classes in the checkpoint's own ``configuration_mimo.py`` /
-    ``modeling_mimo.py`` named by ``auto_map`` (here Qwen2 underneath, no MTP layer), so that loading it
-    needs ``trust_remote_code``. Returns the path."""
+    ``modeling_mimo.py`` named by ``auto_map`` (here Qwen2 underneath), so that loading it needs
+    ``trust_remote_code``. ``mtp``: with its MTP layer, ``model.mtp_layers.0.*`` (a decoder layer made by
+    transformers as a third layer, plus ``token_layernorm`` / ``hidden_layernorm`` / ``input_proj`` /
+    ``final_layernorm``, random), which the Qwen2 model underneath ignores. Returns the path."""
     import json
     from pathlib import Path
 
-    make("qwen2", path, seed=seed)
+    from safetensors.torch import load_file, save_file
+
+    make("qwen2", path, seed=seed, **({"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3} if mtp else {}))
     p = Path(path)
     cfg = json.loads((p / "config.json").read_text())
-    cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=0,
+    cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=int(mtp),
+               num_hidden_layers=2, layer_types=["full_attention"] * 2,
                auto_map={"AutoConfig": "configuration_mimo.MiMoConfig",
                          "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"})
+    if mtp:
+        f = p / "model.safetensors"
+        tensors = load_file(str(f))
+        tensors = {k.replace("model.layers.2.", "model.mtp_layers.0."): v for k, v in tensors.items()}
+        gen = torch.Generator().manual_seed(seed + 2)
+        h = cfg["hidden_size"]
+        for name in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+            tensors[f"model.mtp_layers.0.{name}.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+        tensors["model.mtp_layers.0.input_proj.weight"] = torch.randn(h, 2 * h, generator=gen) / (2 * h) ** 0.5
+        save_file(tensors, str(f), metadata={"format": "pt"})
     (p / "config.json").write_text(json.dumps(cfg, indent=1))
     (p / "configuration_mimo.py").write_text(_MIMO_CONFIG)
     (p / "modeling_mimo.py").write_text(_MIMO_MODEL)

@@ -56,9 +56,11 @@ def _max_rel(a: dict, b: dict) -> float:
 
 def test_remote_code_checkpoint_scores_with_trust_remote_code_and_is_refused_without(tmp_path):
     """A MiMo-style checkpoint (model type unknown to transformers, its classes in the checkpoint's own
-    files): without ``--trust-remote-code`` refused before any rank starts, in transformers' words; with it,
-    ``score --hf-model`` equals transformers (run with ``trust_remote_code=True``) record by record."""
-    path = hf_tiny.remote_code_mimo(tmp_path / "mimo")
+    files) with its MTP layer (whose norms megatron-bridge maps by transformer-engine names only: the
+    local modules' names are taught on a host without it): without ``--trust-remote-code`` refused before
+    any rank starts, in transformers' words; with it, ``score --hf-model`` equals transformers (run with
+    ``trust_remote_code=True``; it ignores the MTP layer) record by record."""
+    path = hf_tiny.remote_code_mimo(tmp_path / "mimo", mtp=True)
     data = _records(tmp_path)
     bad = _run("score", "--hf-model", str(path), "--data", str(data), "--out", str(tmp_path / "bad.parquet"),
                "--nproc", "1", "--quiet", timeout=300)

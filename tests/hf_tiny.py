@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss", "olmoe")
 
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
@@ -49,6 +49,10 @@ def _config(family: str):
         return tf.GlmMoeDsaConfig(**common, num_hidden_layers=2, first_k_dense_replace=1, head_dim=8,
                                   index_topk=4, index_head_dim=16, index_n_heads=2,
                                   indexer_rope_interleave=False)  # transformers: half-split rope in the indexer
+    if family == "olmoe":  # q / k norms over all heads at once (not per head): the Bridge's own attention class
+        return tf.OlmoeConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_attention_heads=4,
+                              num_key_value_heads=4, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=128, tie_word_embeddings=False)
     if family == "llama":
         # Llama 3's rope scaling as published (at head_dim 8 and theta 500000 one frequency is divided by 8 and
         # one smoothed); not in FAMILIES: the checkpoint tests' save / load source

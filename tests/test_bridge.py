@@ -1,7 +1,8 @@
 """Hugging Face checkpoints through Megatron-Bridge into tree models (`megatron_tree.bridge`), checked
 against `transformers` itself and against stock Megatron-Core run per sample.
 
-For each family (`hf_tiny.FAMILIES`: Qwen3, Qwen3-MoE, Qwen3-Next, Nemotron-H, DeepSeek-V3, GLM-5, gpt-oss) a
+For each family (`hf_tiny.FAMILIES`: Qwen3, Qwen3-MoE, Qwen3-Next, Nemotron-H, DeepSeek-V3, GLM-5, gpt-oss,
+OLMoE) a
 tiny random model is made and saved by `transformers` in the test; ``bridge.hf_provider`` imports it
 (float64) as a tree provider, ``load_hf_weights`` loads it (refusing any parameter left unloaded),
 and the tree model's per-occurrence log-probs on a packed forest with shared prefixes, forks, a
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.skipif(
     reason="megatron-bridge / transformers are not installed: the extra 'megatron-tree[hf]' needs Python 3.12 and "
            "megatron-core >= 0.19; `make test-latest` installs it")
 
-STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss")
+STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "olmoe")
 # Tree vs stock per sample, float64: 1e-12, except where stock itself rounds to fp32 inside a float64
 # model (tests/test_model_families.py measures it): Qwen3-Next's stock GatedDeltaNet keeps its decay and
 # output gate in fp32 (measured 8.4e-9 here). Route scores, which stock also keeps in fp32 (DeepSeek-V3's
@@ -114,7 +115,8 @@ def _families_body(root: str) -> dict:
         tree = _build(bridge)
         with torch.no_grad():
             lp = {k: float(v) for k, v in tree_logprobs(tree, mbs).items()}
-        res = {"tree_class": type(tree).__name__, "hf": hf_tiny.hf_logprobs(path, SAMPLES), "tree": lp}
+        res = {"tree_class": type(tree).__name__, "hf": hf_tiny.hf_logprobs(path, SAMPLES), "tree": lp,
+               "attention": sorted({type(m).__name__ for m in tree.modules() if type(m).__name__.endswith("Attention")})}
         if fam == "glm5":
             res["hf_stable_ties"] = hf_tiny.hf_logprobs(path, SAMPLES, stable_dsa_ties=True)
         if fam == "gpt_oss":  # the same weights with plain RoPE: YaRN must matter on these records
@@ -208,6 +210,13 @@ def test_gpt_oss_yarn_is_applied_on_the_tree(families):
     plain = _max_rel(res["tree"], res["hf_plain_rope"])
     print(f"\ngpt-oss tree vs transformers with plain RoPE (same weights): max rel {plain:.1e}")
     assert plain > 1e-3, plain
+
+
+def test_olmoe_keeps_its_own_attention_on_the_local_path(families):
+    """OLMoE's q / k norms span all heads (its own attention class in the Bridge's TE-only spec): the CPU
+    path builds the local twin of that spec (the same class on Megatron's local modules), not the generic
+    local spec, and its experts load by the sequential names the Bridge maps only grouped-GEMM style."""
+    assert "OLMoESelfAttention" in families["olmoe"]["attention"], families["olmoe"]["attention"]
 
 
 def test_glm5_sparse_topk_differs_from_transformers_only_by_its_tie_rule(families):

@@ -65,6 +65,10 @@ def use_local_specs(provider) -> bool:
         return True
     te_spec = provider.transformer_layer_spec
     name = getattr(te_spec, "__name__", type(te_spec).__name__)
+    twin = None if _stock_spec(te_spec) else _local_twin(te_spec, zero_centered)
+    if twin is not None:
+        provider.transformer_layer_spec = twin
+        return True
     if not _stock_spec(te_spec):
         fn = getattr(te_spec, "func", te_spec)
         raise ValueError(f"{type(provider).__name__}.transformer_layer_spec is {getattr(fn, '__module__', '?')}."
@@ -90,6 +94,37 @@ _STOCK_SPEC_MODULES = ("megatron.bridge.models.gpt_provider", "megatron.bridge.m
 def _stock_spec(spec) -> bool:
     fn = getattr(spec, "func", spec)  # functools.partial (the DeepSeek-V3 provider's)
     return callable(fn) and getattr(fn, "__module__", None) in _STOCK_SPEC_MODULES
+
+
+def _local_twin(spec_fn, zero_centered: bool):
+    """The local twin of a family's spec function that modifies the Bridge's default TE layer spec (OLMoE's
+    ``olmoe_layer_spec``: ``default_layer_spec(config)`` with its own attention class): the same function
+    run while its module's ``default_layer_spec`` is the Bridge's ``local_layer_spec`` (the same layer
+    with Megatron's local modules, separate norms: same structure, same parameter names). None for a
+    spec function of any other shape."""
+    import inspect
+    import sys
+
+    fn = getattr(spec_fn, "func", spec_fn)
+    module = sys.modules.get(getattr(fn, "__module__", ""))
+    try:
+        from megatron.bridge.models import gpt_provider
+    except ImportError:  # pragma: no cover - only Bridge providers get here
+        return None
+    if module is None or getattr(module, "default_layer_spec", None) is not gpt_provider.default_layer_spec:
+        return None
+    takes_vp = "vp_stage" in inspect.signature(spec_fn).parameters
+
+    def twin(config, vp_stage=None):
+        module.default_layer_spec = gpt_provider.local_layer_spec
+        try:
+            spec = spec_fn(config, vp_stage=vp_stage) if takes_vp else spec_fn(config)
+        finally:
+            module.default_layer_spec = gpt_provider.default_layer_spec
+        return swap_norms(spec, ZeroCenteredRMSNorm) if zero_centered else spec
+
+    twin.__name__ = f"local_twin_of_{getattr(fn, '__name__', 'spec')}"
+    return twin
 
 
 def _local_gpt_spec(config, vp_stage):

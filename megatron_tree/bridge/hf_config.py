@@ -72,16 +72,9 @@ _NOT_BUILT = {
     "falcon_h1": "Falcon-H1's parallel attention + Mamba-2 layers (the Bridge's own FalconH1Model) are not built "
                  "from the tree mixers yet",
 }
-#: model types whose Bridge spec is transformer-engine only, with no local twin yet: why (hosts without TE)
-_TE_ONLY = {
-    "olmoe": "OLMoE's layer spec (full-width q / k norms) exists with transformer-engine modules only",
-}
-
-
-def checkpoint_refusals(path: str, *, transformer_engine: bool) -> list:
+def checkpoint_refusals(path: str) -> list:
     """What a local ``--hf-model`` checkpoint carries that the tree cannot build exactly, each named with
-    the setting and the family, read from its config.json before any rank starts (no Bridge import).
-    ``transformer_engine``: whether this host has it (some families' Bridge specs need it)."""
+    the setting and the family, read from its config.json before any rank starts (no Bridge import)."""
     cfg_path = os.path.join(str(path), "config.json")
     if not os.path.isfile(cfg_path):
         return []
@@ -93,8 +86,6 @@ def checkpoint_refusals(path: str, *, transformer_engine: bool) -> list:
     out = []
     if kind in _NOT_BUILT:
         out.append(f"{where}: {_NOT_BUILT[kind]}")
-    if kind in _TE_ONLY and not transformer_engine:
-        out.append(f"{where}: {_TE_ONLY[kind]}; this host has no transformer-engine")
     rope = _rope(cfg)
     kind_of_rope = rope.get("rope_type", rope.get("type"))
     if kind_of_rope == "llama3" and _differs(rope, _LLAMA3_ROPE):

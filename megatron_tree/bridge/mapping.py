@@ -10,7 +10,7 @@ first made) and by mirroring for any stock parent registered now.
 from __future__ import annotations
 
 __all__ = ["auto_bridge", "register_tree_modules", "load_hf_weights", "save_hf_pretrained", "HFWeightsError",
-           "copy_source_files", "save_hf_errors", "with_local_norm_names"]
+           "copy_source_files", "save_hf_errors", "with_local_module_names"]
 
 # the Bridge's own type for these stock parents (param_mapping.AutoMapping, qwen3_next_bridge)
 _STATIC = {"TreeDotProductAttention": "column", "TreeGatedDeltaNet": "column",
@@ -61,7 +61,7 @@ def register_tree_modules() -> None:
 def auto_bridge(path, **kwargs):
     """``megatron.bridge.AutoBridge.from_hf_pretrained(path, **kwargs)`` with the tree module
     classes registered (on a host without transformer-engine through `megatron_tree.cpu.bridge`), and on
-    such a host its weight mapping taught the local modules' norm names (`with_local_norm_names`)."""
+    such a host its weight mapping taught the local modules' names (`with_local_module_names`)."""
     from ..cpu.bridge import import_bridge
     from ..ops.backend import module_available
 
@@ -70,8 +70,8 @@ def auto_bridge(path, **kwargs):
     bridge = bridge_pkg.AutoBridge.from_hf_pretrained(str(path), **kwargs)
     if not module_available("transformer_engine"):
         cls = type(bridge._model_bridge)  # (a new model bridge per access: its class is taught)
-        if not getattr(cls.mapping_registry, "_tree_local_norms", False):
-            cls.mapping_registry = with_local_norm_names(cls.mapping_registry)
+        if not getattr(cls.mapping_registry, "_tree_local_names", False):
+            cls.mapping_registry = with_local_module_names(cls.mapping_registry)
     return bridge
 
 
@@ -80,32 +80,48 @@ _TE_FUSED_NORMS = ((".self_attention.linear_qkv.layer_norm_weight", ".input_laye
                    (".self_attention.linear_qkv.layer_norm_bias", ".input_layernorm.bias"),
                    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
                    (".mlp.linear_fc1.layer_norm_bias", ".pre_mlp_layernorm.bias"))
+#: grouped-GEMM experts (one tensor per expert, ``weight<i>``) and the sequential ones the CPU path builds
+_GROUPED_EXPERTS = ((".experts.linear_fc1.weight*", ".experts.local_experts.*.linear_fc1.weight"),
+                    (".experts.linear_fc2.weight*", ".experts.local_experts.*.linear_fc2.weight"),
+                    (".experts.linear_fc1.bias*", ".experts.local_experts.*.linear_fc1.bias"),
+                    (".experts.linear_fc2.bias*", ".experts.local_experts.*.linear_fc2.bias"))
 
 
-def with_local_norm_names(mapping_registry):
-    """A model bridge class's ``mapping_registry`` method that also maps, for every norm it maps only by its
-    transformer-engine fused name, the local module's name to the same HF tensor (megatron-bridge 0.6.2's
-    MiMo maps its MTP layers' norms by TE names only; without this those parameters stay unloaded and
-    `load_hf_weights` refuses the checkpoint). Mappings that already name both are unchanged."""
+def _alias(mapping, megatron_param: str):
+    import copy
+
+    twin = copy.copy(mapping)
+    twin.megatron_param = megatron_param
+    for name, value in vars(twin).items():  # per-mapping caches are the copy's own
+        if name.endswith("_cache") and isinstance(value, dict):
+            setattr(twin, name, {})
+    return twin
+
+
+def with_local_module_names(mapping_registry):
+    """A model bridge class's ``mapping_registry`` method that also maps the local (no transformer-engine)
+    modules' names where the Bridge maps a tensor only by a name the CPU path does not build: a norm
+    named only by TE's fused name (megatron-bridge 0.6.2's MiMo MTP norms) and experts named only
+    grouped-GEMM style (its OLMoE: ``experts.linear_fc1.weight<i>``; the CPU path builds sequential
+    experts, ``experts.local_experts.<i>.linear_fc1.weight``), each to the same HF tensors by the same
+    mapping. Without it those parameters stay unloaded (`load_hf_weights` refuses the checkpoint) or the
+    Bridge stops on a task it cannot map. Names it already maps are unchanged."""
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
     def registry(self):
         reg = mapping_registry(self)
         have = {m.megatron_param for m in reg.mappings}
         extra = []
         for m in reg.mappings:
-            if type(m) is not AutoMapping or not isinstance(m.hf_param, str):
-                continue
-            for fused, local in _TE_FUSED_NORMS:
-                if m.megatron_param.endswith(fused):
-                    alias = m.megatron_param[:-len(fused)] + local
+            for named, local in _TE_FUSED_NORMS + _GROUPED_EXPERTS:
+                if m.megatron_param.endswith(named):
+                    alias = m.megatron_param[:-len(named)] + local
                     if alias not in have:
                         have.add(alias)
-                        extra.append(AutoMapping(megatron_param=alias, hf_param=m.hf_param))
+                        extra.append(_alias(m, alias))
         return MegatronMappingRegistry(*reg.mappings, *extra) if extra else reg
 
-    registry._tree_local_norms = True
+    registry._tree_local_names = True
     return registry
 
 

@@ -456,3 +456,66 @@ def test_widened_router_gating_keeps_float64_logits():
     assert wide.dtype == torch.float64 and _rel(wide, want) < 1e-15
     narrow = router_module.router_gating_linear(x, w, None, torch.float32)  # installed, switched off
     assert narrow.dtype == torch.float32 and _rel(narrow.double(), want) > 1e-10
+
+
+def _rl_body():
+    """`megatron_tree.rl` with balancing on (aux loss, z-loss, sigmoid expert bias): the same rollouts as
+    one prefix-tree microbatch and as one flat microbatch (``share_prefixes=False``), each through
+    ``rl.forward_backward`` (GRPO) on a DDP-wrapped TreeGPTModel from the same weights, then
+    ``finalize_model_grads`` (the expert-bias update counts). Float64, route scores widened."""
+    from megatron_tree import rl
+    from megatron_tree.megatron import moe_balance
+    from megatron_tree.megatron.model import TreeGPTModel
+    from megatron_tree.megatron.router_precision import widen_router_scores
+    from megatron_tree.megatron.specs import get_tree_gpt_decoder_block_spec
+    from megatron_tree.training.models import ModelArgs, make_config, wrap_ddp
+    from per_sample import SAMPLES, randomize
+
+    init_megatron()
+    torch.set_default_dtype(torch.float64)
+    widen_router_scores(True)
+    margs = ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                      vocab_size=V, num_experts=4, moe_ffn_hidden_size=16, extra=dict(BALANCING))
+    state = None
+    out = {}
+    g = torch.Generator().manual_seed(9)
+    adv = [float(a) for a in torch.randn(len(SAMPLES), generator=g)]
+    for name, share, fault in (("tree", True, None), ("flat", False, None), ("fault", True, "multiplicity_ones")):
+        cfg = make_config(margs, dtype=torch.float64)  # one per model: DDP hangs hooks on it, experts copy it
+        tree = TreeGPTModel(cfg, get_tree_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                                                 normalization="RMSNorm"),
+                            vocab_size=V, max_sequence_length=64, position_embedding_type="rope")
+        if state is None:
+            randomize(tree, seed=21)
+            state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in tree.state_dict().items()}
+        tree.load_state_dict(state, strict=True)
+        ddp = wrap_ddp(tree, tree.config)
+        batch = rl.RolloutBatch.from_lists(SAMPLES, advantages=adv)
+        mbs = rl.build_microbatches(batch, 256, share_prefixes=share, vocab_size=V)
+        moe_balance._FAULT = fault
+        try:
+            ddp.zero_grad_buffer()
+            rl.forward_backward(ddp, mbs, loss="grpo")
+            tree.config.finalize_model_grads_func([ddp])
+        finally:
+            moe_balance._FAULT = None
+        out[name] = {"rows": sum(mb.num_rows for mb in mbs.microbatches), "n": len(mbs.microbatches),
+                     "grads": {n: p.main_grad.detach().clone() for n, p in tree.named_parameters()},
+                     "bias": [layer.mlp.router.expert_bias.detach().clone() for layer in tree.decoder.layers]}
+    return out
+
+
+def test_rl_api_balancing_on_trees_equals_flat_packing():
+    """The `rl` API path (build_microbatches + forward_backward, the loop RL frameworks call): GRPO with aux
+    loss, z-loss and expert bias on one tree microbatch equals the same rollouts packed flat, every
+    gradient (the attached balancing gradients included) and the expert-bias counts the update is made
+    from, to float64 rounding; the planted multiplicity fault moves the router gradients."""
+    res = run_distributed(_rl_body, 1, timeout=600)[0]
+    tree, flat, fault = res["tree"], res["flat"], res["fault"]
+    assert tree["n"] == flat["n"] == 1 and tree["rows"] < flat["rows"], (tree["rows"], flat["rows"])
+    worst = {n: _rel(tree["grads"][n], g) for n, g in flat["grads"].items() if g.abs().max() > 0}
+    assert max(worst.values()) <= 1e-12, worst
+    routers = [n for n in flat["grads"] if "router" in n]
+    assert routers and max(_rel(fault["grads"][n], flat["grads"][n]) for n in routers) > 1e-3
+    for t, f in zip(tree["bias"], flat["bias"]):
+        assert torch.equal(t, f)

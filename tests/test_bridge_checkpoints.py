@@ -88,15 +88,15 @@ def _slow_tokenizer_files(path) -> dict:
 
 
 def test_save_hf_saves_weights_then_copies_the_sources_files(tmp_path):
-    """``train --hf-model --save-hf`` on a Llama 3 checkpoint with no tokenizer files and on one with a slow
+    """``train --hf-model --save-hf`` on a Llama 3 checkpoint with no tokenizer files, on one with a slow
     sentencepiece tokenizer (which the Bridge's own save re-instantiates, and where sentencepiece is not
-    installed lost the trained weights): both save; the tokenizer files are the source's bytes; the saved
+    installed lost the trained weights), and on gpt-oss (YaRN, sinks, windows, biased MoE): each saves; the tokenizer files are the source's bytes; the saved
     directory is a model transformers loads, equal to the tree model scoring it; the step moved it; the
     quiet run prints no library tracebacks."""
     data = _records(tmp_path)
-    for name in ("plain", "sentencepiece"):
+    for name in ("plain", "sentencepiece", "gpt_oss"):
         src = tmp_path / f"src_{name}"
-        hf_tiny.make("llama", src)
+        hf_tiny.make("gpt_oss" if name == "gpt_oss" else "llama", src)
         files = _slow_tokenizer_files(src) if name == "sentencepiece" else {}
         out = tmp_path / f"saved_{name}"
         r = _ok("train", "--hf-model", str(src), "--tree-data-path", str(data), "--tree-global-batch-samples",

@@ -564,6 +564,20 @@ def _share_storage_by_copy():
     return _copy_storage
 
 
+def _reduce_skipping_a_group_of_one(original):
+    """``reduce_from_tensor_model_parallel_region`` that returns its input itself for a group of one (the
+    Function's forward and backward are both the identity there)."""
+    def reduce_from_tensor_model_parallel_region(input_, group=None):
+        from megatron.core.tensor_parallel.mappings import get_tensor_model_parallel_group_if_none
+
+        if get_tensor_model_parallel_group_if_none(group).size() == 1:
+            return input_
+        return original(input_, group=group)
+
+    reduce_from_tensor_model_parallel_region.__wrapped__ = original
+    return reduce_from_tensor_model_parallel_region
+
+
 def _apply_core() -> None:
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
     from megatron.core.models.common.language_module import language_module
@@ -590,6 +604,15 @@ def _apply_core() -> None:
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
         if hasattr(module, "get_pos_emb_on_this_cp_rank"):
             _set(module, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank, why_rope)
+
+    from megatron.core.tensor_parallel import layers as tp_layers
+
+    _set(tp_layers, "reduce_from_tensor_model_parallel_region",
+         _reduce_skipping_a_group_of_one(tp_layers.reduce_from_tensor_model_parallel_region),
+         "at TP 1 the reduce is the identity; as the autograd Function it returns its input as its output, and "
+         "the local experts with biases (gpt-oss's) add the bias to that output in place (MLP.forward, "
+         "per_token_scale), which autograd forbids on a custom Function's output (TE's grouped experts, the GPU "
+         "path, never take it)")
 
     why_cuda = "tensor.cuda() inside keeps tensors on the CPU"
     lm = language_module.LanguageModule

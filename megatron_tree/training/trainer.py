@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -1368,7 +1369,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     if args.save_hf and preempted is None:  # the trained weights as a Hugging Face directory (collective)
         from ..bridge import save_hf_pretrained
 
-        save_hf_pretrained(hf, [model], args.save_hf, trust_remote_code=bool(args.trust_remote_code))
+        with contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext():
+            save_hf_pretrained(hf, [model], args.save_hf, trust_remote_code=bool(args.trust_remote_code))
         saved.append(args.save_hf)
         if rank == 0 and not args.quiet:
             print(f"megatron-tree train: saved the Hugging Face model to {args.save_hf}", flush=True)
@@ -1390,13 +1392,23 @@ def _quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
 
 
+#: the import-time notes of the libraries (every missing optional GPU package, experimental APIs), as
+#: ``PYTHONWARNINGS`` entries: rank processes print them while importing, before any filter of ours runs
+_IMPORT_NOTES = ("Transformer Engine", "Apex", "Only transformer-engine", "absl.logging", "MimoModelConfig",
+                 "full scope is deprecated")
+
+
 def _quiet_logs() -> None:
     """``--quiet``: the libraries' informational logs off too (Megatron-Core's deprecation notes, the
-    Bridge's fusion notes, transformers' advice); warnings of ours and errors still show."""
+    Bridge's fusion notes, transformers' advice), here and in rank processes started afterwards (their
+    import-time warnings); warnings of ours and errors still show."""
     import logging
 
     for name in ("megatron.core", "megatron.bridge", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # transformers sets its level when imported
+    notes = ",".join(f"ignore:{m}:UserWarning" for m in _IMPORT_NOTES)
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), notes]))
 
 
 def _rank_train(args) -> dict:
@@ -1432,6 +1444,8 @@ def run(args) -> dict:
     from .launch import DistributedError, run_distributed
 
     latest_checkpoint(args.load)  # a marker naming a missing / incomplete checkpoint: refused before any rank starts
+    if args.quiet:
+        _quiet_logs()  # (before the ranks start: their environment)
     restarts = args.max_restarts
     while True:
         with _ForwardSignals() as forward:

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-__all__ = ["widen_router_scores", "router_scores_widened"]
+__all__ = ["widen_router_scores"]
 
 _NAMES = ("topk_routing_with_score_function", "compute_routing_scores_for_aux_loss")
 _STATE = {"on": False, "active": False}
@@ -115,6 +115,3 @@ def widen_router_scores(on: bool = True) -> None:
         _install()
     _STATE["on"] = bool(on)
 
-
-def router_scores_widened() -> bool:
-    return _STATE["on"]

@@ -45,7 +45,10 @@ SPAWN_CASES = {
     "tp2_all_tokens": (["--tensor-model-parallel-size", "2", "--all-tokens"], 1),
     "cp2": (["--context-parallel-size", "2"], 2),
     "pp2": (["--pipeline-model-parallel-size", "2", "--max-tokens-per-mb", "32"], 2),
+    # the vocabulary split over TP ranks: each rank's shard top-k, the global top-k from the candidates
+    "tp2_top_k": (["--tensor-model-parallel-size", "2", "--top-k", str(8)], 2),
 }
+TOP_K = 8
 
 
 def _has_mamba_mtp() -> bool:
@@ -285,8 +288,9 @@ def _lm_like_checkpoint(outdir: str) -> str:
 
 
 def _stock_oracle(ckpt_root: str, records: list) -> dict:
-    """{step: [(logprobs [L-1], entropy [L-1]) per record]} of stock GPTModel per record, float64
-    (index t-1 predicts token t)."""
+    """{step: [(logprobs [L-1], entropy [L-1], top-k log-probs [L-1, K], top-k ids [L-1, K]) per record]} of
+    stock GPTModel per record, float64 (index t-1 predicts token t; the top-k of the full-vocabulary
+    log-softmax)."""
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -312,7 +316,8 @@ def _stock_oracle(ckpt_root: str, records: list) -> dict:
                 logits = stock(x[None], torch.arange(len(x))[None], None)[0].double()
                 logp = torch.log_softmax(logits, -1)
                 ent = -(torch.softmax(logits, -1) * logp).sum(-1)
-                rows.append((logp[torch.arange(len(x) - 1), x[1:]], ent[:-1]))
+                top = logp[:-1].topk(TOP_K, dim=-1)
+                rows.append((logp[torch.arange(len(x) - 1), x[1:]], ent[:-1], top.values, top.indices))
         out[step] = rows
     return out
 
@@ -400,10 +405,10 @@ def _read(path):
 def test_score_equals_stock_per_record(run, name):
     path, step, all_tokens = run["outs"][name]
     cols, rows = _read(path)
-    assert cols == ["record", "logprobs", "entropy"]
+    assert cols == ["record", "logprobs", "entropy"] + (["topk_ids", "topk_logprobs"] if "top_k" in name else [])
     assert [r["record"] for r in rows] == list(range(len(run["records"])))  # one row per record, input order
     oracle = run["spawned"]["oracle"][step]
-    for rec, row, (lp, ent) in zip(run["records"], rows, oracle):
+    for rec, row, (lp, ent, *_) in zip(run["records"], rows, oracle):
         t = torch.as_tensor(_targets(rec, all_tokens))
         assert len(row["logprobs"]) == len(row["entropy"]) == len(t)
         torch.testing.assert_close(torch.tensor(row["logprobs"], dtype=torch.float64), lp[t - 1], **F64)
@@ -413,12 +418,35 @@ def test_score_equals_stock_per_record(run, name):
         assert rows[8]["logprobs"] == [] == rows[8]["entropy"]  # no target: empty lists, row kept
 
 
+def test_top_k_equals_the_full_vocabulary_reference(run):
+    """``score --top-k 8`` under TP2 (each rank holds half the vocabulary): per scored token the 8 ids and
+    log-probs of stock's full-vocabulary log-softmax, in order (the distillation teacher's input); the
+    best of them is at least the target's own log-prob."""
+    path, step, _ = run["outs"]["tp2_top_k"]
+    _, rows = _read(path)
+    oracle = run["spawned"]["oracle"][step]
+    checked = 0
+    for rec, row, (lp, _, top_lp, top_ids) in zip(run["records"], rows, oracle):
+        t = torch.as_tensor(_targets(rec, False))
+        assert len(row["topk_ids"]) == len(row["topk_logprobs"]) == len(t)
+        if not len(t):
+            continue
+        ids = torch.tensor(row["topk_ids"], dtype=torch.int64)
+        vals = torch.tensor(row["topk_logprobs"], dtype=torch.float64)
+        assert ids.shape == (len(t), TOP_K)
+        assert torch.equal(ids, top_ids[t - 1]), (ids, top_ids[t - 1])
+        torch.testing.assert_close(vals, top_lp[t - 1], **F64)
+        assert bool((vals[:, 0] >= lp[t - 1] - 1e-12).all())
+        checked += len(t)
+    assert checked > 0
+
+
 def test_planted_fault_one_token_off_fails(run):
     """The comparison above catches values written one scored token off."""
     _, rows = _read(str(run["dir"] / "fault.parquet"))
     oracle = run["spawned"]["oracle"][2]
     errs = [float((torch.tensor(row["entropy"], dtype=torch.float64) - ent).abs().max())
-            for row, (_, ent) in zip(rows, oracle)]
+            for row, (_, ent, *_) in zip(rows, oracle)]
     assert max(errs) > 1e-3
 
 
@@ -432,7 +460,7 @@ def test_train_logs_mean_entropy(run):
     """Step 2 ran with the weights of checkpoint 1: its logged mean entropy over the loss-masked targets
     (float32 model) equals the stock model's (float64) under that checkpoint."""
     oracle = run["spawned"]["oracle"][1]
-    ents = torch.cat([ent[torch.as_tensor(_targets(rec, False)) - 1] for rec, (_, ent) in zip(run["records"], oracle)])
+    ents = torch.cat([ent[torch.as_tensor(_targets(rec, False)) - 1] for rec, (_, ent, *_) in zip(run["records"], oracle)])
     h = run["history"][1]
     assert h["num_targets"] == len(ents)
     assert abs(h["entropy"] - float(ents.mean())) < 1e-5 * float(ents.mean())

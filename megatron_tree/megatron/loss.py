@@ -140,6 +140,43 @@ def vocab_parallel_logprobs(logits: torch.Tensor, inverse: torch.Tensor, targets
     return _VocabParallelLogprobs.apply(logits, inverse, targets, vocab_start, group)
 
 
+@torch.no_grad()
+def vocab_parallel_topk(logits: torch.Tensor, k: int, *, vocab_start: int = 0,
+                        group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [U, k] int64, logp [U, k])``: the ``k`` most likely next tokens of each row of the
+    vocab-sharded ``logits [U, V_local]`` (this rank's shard, starting at ``vocab_start``) and their
+    log-probs under the full-vocabulary softmax, in descending order, identical on every TP rank.
+
+    No ``[U, vocab]`` tensor is gathered: each rank takes its shard's top ``min(k, V_local)`` and the
+    shard's max and sum of ``exp``; one all-gather of the ``U x k`` candidates per rank and two small
+    all-reduces (max, then the sum) over ``group`` (the TP group, or None) give the global top ``k`` and
+    the log-normaliser. float64 for float64 logits, float32 otherwise. Forward only (scoring)."""
+    z = logits.double() if logits.dtype == torch.float64 else logits.float()
+    n, v_local = z.shape
+    world = 1 if group is None else dist.get_world_size(group)
+    if not 0 < k <= v_local * world:
+        raise ValueError(f"top-k {k} must be between 1 and the vocabulary size {v_local * world}")
+    m = z.max(dim=-1).values if n else z.new_zeros(0)
+    if world > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    s = torch.exp(z - m[:, None]).sum(dim=-1)
+    if world > 1:
+        dist.all_reduce(s, group=group)
+    lse = m + torch.log(s)
+    kk = min(k, v_local)
+    vals, idx = z.topk(kk, dim=-1)
+    idx = idx + vocab_start
+    if world > 1:
+        all_vals = [torch.empty_like(vals) for _ in range(world)]
+        all_idx = [torch.empty_like(idx) for _ in range(world)]
+        dist.all_gather(all_vals, vals.contiguous(), group=group)
+        dist.all_gather(all_idx, idx.contiguous(), group=group)
+        vals, idx = torch.cat(all_vals, dim=-1), torch.cat(all_idx, dim=-1)
+        vals, pick = vals.topk(k, dim=-1)
+        idx = idx.gather(-1, pick)
+    return idx, vals - lse[:, None]
+
+
 def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_eps: float = 0.2,
                    clip_eps_high=None, kl_coef: float = 0.0, entropy_coef: float = 0.0):
     """Megatron ``loss_func`` body: returns ``(loss_sum, num_tokens, report)``.

@@ -52,7 +52,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from ..cp.execution.redistribute import redistribute_rows
-from .loss import vocab_parallel_logprobs, vocab_parallel_logprobs_entropy
+from .loss import vocab_parallel_logprobs, vocab_parallel_logprobs_entropy, vocab_parallel_topk
 from .moe_balance import install_moe_balancing
 from .output_path import output_logits
 from .packed_seq import TreePackedSeqParams
@@ -238,9 +238,11 @@ class TreeLanguageModelMixin:
         return (self.post_process and _is_tree(packed_seq_params) and packed_seq_params.loss_map is not None
                 and labels is None)
 
-    def tree_logprobs(self, hidden_states: torch.Tensor, loss_map, *, return_entropy: bool = False):
+    def tree_logprobs(self, hidden_states: torch.Tensor, loss_map, *, return_entropy: bool = False,
+                      return_topk: int = 0):
         """[M] log-probs of every loss occurrence from final hidden states [s(/tp), 1, h]; with
-        ``return_entropy`` the pair ``(logprobs, entropy)`` (both [M], differentiable).
+        ``return_entropy`` the pair ``(logprobs, entropy)`` (both [M], differentiable); with
+        ``return_topk`` k > 0 also ``topk_ids [M, k]`` and ``topk_logprobs [M, k]`` (no gradient).
 
         float64 for a float64 model, float32 otherwise (bf16 / fp16 / fp32 logits are upcast).
         """
@@ -257,9 +259,13 @@ class TreeLanguageModelMixin:
                   else self.output_layer.weight)
         logits = output_logits(self, h_u, weight)  # stock's output path: soft-cap and MuP scaling included
         v_local = weight.shape[0]
-        fn = vocab_parallel_logprobs_entropy if return_entropy else vocab_parallel_logprobs
-        return fn(logits, inverse, loss_map.targets, vocab_start=tp_group.rank() * v_local,
-                  group=tp_group if tp_group.size() > 1 else None)
+        fn = vocab_parallel_logprobs_entropy if return_entropy or return_topk else vocab_parallel_logprobs
+        group = tp_group if tp_group.size() > 1 else None
+        out = fn(logits, inverse, loss_map.targets, vocab_start=tp_group.rank() * v_local, group=group)
+        if not return_topk:
+            return out
+        ids, logp = vocab_parallel_topk(logits, return_topk, vocab_start=tp_group.rank() * v_local, group=group)
+        return (*out, ids[inverse], logp[inverse])
 
 
 class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
@@ -303,7 +309,8 @@ class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
 
             return logits_without_mtp(self, hidden_states, kwargs.get("runtime_gather_output"))
         if self.wants_tree_logprobs(psp, kwargs.get("labels")) and not kwargs.get("mtp_in_postprocess"):
-            return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy)
+            return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy,
+                                      return_topk=psp.return_topk)
         return super()._postprocess(hidden_states=hidden_states, **kwargs)
 
 
@@ -359,7 +366,8 @@ class TreeMambaModel(TreeLanguageModelMixin, MambaModel):
 
                 hidden_states = tree_mtp_postprocess(self, hidden_states, psp, input_ids=input_ids,
                                                      position_ids=position_ids)
-            return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy)
+            return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy,
+                                      return_topk=psp.return_topk)
         if getattr(self, "mtp_process", False) and labels is not None:
             raise ValueError("TreeMambaModel with MTP layers on a tree: give the targets as the packed-seq params' "
                              "loss map, not labels (the MTP targets follow the tree, not a rolled label tensor)")

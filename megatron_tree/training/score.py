@@ -44,7 +44,10 @@ What a run does (every rank):
    positions came back exactly once, and writes ``--out``: one row per record, in input order,
    ``record`` (its index), ``logprobs`` and ``entropy`` (float64 lists aligned with the record's
    loss-masked target tokens, i.e. positions t with ``loss_mask[t]``, ascending; ``--all-tokens``:
-   every position 1..L-1). Entropies are in nats.
+   every position 1..L-1). Entropies are in nats. ``--top-k K``: also ``topk_ids`` and ``topk_logprobs``,
+   per target the K most likely next tokens under the full-vocabulary softmax and their log-probs,
+   descending (`megatron.loss.vocab_parallel_topk`: each TP rank's shard top K, one all-gather of the
+   candidates, no ``[tokens, vocab]`` tensor gathered): a teacher's top-k for distillation.
 
 The forward pass has no activation memory for a backward, so ``--max-tokens-per-mb`` may exceed
 training's. ``--packing flat`` scores every record as its own chain (the baseline of
@@ -94,7 +97,12 @@ def add_score_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="records to score: JSONL (.jsonl/.json) or Parquet (.parquet/.pq) files or directories, "
                         "read in the order given")
     g.add_argument("--out", required=True, metavar="FILE.parquet",
-                   help="one row per record, in input order: record, logprobs, entropy")
+                   help="one row per record, in input order: record, logprobs, entropy (and with --top-k: "
+                        "topk_ids, topk_logprobs)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="also write, per scored token, the K most likely next tokens (topk_ids) and their "
+                        "log-probs (topk_logprobs) under the full-vocabulary softmax, computed vocab-parallel "
+                        "(no [tokens, vocab] tensor is gathered)")
     g.add_argument("--max-tokens-per-mb", "--tree-max-tokens-per-mb", dest="tree_max_tokens_per_mb", type=int,
                    default=None, metavar="N",
                    help="row budget of a microbatch (padding included; may exceed training's: no backward). "
@@ -175,6 +183,8 @@ def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
                       f"({tp * pp * cp})")
     if args.sequence_parallel and tp == 1:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if not 0 <= args.top_k <= (args.vocab_size or 0):
+        errors.append(f"--top-k must be between 0 and the vocabulary size ({args.vocab_size}), got {args.top_k}")
     if args.num_attention_heads % tp and getattr(args, "hf_model", None) is None:
         errors.append(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by TP ({tp})")
     if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
@@ -522,20 +532,24 @@ def _load_model(path: str, model, args) -> None:
 # --------------------------------------------------------------------------------------------- forward
 def _collect(loss_map, output):
     """The schedule's ``loss_func``: hands back this microbatch's occurrences (no loss)."""
-    lp, ent = output
+    lp, ent = output[:2]
     zero = lp.sum() * 0.0
     num = torch.tensor(len(loss_map), dtype=torch.int, device=lp.device)
-    return zero, num, {"sample_index": loss_map.sample_index.cpu(), "positions": loss_map.positions.cpu(),
-                       "logprobs": lp.detach().double().cpu(), "entropy": ent.detach().double().cpu()}
+    report = {"sample_index": loss_map.sample_index.cpu(), "positions": loss_map.positions.cpu(),
+              "logprobs": lp.detach().double().cpu(), "entropy": ent.detach().double().cpu()}
+    if len(output) == 4:  # --top-k
+        report.update(topk_ids=output[2].cpu(), topk_logprobs=output[3].double().cpu())
+    return zero, num, report
 
 
-def _score_step(data_iterator, model, *, cp_strategy: str = "balanced", device=None):
+def _score_step(data_iterator, model, *, cp_strategy: str = "balanced", device=None, top_k: int = 0):
     from ..megatron.forward_step import context_parallel_params
     from ..megatron.packed_seq import tree_packed_seq_params
 
     mb = next(data_iterator)
     dev = device if device is not None else next(model.parameters()).device
-    psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True), model, strategy=cp_strategy)
+    psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True, return_topk=top_k), model,
+                                  strategy=cp_strategy)
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
     return out, partial(_collect, psp.loss_map)
 
@@ -626,7 +640,7 @@ def _score(args, samples, on_cpu: bool) -> dict:
     t0 = time.perf_counter()
     with torch.no_grad():
         reports = get_forward_backward_func()(
-            forward_step_func=partial(_score_step, cp_strategy=args.tree_cp_planner, device=dev),
+            forward_step_func=partial(_score_step, cp_strategy=args.tree_cp_planner, device=dev, top_k=args.top_k),
             data_iterator=iter(mine), model=[model], num_microbatches=len(mine),
             seq_length=max(mb.num_rows for mb in mine), micro_batch_size=1, forward_only=True)
     seconds = time.perf_counter() - t0
@@ -636,8 +650,9 @@ def _score(args, samples, on_cpu: bool) -> dict:
 
     # the loss-computing ranks (last stage, TP rank 0) hold every occurrence once, spread over DP x CP
     owner = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-    keys = ("sample_index", "positions", "logprobs", "entropy")
-    part = {k: torch.cat([r[k] for r in reports] or [torch.zeros(0)]).numpy() if owner else np.zeros(0)
+    keys = ("sample_index", "positions", "logprobs", "entropy") + (("topk_ids", "topk_logprobs") if args.top_k else ())
+    empty = {"topk_ids": np.zeros((0, args.top_k), np.int64), "topk_logprobs": np.zeros((0, args.top_k))}
+    part = {k: torch.cat([r[k] for r in reports]).numpy() if owner and reports else empty.get(k, np.zeros(0))
             for k in keys}
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(part, gathered, dst=0)
@@ -674,6 +689,11 @@ def _write(path: str, records: list, occ: dict) -> None:
     if _FAULT == "occurrence_shift":
         vals = {k: np.roll(v, 1) for k, v in vals.items()}
     lists = {k: pa.ListArray.from_arrays(pa.array(offsets), pa.array(v)) for k, v in vals.items()}
+    if "topk_ids" in occ:  # per target a list of K, descending
+        for k, dtype in (("topk_ids", np.int64), ("topk_logprobs", np.float64)):
+            v = occ[k][order].astype(dtype)
+            per_target = pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), v.shape[1])
+            lists[k] = pa.ListArray.from_arrays(pa.array(offsets), per_target)
     table = pa.table({"record": pa.array(np.arange(len(records), dtype=np.int64)), **lists})
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)

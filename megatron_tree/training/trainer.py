@@ -1407,8 +1407,9 @@ def _quiet_logs() -> None:
     for name in ("megatron.core", "megatron.bridge", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # transformers sets its level when imported
-    notes = ",".join(f"ignore:{m}:UserWarning" for m in _IMPORT_NOTES)
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), notes]))
+    have = os.environ.get("PYTHONWARNINGS", "")
+    notes = [f"ignore:{m}:UserWarning" for m in _IMPORT_NOTES if f"ignore:{m}:UserWarning" not in have]
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [have, *notes]))  # (a rank inherits the launcher's)
 
 
 def _rank_train(args) -> dict:

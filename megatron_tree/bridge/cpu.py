@@ -65,11 +65,11 @@ def use_local_specs(provider) -> bool:
         return True
     te_spec = provider.transformer_layer_spec
     name = getattr(te_spec, "__name__", type(te_spec).__name__)
-    twin = None if _stock_spec(te_spec) else _local_twin(te_spec, zero_centered)
-    if twin is not None:
-        provider.transformer_layer_spec = twin
-        return True
     if not _stock_spec(te_spec):
+        twin = _local_twin(te_spec, zero_centered)
+        if twin is not None:
+            provider.transformer_layer_spec = twin
+            return True
         fn = getattr(te_spec, "func", te_spec)
         raise ValueError(f"{type(provider).__name__}.transformer_layer_spec is {getattr(fn, '__module__', '?')}."
                          f"{getattr(fn, '__qualname__', name)}, a family's own spec with transformer-engine modules: "

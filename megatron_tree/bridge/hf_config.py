@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["hf_config_value", "remote_code_error", "checkpoint_refusals"]
+__all__ = ["hf_config_value", "local_config", "remote_code_error", "checkpoint_refusals"]
 
 
 def hf_config_value(path: str, key: str, *, trust_remote_code: bool = False):
     """``config.json[key]`` of a local HF checkpoint directory, else ``transformers.AutoConfig``'s
     attribute (a hub id). A missing directory, file or key is a ValueError naming it."""
-    cfg = os.path.join(str(path), "config.json")
     if os.path.isdir(str(path)):
-        if not os.path.isfile(cfg):
+        data = local_config(path)
+        if data is None:
             raise ValueError(f"--hf-model {path}: no config.json there (a Hugging Face checkpoint directory holds one)")
-        with open(cfg, encoding="utf-8") as f:
-            data = json.load(f)
         value = data.get(key, (data.get("text_config") or {}).get(key))
     else:
         from transformers import AutoConfig
@@ -27,17 +25,24 @@ def hf_config_value(path: str, key: str, *, trust_remote_code: bool = False):
     return value
 
 
-def remote_code_error(path: str, trust_remote_code: bool):
-    """None, or why ``--hf-model path`` cannot load without running its own code: a local checkpoint whose
-    config.json names code of its own (``auto_map``) is asked of ``transformers.AutoConfig`` as the Bridge
-    will ask it, and transformers' refusal is returned as it says it (a model type transformers knows
-    natively loads without that code, as transformers decides)."""
+def local_config(path: str):
+    """config.json of a local checkpoint directory as a dict; None for anything else (a hub id)."""
     cfg = os.path.join(str(path), "config.json")
-    if trust_remote_code or not os.path.isfile(cfg):
+    if not os.path.isfile(cfg):
         return None
     with open(cfg, encoding="utf-8") as f:
-        if "auto_map" not in json.load(f):
-            return None
+        return json.load(f)
+
+
+def remote_code_error(path: str, trust_remote_code: bool, config=None):
+    """None, or why ``--hf-model path`` cannot load without running its own code: a local checkpoint whose
+    config.json (``config``, read from ``path`` when not given) names code of its own (``auto_map``) is
+    asked of ``transformers.AutoConfig`` as the Bridge will ask it, and transformers' refusal is returned
+    as it says it (a model type transformers knows natively loads without that code, as transformers
+    decides)."""
+    config = local_config(path) if config is None else config
+    if trust_remote_code or config is None or "auto_map" not in config:
+        return None
     from transformers import AutoConfig
 
     try:
@@ -72,14 +77,15 @@ _NOT_BUILT = {
     "falcon_h1": "Falcon-H1's parallel attention + Mamba-2 layers (the Bridge's own FalconH1Model) are not built "
                  "from the tree mixers yet",
 }
-def checkpoint_refusals(path: str) -> list:
+
+
+def checkpoint_refusals(path: str, config=None) -> list:
     """What a local ``--hf-model`` checkpoint carries that the tree cannot build exactly, each named with
-    the setting and the family, read from its config.json before any rank starts (no Bridge import)."""
-    cfg_path = os.path.join(str(path), "config.json")
-    if not os.path.isfile(cfg_path):
+    the setting and the family, read from its config.json (``config``, read from ``path`` when not given)
+    before any rank starts (no Bridge import)."""
+    cfg = local_config(path) if config is None else config
+    if cfg is None:
         return []
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
     cfg = {**(cfg.get("text_config") or {}), **cfg}
     kind = str(cfg.get("model_type", ""))
     where = f"--hf-model {path} (model_type {kind!r})"
@@ -88,10 +94,12 @@ def checkpoint_refusals(path: str) -> list:
         out.append(f"{where}: {_NOT_BUILT[kind]}")
     rope = _rope(cfg)
     kind_of_rope = rope.get("rope_type", rope.get("type"))
-    if kind_of_rope == "llama3" and _differs(rope, _LLAMA3_ROPE):
-        out.append(f"{where}: llama3 rope scaling with {', '.join(_differs(rope, _LLAMA3_ROPE))}: Megatron-Core's "
-                   "llama3 scaling fixes these values, so the model would use other positions than the checkpoint's")
-    if kind == "gpt_oss" and kind_of_rope == "yarn" and _differs(rope, _GPT_OSS_YARN):
-        out.append(f"{where}: YaRN with {', '.join(_differs(rope, _GPT_OSS_YARN))}: megatron-bridge's gpt-oss "
-                   "bridge sets gpt-oss's published YaRN whatever the checkpoint says")
+    llama3 = _differs(rope, _LLAMA3_ROPE) if kind_of_rope == "llama3" else []
+    if llama3:
+        out.append(f"{where}: llama3 rope scaling with {', '.join(llama3)}: Megatron-Core's llama3 scaling fixes "
+                   "these values, so the model would use other positions than the checkpoint's")
+    yarn = _differs(rope, _GPT_OSS_YARN) if kind == "gpt_oss" and kind_of_rope == "yarn" else []
+    if yarn:
+        out.append(f"{where}: YaRN with {', '.join(yarn)}: megatron-bridge's gpt-oss bridge sets gpt-oss's "
+                   "published YaRN whatever the checkpoint says")
     return out

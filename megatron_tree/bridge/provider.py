@@ -206,23 +206,24 @@ def _building_tree_models(provider_cls):
     (Gemma's) builds its model in its parent's module."""
     owners = [c for c in provider_cls.__mro__[1:] if "provide" in vars(c) and c is not _TreeProviderMixin]
     builders = _stock_builders()
-    swaps = []  # (module, global name, stock object)
+    swaps = []  # (module, global name, stock object, its stand-in)
     for module in dict.fromkeys(sys.modules.get(c.__module__) for c in owners):
         if module is not None:
-            swaps += [(module, k, v) for k, v in vars(module).items() if isinstance(v, type) and v in builders]
-            if callable(getattr(module, "mtp_block_spec", None)):
-                swaps.append((module, "mtp_block_spec", module.mtp_block_spec))
+            swaps += [(module, k, v, builders[v]) for k, v in vars(module).items()
+                      if isinstance(v, type) and v in builders]
     if not swaps:
         raise TreeProviderError(f"{provider_cls.__name__}: its provide() "
                                 f"({', '.join(c.__qualname__ for c in owners) or '?'}) builds no GPTModel / "
                                 "HybridModel that megatron_tree.bridge knows how to swap")
+    swaps += [(module, "mtp_block_spec", module.mtp_block_spec, _mtp_marker)
+              for module in dict.fromkeys(m for m, *_ in swaps) if callable(getattr(module, "mtp_block_spec", None))]
     with _LOCK:
         try:
-            for module, name, stock in swaps:
-                setattr(module, name, _mtp_marker if name == "mtp_block_spec" else builders[stock])
+            for module, name, _, stand_in in swaps:
+                setattr(module, name, stand_in)
             yield
         finally:
-            for module, name, stock in swaps:
+            for module, name, stock, _ in swaps:
                 setattr(module, name, stock)
 
 

@@ -297,14 +297,15 @@ def hf_model_errors(args) -> list:
     trust = bool(getattr(args, "trust_remote_code", False))
     if not getattr(args, "hf_model", None):
         return ["--trust-remote-code needs --hf-model PATH (the checkpoint whose code it runs)"] if trust else []
-    from ..bridge.hf_config import checkpoint_refusals, hf_config_value, remote_code_error
+    from ..bridge.hf_config import local_config, checkpoint_refusals, hf_config_value, remote_code_error
 
     errors = [f"{flag}: the architecture comes from --hf-model" for flag in model_flags_given(args)]
     args.hf_model_flags_checked = True
-    remote = remote_code_error(args.hf_model, trust)
+    config = local_config(args.hf_model)  # (read once for both checks; None for a hub id)
+    remote = remote_code_error(args.hf_model, trust, config)
     if remote:
         return errors + [remote]
-    errors += checkpoint_refusals(args.hf_model)
+    errors += checkpoint_refusals(args.hf_model, config)
     args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size", trust_remote_code=trust))
     return errors
 

@@ -166,13 +166,6 @@ class VerifyConfig:
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
-    def has_moe(self) -> bool:
-        from .models import DEFAULT_HYBRID_PATTERN, DEFAULT_MAMBA_PATTERN
-
-        default = {"hybrid": DEFAULT_HYBRID_PATTERN, "mamba": DEFAULT_MAMBA_PATTERN}.get(self.model)
-        return (self.ep > 1 or self.routing_replay or self.balancing_on()
-                or (default is not None and "E" in (self.pattern or default)))
-
     def tol(self) -> float:
         """Default tolerance by dtype. float64: MoE included, since verify scores routes at float64 on
         both sides (`router_precision`; stock's float32 scoring alone put a ~1e-7 floor under it).
@@ -787,12 +780,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             return ddp, None
         # Adam's first step is lr*sign(g): float noise on near-zero gradients flips whole updates, so
         # float32 runs step with SGD (linear in the gradient); float64 runs use Adam.
-        # Routing replay runs are all-MoE, and Megatron's router softmax is fp32 whatever the dtype: the
-        # router gradients agree to ~1e-7 only, the float32 case, so they step with SGD too (with Adam a
-        # few small router gradient elements moved their parameter by 1e-5..2e-4 of the largest, by the
-        # chance of the seed)
-        # MoE balancing likewise (all-MoE models; the z-loss and aux gradients reach every router element).
-        # ``optimizer`` overrides the choice (the multi-step check of balancing runs Adam)
+        # Routing replay and MoE balancing runs (all-MoE models) step with SGD by default: chosen when
+        # Megatron's fp32 route scoring left router gradients at ~1e-7 (Adam then moved a few small router
+        # elements by 1e-5..2e-4 of the largest). Float64 runs now widen that scoring (`router_precision`),
+        # and ``optimizer`` overrides the choice: the multi-step balancing check runs Adam to 1e-10.
         exact_adam = dtype == torch.float64 and not (cfg.routing_replay or balance)
         opt_name = cfg.optimizer or ("adam" if exact_adam else "sgd")
         opt = get_megatron_optimizer(OptimizerConfig(optimizer=opt_name, lr=1e-2, weight_decay=0.01, clip_grad=0.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss", "olmoe")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss", "olmoe", "gemma3")
 
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
@@ -74,6 +74,16 @@ def _config(family: str):
                                rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
                                                     truncate=False, original_max_position_embeddings=4096,
                                                     rope_theta=150000.0))
+    if family == "gemma3":
+        # Gemma 3 as the Bridge builds it: 5 local layers (a 4-token window) then a global one, local / global
+        # rotary bases, zero-centred norms incl. q / k and the post-attention / post-MLP norms, a scaled
+        # embedding, query_pre_attn_scalar != head_dim, tied embeddings
+        return tf.Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, num_hidden_layers=6, sliding_window=4,
+                                   query_pre_attn_scalar=6, max_position_embeddings=128, tie_word_embeddings=True,
+                                   rope_parameters={"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+                                                    "sliding_attention": {"rope_theta": 10000.0,
+                                                                          "rope_type": "default"}})
     raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
 
 

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(
     reason="megatron-bridge / transformers are not installed: the extra 'megatron-tree[hf]' needs Python 3.12 and "
            "megatron-core >= 0.19; `make test-latest` installs it")
 
-STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "olmoe")
+STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "olmoe", "gemma3")
 # Tree vs stock per sample, float64: 1e-12, except where stock itself rounds to fp32 inside a float64
 # model (tests/test_model_families.py measures it): Qwen3-Next's stock GatedDeltaNet keeps its decay and
 # output gate in fp32 (measured 8.4e-9 here). Route scores, which stock also keeps in fp32 (DeepSeek-V3's
@@ -74,6 +74,9 @@ def _cpu_provider(bridge, stock: bool):
 
             local = provider.transformer_layer_spec
             provider.transformer_layer_spec = lambda config, vp_stage=None: _with_dense_core(local(config, vp_stage))
+        if type(provider).__name__ == "Gemma3ModelProvider":
+            local = provider.transformer_layer_spec
+            provider.transformer_layer_spec = lambda config, vp_stage=None: _with_stock_gemma3_core(local(config))
     else:
         provider = tb.tree_provider(provider)
         provider.calculate_per_token_loss = True  # rl.forward_backward's per-token loss
@@ -84,6 +87,28 @@ def _cpu_provider(bridge, stock: bool):
 
         provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     return provider
+
+
+def _with_stock_gemma3_core(block):
+    """The Gemma 3 block (the local twin of the Bridge's spec) with Megatron's local core attention, each layer
+    given its window as the Bridge's ``Gemma3TEDotProductAttention`` gives it (``(window - 1, 0)`` on local
+    layers, none on every sum(interleaved_attn_pattern)-th): stock's own sliding-window mask."""
+    import copy
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class StockGemma3Core(DotProductAttention):
+        def __init__(self, config, layer_number, *args, **kwargs):
+            config = copy.copy(config)
+            local = layer_number % sum(config.interleaved_attn_pattern) != 0
+            config.window_size = (config.window_size - 1, 0) if local else None
+            super().__init__(config, layer_number, *args, **kwargs)
+
+    block = copy.deepcopy(block)
+    for layer in {id(layer): layer for layer in block.layer_specs}.values():  # (one spec object for every layer)
+        assert layer.submodules.self_attention.submodules.core_attention.__name__ == "TreeGemma3DotProductAttention"
+        layer.submodules.self_attention.submodules.core_attention = StockGemma3Core
+    return block
 
 
 def _build(bridge, stock: bool = False):
@@ -121,6 +146,10 @@ def _families_body(root: str) -> dict:
             res["hf_stable_ties"] = hf_tiny.hf_logprobs(path, SAMPLES, stable_dsa_ties=True)
         if fam == "gpt_oss":  # the same weights with plain RoPE: YaRN must matter on these records
             res["hf_plain_rope"] = hf_tiny.hf_logprobs(f"{root}/gpt_oss_plain_rope", SAMPLES)
+        if fam == "gemma3":  # the same weights with a window wider than every record: the window must matter
+            res["hf_wide_window"] = hf_tiny.hf_logprobs(f"{root}/gemma3_wide_window", SAMPLES)
+            res["layers"] = [(type(layer.self_attention.core_attention).__name__,
+                              layer.self_attention.core_attention.window) for layer in tree.decoder.layers]
         if fam in STOCK:
             stock = _build(bridge, stock=True)
             with torch.no_grad():
@@ -177,6 +206,7 @@ def families(tmp_path_factory):
     hf_tiny.make("glm5", root / "glm5_dense", index_topk=32)  # top-k over every key of every sample
     hf_tiny.make("nemotron_h", root / "nemotron_h_transformers_names", nvidia_names=False)
     hf_tiny.make("gpt_oss", root / "gpt_oss_plain_rope", rope_parameters=dict(rope_type="default", rope_theta=150000.0))
+    hf_tiny.make("gemma3", root / "gemma3_wide_window", sliding_window=64)
     return run_distributed(_families_body, 1, str(root), timeout=1200)[0]
 
 
@@ -210,6 +240,17 @@ def test_gpt_oss_yarn_is_applied_on_the_tree(families):
     plain = _max_rel(res["tree"], res["hf_plain_rope"])
     print(f"\ngpt-oss tree vs transformers with plain RoPE (same weights): max rel {plain:.1e}")
     assert plain > 1e-3, plain
+
+
+def test_gemma3_keeps_its_local_and_global_layers(families):
+    """Gemma 3 (the Bridge's own TE-only layer spec, built from its local twin): layers 1-5 attend within 4
+    positions of depth, layer 6 globally, each with its own rotary table; transformers with a window wider
+    than every record (same weights) is far away, so the window is what the tree reproduces."""
+    res = families["gemma3"]
+    assert res["layers"] == [("TreeGemma3DotProductAttention", 4)] * 5 + [("TreeGemma3DotProductAttention", None)]
+    wide = _max_rel(res["tree"], res["hf_wide_window"])
+    print(f"\nGemma 3 tree vs transformers with a 64-token window (same weights): max rel {wide:.1e}")
+    assert wide > 1e-2, wide
 
 
 def test_olmoe_keeps_its_own_attention_on_the_local_path(families):

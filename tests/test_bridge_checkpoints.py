@@ -90,13 +90,14 @@ def _slow_tokenizer_files(path) -> dict:
 def test_save_hf_saves_weights_then_copies_the_sources_files(tmp_path):
     """``train --hf-model --save-hf`` on a Llama 3 checkpoint with no tokenizer files, on one with a slow
     sentencepiece tokenizer (which the Bridge's own save re-instantiates, and where sentencepiece is not
-    installed lost the trained weights), and on gpt-oss (YaRN, sinks, windows, biased MoE): each saves; the tokenizer files are the source's bytes; the saved
+    installed lost the trained weights), on gpt-oss (YaRN, sinks, windows, biased MoE) and on Gemma 3 (local /
+    global layers, post-norms, tied embeddings): each saves; the tokenizer files are the source's bytes; the saved
     directory is a model transformers loads, equal to the tree model scoring it; the step moved it; the
     quiet run prints no library tracebacks."""
     data = _records(tmp_path)
-    for name in ("plain", "sentencepiece", "gpt_oss"):
+    for name in ("plain", "sentencepiece", "gpt_oss", "gemma3"):
         src = tmp_path / f"src_{name}"
-        hf_tiny.make("gpt_oss" if name == "gpt_oss" else "llama", src)
+        hf_tiny.make(name if name in ("gpt_oss", "gemma3") else "llama", src)
         files = _slow_tokenizer_files(src) if name == "sentencepiece" else {}
         out = tmp_path / f"saved_{name}"
         r = _ok("train", "--hf-model", str(src), "--tree-data-path", str(data), "--tree-global-batch-samples",
@@ -142,8 +143,16 @@ _TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_
 
 
 @pytest.mark.parametrize("name,config,named", [
-    ("gemma3", dict(_TINY, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], sliding_window=4),
-     "Gemma 3's per-layer local / global attention"),
+    ("gemma3_layer_types", dict(_TINY, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+                                sliding_window=4, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types=['full_attention', 'sliding_attention'] (megatron-bridge builds ['sliding_attention', "
+     "'sliding_attention']"),
+    ("gemma3_softcap", dict(_TINY, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], sliding_window=4,
+                            final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+    ("gemma3_vision", dict(_TINY, model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
+     "Gemma 3's vision-language model"),
+    ("gemma2", dict(_TINY, model_type="gemma2", architectures=["Gemma2ForCausalLM"]),
+     "Gemma 2's attention logit soft-cap"),
     ("falcon_h1", dict(_TINY, model_type="falcon_h1", architectures=["FalconH1ForCausalLM"]),
      "Falcon-H1's parallel attention + Mamba-2 layers"),
     ("llama3_rope", dict(_TINY, model_type="llama", architectures=["LlamaForCausalLM"],
@@ -212,7 +221,13 @@ def _hierarchy_body(path: str) -> dict:
     tree.finalize()
     out = {"class": type(tree.provide()).__name__}
     custom = tb.auto_bridge(path).to_megatron_provider(load_weights=False)
-    custom.transformer_layer_spec = lambda config, vp_stage=None: None  # a family's own (TE) spec stands here
+    from megatron.core.extensions.transformer_engine import TELinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    # a family's own spec naming a transformer-engine module that has no local twin
+    custom.transformer_layer_spec = lambda config, vp_stage=None: ModuleSpec(
+        module=TransformerLayer, submodules=TransformerLayerSubmodules(self_attention=TELinear))
     try:
         use_local_specs(custom)
     except ValueError as e:
@@ -232,5 +247,5 @@ def test_a_provider_whose_provide_calls_its_parents_builds_the_tree_model_and_cu
     out = run_distributed(_hierarchy_body, 1, str(path), timeout=300)[0]
     assert out["class"] == "TreeGPTModel", out
     if not module_available("transformer_engine"):
-        assert "a family's own spec with transformer-engine modules" in out.get("custom_spec", ""), out
+        assert "a family's own spec" in out.get("custom_spec", "") and "has no local twin" in out["custom_spec"], out
         assert "test_bridge_checkpoints" in out["custom_spec"], out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..cpu.bridge import ZeroCenteredRMSNorm, swap_norms
 from ..ops.backend import module_available
+from .local_twins import LocalTwinError, local_norm, local_twin_spec
 
 __all__ = ["use_local_specs", "cpu_settings"]
 
@@ -66,15 +67,18 @@ def use_local_specs(provider) -> bool:
     te_spec = provider.transformer_layer_spec
     name = getattr(te_spec, "__name__", type(te_spec).__name__)
     if not _stock_spec(te_spec):
-        twin = _local_twin(te_spec, zero_centered)
-        if twin is not None:
-            provider.transformer_layer_spec = twin
-            return True
-        fn = getattr(te_spec, "func", te_spec)
-        raise ValueError(f"{type(provider).__name__}.transformer_layer_spec is {getattr(fn, '__module__', '?')}."
-                         f"{getattr(fn, '__qualname__', name)}, a family's own spec with transformer-engine modules: "
-                         "megatron_tree.bridge has no local (no transformer-engine) twin of it, and replacing it with "
-                         "the generic local spec would drop what the family's layers do (refused instead)")
+        twin = _local_twin(te_spec, zero_centered) or _module_twins(te_spec, zero_centered)
+        try:  # a spec with a transformer-engine module that has no twin is refused now, not at provide()
+            _call_spec(twin, provider, None)
+        except LocalTwinError as e:
+            fn = getattr(te_spec, "func", te_spec)
+            raise ValueError(f"{type(provider).__name__}.transformer_layer_spec is {getattr(fn, '__module__', '?')}."
+                             f"{getattr(fn, '__qualname__', name)}, a family's own spec: {e}; replacing it with the "
+                             "generic local spec would drop what the family's layers do (refused instead)") from None
+        except Exception:  # noqa: BLE001 - a spec function that needs a finalized config is checked when built
+            pass
+        provider.transformer_layer_spec = twin
+        return True
 
     def local_spec(config, vp_stage=None):
         spec = _local_gpt_spec(config, vp_stage)
@@ -102,7 +106,6 @@ def _local_twin(spec_fn, zero_centered: bool):
     run while its module's ``default_layer_spec`` is the Bridge's ``local_layer_spec`` (the same layer
     with Megatron's local modules, separate norms: same structure, same parameter names). None for a
     spec function of any other shape."""
-    import inspect
     import sys
 
     fn = getattr(spec_fn, "func", spec_fn)
@@ -113,17 +116,47 @@ def _local_twin(spec_fn, zero_centered: bool):
         return None
     if module is None or getattr(module, "default_layer_spec", None) is not gpt_provider.default_layer_spec:
         return None
-    takes_vp = "vp_stage" in inspect.signature(spec_fn).parameters
 
     def twin(config, vp_stage=None):
         module.default_layer_spec = gpt_provider.local_layer_spec
         try:
-            spec = spec_fn(config, vp_stage=vp_stage) if takes_vp else spec_fn(config)
+            spec = _call_spec(spec_fn, config, vp_stage)
         finally:
             module.default_layer_spec = gpt_provider.default_layer_spec
         return swap_norms(spec, ZeroCenteredRMSNorm) if zero_centered else spec
 
     twin.__name__ = f"local_twin_of_{getattr(fn, '__name__', 'spec')}"
+    return twin
+
+
+def _call_spec(spec_fn, config, vp_stage):
+    import inspect
+
+    takes_vp = "vp_stage" in inspect.signature(spec_fn).parameters
+    return spec_fn(config, vp_stage=vp_stage) if takes_vp else spec_fn(config)
+
+
+def _module_twins(spec_fn, zero_centered: bool):
+    """A family's spec function whose spec names transformer-engine modules directly (Gemma 3's
+    ``gemma3_layer_spec``): its spec with each module replaced by its local twin (`local_twins`)."""
+
+    import sys
+
+    module = sys.modules.get(getattr(getattr(spec_fn, "func", spec_fn), "__module__", ""))
+
+    def twin(config, vp_stage=None):
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        spec = local_twin_spec(_call_spec(spec_fn, config, vp_stage), zero_centered, module)
+        if isinstance(spec, ModuleSpec) and spec.module.__name__.endswith("TransformerLayer"):
+            # Megatron would give a layer spec's block the default final norm (a transformer-engine TENorm
+            # honours a zero-centred gain, its local default refuses it): the block with the twin's norm
+            spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
+                                              layer_norm=local_norm(zero_centered))
+        return spec
+
+    twin.__name__ = f"local_twins_of_{getattr(getattr(spec_fn, 'func', spec_fn), '__name__', 'spec')}"
     return twin
 
 

@@ -70,10 +70,8 @@ _GPT_OSS_YARN = {"factor": 32.0, "original_max_position_embeddings": 4096, "beta
 _NOT_BUILT = {
     "gemma2": "Gemma 2's attention logit soft-cap and its per-layer local / global attention (an integer window) "
               "are not built on the tree yet",
-    "gemma3": "Gemma 3's per-layer local / global attention (an integer window and two rotary tables) is not built "
-              "on the tree yet",
-    "gemma3_text": "Gemma 3's per-layer local / global attention (an integer window and two rotary tables) is not "
-                   "built on the tree yet",
+    "gemma3": "Gemma 3's vision-language model (Gemma3ForConditionalGeneration: a vision tower and its image-token "
+              "attention bias) is not built on the tree yet; its text model (gemma3_text) is",
     "falcon_h1": "Falcon-H1's parallel attention + Mamba-2 layers (the Bridge's own FalconH1Model) are not built "
                  "from the tree mixers yet",
 }
@@ -98,8 +96,34 @@ def checkpoint_refusals(path: str, config=None) -> list:
     if llama3:
         out.append(f"{where}: llama3 rope scaling with {', '.join(llama3)}: Megatron-Core's llama3 scaling fixes "
                    "these values, so the model would use other positions than the checkpoint's")
+    if kind == "gemma3_text":
+        out += [f"{where}: {why}" for why in _gemma3_text_refusals(cfg)]
     yarn = _differs(rope, _GPT_OSS_YARN) if kind == "gpt_oss" and kind_of_rope == "yarn" else []
     if yarn:
         out.append(f"{where}: YaRN with {', '.join(yarn)}: megatron-bridge's gpt-oss bridge sets gpt-oss's "
                    "published YaRN whatever the checkpoint says")
+    return out
+
+
+def _gemma3_text_refusals(cfg: dict) -> list:
+    """What a Gemma 3 text checkpoint can say that megatron-bridge 0.6.2's Gemma 3 provider does not build: it
+    makes every 6th layer global and the others local (``interleaved_attn_pattern`` (5, 1), whatever
+    ``layer_types`` says), no attention or final logit soft-cap, causal attention, linear rope scaling only."""
+    out = []
+    n = int(cfg.get("num_hidden_layers", 0))
+    types = cfg.get("layer_types")
+    built = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+    if types is not None and list(types) != built:
+        out.append(f"layer_types={types} (megatron-bridge builds {built}: every 6th layer global)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            out.append(f"{key}={cfg[key]!r} (megatron-bridge's Gemma 3 builds no soft-cap)")
+    if cfg.get("use_bidirectional_attention"):
+        out.append("use_bidirectional_attention=True (the tree is causal)")
+    params = cfg.get("rope_parameters") or {}
+    for layer_type, rope in (params.items() if all(isinstance(v, dict) for v in params.values()) else ()):
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "linear") or (layer_type == "sliding_attention" and kind != "default"):
+            out.append(f"rope_parameters[{layer_type!r}] of type {kind!r} (megatron-bridge builds default rope on "
+                       "local layers and default or linear on global ones)")
     return out

@@ -15,7 +15,9 @@ __all__ = ["auto_bridge", "register_tree_modules", "load_hf_weights", "save_hf_p
 # the Bridge's own type for these stock parents (param_mapping.AutoMapping, qwen3_next_bridge)
 _STATIC = {"TreeDotProductAttention": "column", "TreeGatedDeltaNet": "column",
            # the local DSA indexer's weights projection (TE specs use a duplicated TELinear): every TP rank holds it whole
-           "DuplicatedLinear": "replicated"}
+           "DuplicatedLinear": "replicated",
+           # the local twin of the Bridge's TERowParallelLinearLayerNorm (`local_twins`), and Gemma 3's tree core
+           "RowParallelLinearLayerNorm": "row", "TreeGemma3DotProductAttention": "replicated"}
 
 
 def _tree_classes() -> list:

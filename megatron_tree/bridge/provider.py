@@ -51,10 +51,37 @@ class _TreeProviderMixin:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
             self._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        with _building_tree_models(type(self)):
+        with _building_tree_models(type(self)), _family_cores_kept(self):
             model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        _checkpoint_post_norm_epsilon(model, self)
         check_tree_model(model)
         return model
+
+
+def _checkpoint_post_norm_epsilon(model, config) -> None:
+    """Megatron-Bridge's ``TERowParallelLinearLayerNorm`` (Gemma 2 / 3, EXAONE 4's post-norms) builds its norm as
+    ``TENorm(config, size)``, with TENorm's default epsilon 1e-5 where the checkpoint says ``rms_norm_eps``:
+    set to ``config.layernorm_epsilon``, as the local twin (`local_twins.RowParallelLinearLayerNorm`) builds it."""
+    for module in model.modules():
+        if type(module).__name__ == "TERowParallelLinearLayerNorm" and hasattr(module.post_layernorm, "eps"):
+            module.post_layernorm.eps = config.layernorm_epsilon
+
+
+@contextlib.contextmanager
+def _family_cores_kept(provider):
+    """The Bridge's ``GPTModelProvider.provide`` overwrites the resolved spec's core attention with Megatron's
+    ``DotProductAttention`` whenever ``attention_backend`` is ``local`` (which the tree provider sets, see
+    `tree_provider`): a family's own core (Gemma 3's local / global one) would become plain tree attention.
+    Until the model class is called the setting reads ``auto``; the tree builders put ``local`` back before
+    building (Megatron's model sets transformer-engine's attention environment from it)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    before = provider.attention_backend
+    provider.attention_backend = AttnBackend.auto
+    try:
+        yield
+    finally:
+        provider.attention_backend = before
 
 
 _CLASSES: dict = {}
@@ -167,6 +194,9 @@ def _tree_gpt_model(config, transformer_layer_spec=None, *args, mtp_block_spec=N
     from ..megatron.model import TreeGPTModel
     from ..megatron.specs import get_tree_gpt_mtp_block_spec, te_available, treeify_spec
 
+    from megatron.core.transformer.enums import AttnBackend
+
+    config.attention_backend = AttnBackend.local  # see _family_cores_kept
     spec = treeify_spec(transformer_layer_spec)
     if mtp_block_spec is not None:
         # the Bridge builds the MTP block with transformer-engine modules; ours follows the host
@@ -177,9 +207,12 @@ def _tree_gpt_model(config, transformer_layer_spec=None, *args, mtp_block_spec=N
 
 def _tree_hybrid_model(config=None, hybrid_stack_spec=None, *args, **kwargs):
     """Stands where a Bridge provider calls ``HybridModel``: the same call, `TreeMambaModel`."""
+    from megatron.core.transformer.enums import AttnBackend
+
     from ..megatron.model import TreeMambaModel
     from ..megatron.specs import treeify_spec
 
+    config.attention_backend = AttnBackend.local  # see _family_cores_kept
     return TreeMambaModel(config, hybrid_stack_spec=treeify_spec(hybrid_stack_spec), *args, **kwargs)
 
 

@@ -75,13 +75,7 @@ class TreeDotProductAttention(MegatronModule):
         # Megatron's layer scaling divides the scale by layer_number and multiplies the scores back
         # inside the softmax: the net scale is unchanged, so it is ignored here.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-        window = None
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            left, right = config.window_size
-            if right not in (0, -1) or left < 0:
-                raise ValueError(f"tree attention is causal: window_size must be (left >= 0, 0), got {config.window_size}")
-            window = left + 1  # q - k <= left  <=>  q - k < left + 1
-        self.window = window
+        self.window = self.layer_window(config, layer_number)
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type == "vanilla":
             self.softmax_offset = None
@@ -100,6 +94,17 @@ class TreeDotProductAttention(MegatronModule):
                 torch.nn.init.zeros_(self.softmax_offset)
         else:
             raise ValueError(f"unsupported softmax_type {softmax_type!r}")
+
+    def layer_window(self, config, layer_number: int) -> Optional[int]:
+        """This layer's window ``w`` on depth (a query sees keys with ``q - k < w``), None for full
+        attention: stock's ``window_size=(left, 0)`` on the layers ``window_attn_skip_freq`` selects.
+        A family whose layers choose their window otherwise overrides this (`family_cores`)."""
+        if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            return None
+        left, right = config.window_size
+        if right not in (0, -1) or left < 0:
+            raise ValueError(f"tree attention is causal: window_size must be (left >= 0, 0), got {config.window_size}")
+        return left + 1  # q - k <= left  <=>  q - k < left + 1
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):

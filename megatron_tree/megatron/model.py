@@ -227,6 +227,10 @@ class TreeLanguageModelMixin:
                 # YarnRotaryEmbedding returns (table, mscale); stock's attention applies the mscale to
                 # q and k itself (from the config), as it does for the flat table
                 table = table[0]
+            if table.dim() == 5:
+                # one table per layer kind stacked in front, [kinds, N, 1, 1, dim] (Gemma 3's local and
+                # global rotary tables): each layer's attention picks its own, indexed by depth here
+                return table[:, packed_seq_params.position_ids]
             return table[packed_seq_params.position_ids]
         if self.position_embedding_type in ("learned_absolute", "none"):
             return None

@@ -25,7 +25,6 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from ..ops.backend import module_available
-from .attention import TreeDotProductAttention
 from .hybrid_pattern import HYBRID_LETTERS, parse_hybrid_pattern  # (also importable from here, as before)
 
 
@@ -93,7 +92,9 @@ def treeify_spec(spec):
             spec.core_attention = core
             return spec
         if not getattr(core_cls, "requires_dsa_inputs", False):  # a DSA core (tree or oracle) stays
-            spec.core_attention = TreeDotProductAttention
+            from .family_cores import tree_core_for
+
+            spec.core_attention = tree_core_for(core_cls)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for f in dataclasses.fields(spec):
             v = getattr(spec, f.name)

@@ -1,0 +1,182 @@
+"""Local (no transformer-engine) twins of the transformer-engine modules a family's own layer spec names.
+
+A Megatron-Bridge family whose layers differ from Megatron's (Gemma 3: post-norms after the attention
+and MLP projections, zero-centred q / k norms, per-layer local / global core attention) builds its
+spec from transformer-engine classes directly. On a host without transformer-engine `local_twin_spec`
+rewrites such a spec module by module, keeping the structure and every parameter name the Bridge's
+weight mapping reads:
+
+==================================  ============================================================
+transformer-engine module            local twin
+==================================  ============================================================
+``TELayerNormColumnParallelLinear``  ``ColumnParallelLinear``; its fused norm becomes the layer's
+  (a layer's ``linear_qkv`` /        ``input_layernorm`` / ``pre_mlp_layernorm`` (the names
+  ``linear_fc1``)                    `mapping.with_local_module_names` maps, and the checkpoint keys
+                                     of the fused ones, as Megatron's local spec keeps them)
+``TEColumnParallelLinear``           ``ColumnParallelLinear``
+``TERowParallelLinear``              ``RowParallelLinear``
+``TERowParallelLinearLayerNorm``     `RowParallelLinearLayerNorm` (``weight``, ``post_layernorm.weight``)
+``TENorm``                           the local norm of ``config.normalization`` (zero-centred where
+                                     the config says so), constructed with the same arguments
+``TEDotProductAttention``            ``DotProductAttention`` (tree attention replaces it)
+==================================  ============================================================
+
+Any other transformer-engine class left in the spec is refused by name: it would otherwise be built
+as an empty stand-in, or replaced by something that does less.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["RowParallelLinearLayerNorm", "local_twin_spec", "local_norm", "LocalTwinError"]
+
+
+class LocalTwinError(ValueError):
+    """A family spec's transformer-engine module with no local twin."""
+
+
+class RowParallelLinearLayerNorm(RowParallelLinear):
+    """``RowParallelLinear`` followed by a norm of its output (``post_layernorm``): the local twin of
+    Megatron-Bridge's ``TERowParallelLinearLayerNorm`` (Gemma 2 / 3's post-attention and post-MLP norms),
+    built the same way (``post_norm``, ``TENorm``'s local counterpart, over ``output_size``) except for its
+    epsilon: the Bridge's ``TENorm(config, output_size)`` gets TENorm's default 1e-5, where the checkpoint's
+    post-norms use its ``rms_norm_eps`` (transformers' Gemma 2 / 3); this twin uses ``config.layernorm_epsilon``
+    (the Bridge's ``rms_norm_eps``), and `provider.tree_provider` sets the transformer-engine module's to it.
+    On a tiny random Gemma 3 the two epsilons move transformers' own log-probs by 0.02."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, post_norm, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_layernorm = post_norm(config, output_size, eps=config.layernorm_epsilon)
+
+    def forward(self, x):
+        output, bias = super().forward(x)
+        if bias is not None:  # as the transformer-engine module: a post-norm before a deferred bias is wrong
+            raise ValueError("RowParallelLinearLayerNorm assumes add_bias_linear=False")
+        return self.post_layernorm(output), bias
+
+
+def local_norm(zero_centered: bool):
+    """``TENorm``'s local counterpart: ``WrappedTorchNorm`` (it reads ``config.normalization``), or
+    `ZeroCenteredRMSNorm` where the config asks for a zero-centred gain (torch's norm refuses one)."""
+    if zero_centered:
+        from ..cpu.bridge import ZeroCenteredRMSNorm
+
+        return ZeroCenteredRMSNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
+
+
+_NAMES: dict = {}  # id(object) -> the name a spec's module binds it to (see `local_twin_spec`)
+
+
+def _stand_in(obj) -> bool:
+    """The Bridge's ``safe_import_from`` stand-in (a ``MagicMock``) for a class it could not import."""
+    return type(obj).__module__ == "unittest.mock"
+
+
+def _name(obj) -> str:
+    if isinstance(obj, type):
+        return obj.__name__
+    return _NAMES.get(id(obj), "")
+
+
+def local_twin_spec(spec, zero_centered: bool, module=None):
+    """Copy of a layer / block spec with every transformer-engine module replaced by its local twin (the
+    table above), and a family core attention the tree knows (`family_cores.TREE_CORES`) by its tree class.
+    Raises `LocalTwinError` naming any transformer-engine class it has no twin for, and any entry that is
+    not a class at all.
+
+    ``module``: the module of the family's spec function. Without transformer-engine the Bridge binds
+    each transformer-engine class it cannot import to a ``MagicMock`` (and a family class derived from one,
+    Gemma 3's ``Gemma3TEDotProductAttention``, to another): such an entry is known by the name the module
+    binds it to."""
+    from ..megatron.family_cores import TREE_CORES
+
+    _NAMES.clear()
+    for mod in (module, sys.modules.get("megatron.bridge.models.common.te_layers")):
+        for key, value in (vars(mod).items() if mod is not None else ()):
+            if _stand_in(value):
+                _NAMES.setdefault(id(value), key)
+    norm = local_norm(zero_centered)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    simple = {"TENorm": norm, "TEColumnParallelLinear": ColumnParallelLinear, "TERowParallelLinear": RowParallelLinear,
+              "TERowParallelLinearLayerNorm": ModuleSpec(module=RowParallelLinearLayerNorm,
+                                                         params={"post_norm": norm})}
+
+    simple["TEDotProductAttention"] = DotProductAttention
+    simple.update({name: cls for name, cls in TREE_CORES.items() if name not in simple})
+    return _walk(spec, simple, norm, "spec")
+
+
+def _walk(spec, simple: dict, norm, where: str):
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    if isinstance(spec, type) or _stand_in(spec):
+        name = _name(spec) or "an unnamed stand-in"
+        if name in simple:
+            return simple[name]
+        if name.startswith("TE") and name not in ("TELayerNormColumnParallelLinear",):
+            raise LocalTwinError(f"{where} is transformer-engine's {name}, which has no local twin")
+        if name == "TELayerNormColumnParallelLinear":
+            raise LocalTwinError(f"{where} is TELayerNormColumnParallelLinear outside a layer's linear_qkv / "
+                                 "linear_fc1: its fused norm has no place to go")
+        if not isinstance(spec, type):
+            raise LocalTwinError(f"{where} is {name}, which the Bridge could not import here (no transformer-engine) "
+                                 "and which has no local twin")
+        return spec
+    if isinstance(spec, ModuleSpec):
+        spec = copy.copy(spec)
+        module = _walk(spec.module, simple, norm, where)
+        if isinstance(module, ModuleSpec):  # a twin that takes parameters of its own
+            spec.module, spec.params = module.module, {**module.params, **(spec.params or {})}
+        else:
+            spec.module = module
+        if isinstance(spec.submodules, TransformerLayerSubmodules):
+            spec.submodules = _unfuse_layer_norms(spec.submodules, norm)
+        if spec.submodules is not None:
+            spec.submodules = _walk(spec.submodules, simple, norm, f"{where}.{_name(spec.module) or 'module'}")
+        return spec
+    if isinstance(spec, list):
+        return [_walk(s, simple, norm, f"{where}[{i}]") for i, s in enumerate(spec)]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        spec = copy.copy(spec)
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _walk(getattr(spec, f.name), simple, norm, f"{where}.{f.name}"))
+        return spec
+    return spec
+
+
+def _unfuse_layer_norms(sub, norm):
+    """A layer whose ``linear_qkv`` / ``linear_fc1`` is ``TELayerNormColumnParallelLinear`` gets the norm as
+    its ``input_layernorm`` / ``pre_mlp_layernorm`` and a plain ``ColumnParallelLinear``; its checkpoint keys
+    stay the fused module's (Megatron's local spec does the same)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    sub = copy.copy(sub)
+    keys = dict(sub.sharded_state_dict_keys_map or {})
+    for block, linear, norm_field, fused_key in (("self_attention", "linear_qkv", "input_layernorm",
+                                                  "self_attention.linear_qkv.layer_norm_"),
+                                                 ("mlp", "linear_fc1", "pre_mlp_layernorm", "mlp.linear_fc1.layer_norm_")):
+        outer = getattr(sub, block)
+        if not isinstance(outer, ModuleSpec) or outer.submodules is None:
+            continue
+        if _name(getattr(outer.submodules, linear, None)) != "TELayerNormColumnParallelLinear":
+            continue
+        if _name(getattr(sub, norm_field)) != "IdentityOp":
+            raise LocalTwinError(f"a layer has both {norm_field} and a fused norm in {block}.{linear}")
+        outer = copy.copy(outer)
+        outer.submodules = copy.copy(outer.submodules)
+        setattr(outer.submodules, linear, ColumnParallelLinear)
+        setattr(sub, block, outer)
+        setattr(sub, norm_field, norm)
+        keys[f"{norm_field}."] = fused_key
+    sub.sharded_state_dict_keys_map = keys
+    return sub

@@ -1,0 +1,49 @@
+"""Tree core attentions of the families whose layers choose their own window.
+
+Megatron-Bridge builds some families with a core attention class of their own, picked by name in the
+family's layer spec. `treeify_spec` replaces such a class by its tree counterpart here (`TREE_CORES`,
+keyed by the stock class's name, so nothing here imports the Bridge) and refuses a custom core
+attention it does not know: replacing it with plain tree attention would drop what it does.
+
+* ``Gemma3TEDotProductAttention`` (Gemma 3): layer ``n`` (1-based) attends globally when
+  ``n % sum(config.interleaved_attn_pattern) == 0`` and within an integer ``config.window_size`` of
+  positions otherwise (``q - k < window_size``, as the Bridge's ``(window_size - 1, 0)``). Its vision-language
+  form (an attention bias instead of the window) is not built on the tree.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .attention import TreeDotProductAttention
+
+__all__ = ["TreeGemma3DotProductAttention", "TREE_CORES", "tree_core_for"]
+
+
+class TreeGemma3DotProductAttention(TreeDotProductAttention):
+    """Gemma 3's per-layer local / global core attention on a tree (window by depth)."""
+
+    def layer_window(self, config, layer_number: int) -> Optional[int]:
+        if getattr(config, "is_vision_language", False):
+            raise ValueError("Gemma 3's vision-language attention (a local / global attention bias) has no tree "
+                             "variant yet")
+        pattern = sum(config.interleaved_attn_pattern)
+        if layer_number % pattern == 0 or not config.window_size:
+            return None
+        return int(config.window_size)
+
+
+#: stock core-attention class name -> its tree class
+TREE_CORES = {"DotProductAttention": TreeDotProductAttention, "TEDotProductAttention": TreeDotProductAttention,
+              "Gemma3TEDotProductAttention": TreeGemma3DotProductAttention}
+
+
+def tree_core_for(core_cls) -> type:
+    """The tree core attention standing for ``core_cls``; a ValueError naming a class it does not know."""
+    if isinstance(core_cls, type) and issubclass(core_cls, TreeDotProductAttention):
+        return core_cls
+    name = getattr(core_cls, "__name__", repr(core_cls))
+    if name in TREE_CORES:
+        return TREE_CORES[name]
+    raise ValueError(f"core attention {getattr(core_cls, '__module__', '?')}.{name} has no tree variant: "
+                     f"tree training knows {', '.join(sorted(TREE_CORES))}; replacing it with plain tree attention "
+                     "would drop what it does")

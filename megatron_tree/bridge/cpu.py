@@ -140,15 +140,11 @@ def _module_twins(spec_fn, zero_centered: bool):
     """A family's spec function whose spec names transformer-engine modules directly (Gemma 3's
     ``gemma3_layer_spec``): its spec with each module replaced by its local twin (`local_twins`)."""
 
-    import sys
-
-    module = sys.modules.get(getattr(getattr(spec_fn, "func", spec_fn), "__module__", ""))
-
     def twin(config, vp_stage=None):
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-        spec = local_twin_spec(_call_spec(spec_fn, config, vp_stage), zero_centered, module)
+        spec = local_twin_spec(_call_spec(spec_fn, config, vp_stage), zero_centered)
         if isinstance(spec, ModuleSpec) and spec.module.__name__.endswith("TransformerLayer"):
             # Megatron would give a layer spec's block the default final norm (a transformer-engine TENorm
             # honours a zero-centred gain, its local default refuses it): the block with the twin's norm

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from ..megatron.family_cores import TREE_CORES, is_stand_in, stand_in_name
 
 __all__ = ["RowParallelLinearLayerNorm", "local_twin_spec", "local_norm", "LocalTwinError"]
 
@@ -71,37 +72,17 @@ def local_norm(zero_centered: bool):
     return WrappedTorchNorm
 
 
-_NAMES: dict = {}  # id(object) -> the name a spec's module binds it to (see `local_twin_spec`)
-
-
-def _stand_in(obj) -> bool:
-    """The Bridge's ``safe_import_from`` stand-in (a ``MagicMock``) for a class it could not import."""
-    return type(obj).__module__ == "unittest.mock"
-
-
 def _name(obj) -> str:
-    if isinstance(obj, type):
-        return obj.__name__
-    return _NAMES.get(id(obj), "")
+    return obj.__name__ if isinstance(obj, type) else (stand_in_name(obj) or "")
 
 
-def local_twin_spec(spec, zero_centered: bool, module=None):
+def local_twin_spec(spec, zero_centered: bool):
     """Copy of a layer / block spec with every transformer-engine module replaced by its local twin (the
     table above), and a family core attention the tree knows (`family_cores.TREE_CORES`) by its tree class.
     Raises `LocalTwinError` naming any transformer-engine class it has no twin for, and any entry that is
-    not a class at all.
-
-    ``module``: the module of the family's spec function. Without transformer-engine the Bridge binds
-    each transformer-engine class it cannot import to a ``MagicMock`` (and a family class derived from one,
-    Gemma 3's ``Gemma3TEDotProductAttention``, to another): such an entry is known by the name the module
-    binds it to."""
-    from ..megatron.family_cores import TREE_CORES
-
-    _NAMES.clear()
-    for mod in (module, sys.modules.get("megatron.bridge.models.common.te_layers")):
-        for key, value in (vars(mod).items() if mod is not None else ()):
-            if _stand_in(value):
-                _NAMES.setdefault(id(value), key)
+    not a class at all. Without transformer-engine the Bridge binds each TE class it cannot import to a
+    ``MagicMock`` stand-in: such an entry is known by the name a module binds it to
+    (`family_cores.stand_in_name`)."""
     norm = local_norm(zero_centered)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -119,7 +100,7 @@ def _walk(spec, simple: dict, norm, where: str):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    if isinstance(spec, type) or _stand_in(spec):
+    if isinstance(spec, type) or is_stand_in(spec):
         name = _name(spec) or "an unnamed stand-in"
         if name in simple:
             return simple[name]

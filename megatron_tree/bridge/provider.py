@@ -112,6 +112,7 @@ def tree_provider(provider):
         return provider
     if not hasattr(provider, "provide"):
         raise TypeError(f"tree_provider expects a Megatron-Bridge model provider, got {type(provider).__name__}")
+    _model_swaps(type(provider))  # a provider building a model class the tree does not know: refused first
     out = copy.copy(provider)
     for name in ("_pre_wrap_hooks", "_post_wrap_hooks"):  # our copy gets its own hook lists
         if isinstance(getattr(provider, name, None), list):
@@ -231,25 +232,36 @@ def _stock_builders() -> dict:
     return out
 
 
+def _model_swaps(provider_cls) -> list:
+    """(module, global name, stock object, its stand-in) for every stock model class named in a module that
+    defines a ``provide`` on ``provider_cls``'s MRO, plus the Bridge's MTP block spec function there. A
+    provider whose ``provide()`` builds another model class (Falcon-H1's ``FalconH1Model``) is refused by
+    name: the tree has no counterpart of it."""
+    owners = [c for c in provider_cls.__mro__ if "provide" in vars(c) and c is not _TreeProviderMixin]
+    builders = _stock_builders()
+    swaps = []
+    for module in dict.fromkeys(sys.modules.get(c.__module__) for c in owners):
+        if module is not None:
+            swaps += [(module, k, v, builders[v]) for k, v in vars(module).items()
+                      if isinstance(v, type) and v in builders]
+    if not swaps:
+        name = provider_cls.__name__.removeprefix("Tree") if issubclass(provider_cls, _TreeProviderMixin) \
+            else provider_cls.__name__
+        raise TreeProviderError(f"{name}: its provide() ({', '.join(c.__qualname__ for c in owners) or '?'}) "
+                                "builds no GPTModel / HybridModel, the model classes megatron_tree.bridge builds "
+                                "as tree models; the family's own model class has no tree counterpart")
+    swaps += [(module, "mtp_block_spec", module.mtp_block_spec, _mtp_marker)
+              for module in dict.fromkeys(m for m, *_ in swaps) if callable(getattr(module, "mtp_block_spec", None))]
+    return swaps
+
+
 @contextlib.contextmanager
 def _building_tree_models(provider_cls):
     """While a tree provider's ``provide()`` runs, every module that defines a ``provide`` on its class's
     MRO resolves its stock model class names to the tree builders (the modules' own globals, restored on
     exit; serialised by a lock): a family provider whose ``provide()`` calls ``super().provide()``
     (Gemma's) builds its model in its parent's module."""
-    owners = [c for c in provider_cls.__mro__[1:] if "provide" in vars(c) and c is not _TreeProviderMixin]
-    builders = _stock_builders()
-    swaps = []  # (module, global name, stock object, its stand-in)
-    for module in dict.fromkeys(sys.modules.get(c.__module__) for c in owners):
-        if module is not None:
-            swaps += [(module, k, v, builders[v]) for k, v in vars(module).items()
-                      if isinstance(v, type) and v in builders]
-    if not swaps:
-        raise TreeProviderError(f"{provider_cls.__name__}: its provide() "
-                                f"({', '.join(c.__qualname__ for c in owners) or '?'}) builds no GPTModel / "
-                                "HybridModel that megatron_tree.bridge knows how to swap")
-    swaps += [(module, "mtp_block_spec", module.mtp_block_spec, _mtp_marker)
-              for module in dict.fromkeys(m for m, *_ in swaps) if callable(getattr(module, "mtp_block_spec", None))]
+    swaps = _model_swaps(provider_cls)
     with _LOCK:
         try:
             for module, name, _, stand_in in swaps:

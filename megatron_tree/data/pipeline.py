@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..tree.loss_agg import loss_agg_factors, with_loss_agg
 from ..tree.microbatch import TreeMicrobatch, padding_microbatch
 from ..tree.packing import PrefixPlan, pack
 from ..tree.sample import Sample, as_sample, validate_sample
@@ -244,6 +245,8 @@ class TreeDataPipeline:
     mtp_tail              K MTP tail rows after every sample (``pack(..., mtp_tail=K)``: a model whose MTP
                           layers run DSA with an indexer loss, `megatron.mtp.mtp_tail_rows`); they count
                           against ``max_tokens_per_mb``
+    loss_agg, loss_agg_norm  how a step's loss is aggregated (`tree.loss_agg`: token-mean by default; the others
+                          multiply each sample's loss weights by its exact factor within the step's window)
     carry                 pack with ``carry=True`` (`tree.carry`: every row once per step at any budget, samples
                           longer than the budget allowed); a carry group stays on one DP rank, in step order,
                           and every rank gets the same number of schedule items (`megatron.carry.carry_items`:
@@ -263,7 +266,8 @@ class TreeDataPipeline:
                  share_prefixes: bool = True, lookahead: int = 0,
                  plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None,
                  read_report: ReadReport | None = None, route_aware: bool = False, route_spec=None,
-                 mtp_tail: int = 0, carry: bool = False):
+                 mtp_tail: int = 0, carry: bool = False, loss_agg: str = "token-mean",
+                 loss_agg_norm: float | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         if global_batch_samples < 1:
@@ -300,6 +304,8 @@ class TreeDataPipeline:
         self.route_aware, self.route_spec = bool(route_aware), route_spec
         self.mtp_tail = int(mtp_tail)
         self.carry = bool(carry)
+        loss_agg_factors([1], loss_agg, loss_agg_norm)  # a bad mode or norm is an error now
+        self.loss_agg, self.loss_agg_norm = loss_agg, loss_agg_norm
         if self.carry and (mtp_tail or not share_prefixes):
             raise ValueError("carry packing does not run with MTP tail rows or flat packing yet")
         self._float_fields = self._validate(vocab_size)
@@ -433,7 +439,8 @@ class TreeDataPipeline:
 
     def _pack(self, window: np.ndarray, budget: int) -> list[TreeMicrobatch]:
         return [self._to_dataset_ids(mb, window)
-                for mb in pack([self.samples[i] for i in window.tolist()], budget,
+                for mb in pack(with_loss_agg([self.samples[i] for i in window.tolist()], self.loss_agg,
+                                             self.loss_agg_norm), budget,
                                pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,
                                pad_to_budget=self.pad_to_budget, share_prefixes=self.share_prefixes,
                                route_aware=self.route_aware, mtp_tail=self.mtp_tail, carry=self.carry)]

@@ -16,7 +16,7 @@ from typing import Optional
 
 from .attention import TreeDotProductAttention
 
-__all__ = ["TreeGemma3DotProductAttention", "TREE_CORES", "tree_core_for"]
+__all__ = ["TreeGemma3DotProductAttention", "TREE_CORES", "tree_core_for", "stand_in_name", "is_stand_in"]
 
 
 class TreeGemma3DotProductAttention(TreeDotProductAttention):
@@ -41,9 +41,33 @@ def tree_core_for(core_cls) -> type:
     """The tree core attention standing for ``core_cls``; a ValueError naming a class it does not know."""
     if isinstance(core_cls, type) and issubclass(core_cls, TreeDotProductAttention):
         return core_cls
-    name = getattr(core_cls, "__name__", repr(core_cls))
+    name = getattr(core_cls, "__name__", None) if isinstance(core_cls, type) else stand_in_name(core_cls)
+    name = name or repr(core_cls)
     if name in TREE_CORES:
         return TREE_CORES[name]
     raise ValueError(f"core attention {getattr(core_cls, '__module__', '?')}.{name} has no tree variant: "
                      f"tree training knows {', '.join(sorted(TREE_CORES))}; replacing it with plain tree attention "
                      "would drop what it does")
+
+
+
+def is_stand_in(obj) -> bool:
+    """A ``MagicMock`` standing for a transformer-engine class that could not be imported."""
+    return type(obj).__module__ == "unittest.mock"
+
+
+def stand_in_name(obj):
+    """On a host without transformer-engine, Megatron's and the Bridge's modules bind the TE classes they
+    cannot import (and a class derived from one, the Bridge's ``Gemma3TEDotProductAttention``) to ``MagicMock``
+    stand-ins: such an object is known by the name a loaded ``megatron`` module binds it to. None for
+    anything else, or a stand-in no module names."""
+    import sys
+
+    if not is_stand_in(obj):
+        return None
+    for mod_name, module in list(sys.modules.items()):
+        if mod_name.startswith("megatron.") and module is not None:
+            for key, value in list(vars(module).items()):
+                if value is obj:
+                    return key
+    return None

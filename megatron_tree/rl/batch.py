@@ -63,6 +63,14 @@ class RolloutBatch:
     samples: list
     starts: Optional[np.ndarray] = None
     width: Optional[int] = None
+    #: preference pairs (``loss="dpo" / "ipo" / "simpo"``): each rollout's pair id, and whether it is the chosen one
+    pair_ids: Optional[np.ndarray] = None
+    chosen: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        from .objectives import validate_pairs
+
+        self.pair_ids, self.chosen = validate_pairs(self.pair_ids, self.chosen, len(self.samples))
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -77,12 +85,13 @@ class RolloutBatch:
 
     @classmethod
     def from_lists(cls, tokens: Sequence, *, loss_mask=None, advantages=None, old_logprobs=None, ref_logprobs=None,
-                   weights=None, routed_experts=None) -> "RolloutBatch":
+                   weights=None, routed_experts=None, pair_ids=None, chosen=None) -> "RolloutBatch":
         """Per-rollout token lists (lists, arrays or tensors); every other field is per rollout too:
         ``loss_mask`` / ``old_logprobs`` / ``ref_logprobs`` one value per token, ``advantages`` /
         ``weights`` a scalar or one value per token (or a ``[B]`` array of scalars),
         ``routed_experts`` ``[L, moe_layers, topk]`` expert ids per token (routing replay: what the
-        rollout engine returned). A bad rollout is a ValueError naming it (``rollout i``) and the
+        rollout engine returned), ``pair_ids`` / ``chosen`` ``[B]`` (preference pairs: one chosen and one
+        rejected rollout per pair id). A bad rollout is a ValueError naming it (``rollout i``) and the
         rule it breaks."""
         samples = []
         for i in range(len(tokens)):
@@ -91,16 +100,17 @@ class RolloutBatch:
                        routed_experts=_row(routed_experts, i))
             validate_sample(i, s, where=f"rollout {i}")
             samples.append(s)
-        return cls(samples)
+        return cls(samples, pair_ids=_np(pair_ids), chosen=_np(chosen))
 
     @classmethod
     def from_padded(cls, input_ids, attention_mask, *, loss_mask=None, advantages=None, old_logprobs=None,
-                    ref_logprobs=None, weights=None, routed_experts=None) -> "RolloutBatch":
+                    ref_logprobs=None, weights=None, routed_experts=None, pair_ids=None,
+                    chosen=None) -> "RolloutBatch":
         """Padded ``[B, T]`` tensors: ``attention_mask`` marks each row's real tokens (one contiguous
         run: left and/or right padding); ``loss_mask``, ``old_logprobs``, ``ref_logprobs`` are
         ``[B, T]`` aligned with ``input_ids`` (a response-only tensor is padded on the left by the
         prompt columns first); ``advantages`` / ``weights`` ``[B]`` or ``[B, T]``; ``routed_experts``
-        ``[B, T, moe_layers, topk]``."""
+        ``[B, T, moe_layers, topk]``; ``pair_ids`` / ``chosen`` ``[B]``."""
         ids, am = _np(input_ids), _np(attention_mask).astype(bool)
         if ids.ndim != 2 or am.shape != ids.shape:
             raise ValueError(f"input_ids and attention_mask must both be [B, T], got {ids.shape} and {am.shape}")
@@ -133,7 +143,7 @@ class RolloutBatch:
                        routed_experts=cut(routed_experts, b))
             validate_sample(b, s, where=f"rollout {b}")
             samples.append(s)
-        return cls(samples, starts=start.astype(np.int64), width=int(T))
+        return cls(samples, starts=start.astype(np.int64), width=int(T), pair_ids=_np(pair_ids), chosen=_np(chosen))
 
 
 @dataclass
@@ -146,6 +156,7 @@ class RankMicrobatches:
     rollout_ids: np.ndarray
     max_tokens_per_mb: int
     carry: bool = False  # ``build_microbatches(..., carry=True)``: `forward_backward` runs carry items
+    dp_size: int = 1  # > 1: ``batch`` is the global batch, sharded over DP ranks by `build_microbatches`
 
     def __len__(self) -> int:
         return len(self.microbatches)
@@ -236,7 +247,7 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
     mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
              for _ in range(count - len(mine))]
     ids = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
-    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=ids, max_tokens_per_mb=budget)
+    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=ids, max_tokens_per_mb=budget, dp_size=dp_size)
 
 
 def _most_over_dp(count: int, equalize: bool) -> int:
@@ -263,7 +274,8 @@ def _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw) -> R
     mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
              for _ in range(count - have)]
     done = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
-    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=done, max_tokens_per_mb=budget, carry=True)
+    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=done, max_tokens_per_mb=budget, carry=True,
+                            dp_size=dp_size)
 
 
 # --------------------------------------------------------------------------------------------- loss
@@ -279,7 +291,7 @@ def per_occurrence_loss(logprobs: torch.Tensor, entropy: torch.Tensor, loss_map,
                      kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef, reduction="none")
 
 
-def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs):
+def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs, agg=None):
     lp, ent = output
     if loss_fn is not None:
         per = loss_fn(lp, ent, loss_map)
@@ -288,6 +300,8 @@ def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs):
                              f"{getattr(per, 'shape', type(per))}")
     else:
         per, _ = per_occurrence_loss(lp, ent, loss_map, loss=loss, **loss_kwargs)
+    if agg is not None:  # the loss aggregation's per-rollout factor (`rl.objectives.agg_factors`)
+        per = per * agg.to(per.device)[loss_map.sample_index.to(per.device)].to(per)
     loss_sum = per.sum()
     num = torch.tensor(len(loss_map), dtype=torch.int, device=lp.device)
     acc = torch.float64 if lp.dtype == torch.float64 else torch.float32
@@ -299,7 +313,7 @@ def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs):
     return loss_sum, num, report
 
 
-def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss_kwargs):
+def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss_kwargs, agg=None):
     from ..megatron.carry import CarryItem
     from ..megatron.forward_step import carry_forward, context_parallel_params
     from ..megatron.packed_seq import tree_packed_seq_params
@@ -308,18 +322,20 @@ def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss
     if isinstance(mb, CarryItem):
         if mb.mb.carry is not None:
             return carry_forward(mb, model, lambda lm: partial(_loss_func, lm, loss=loss, loss_fn=loss_fn,
-                                                               loss_kwargs=loss_kwargs), return_entropy=True,
+                                                               loss_kwargs=loss_kwargs, agg=agg), return_entropy=True,
                                  cp_strategy=cp_strategy)
         mb = mb.mb  # a padding microbatch
     dev = next(model.parameters()).device
     psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True), model, strategy=cp_strategy)
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
-    return out, partial(_loss_func, psp.loss_map, loss=loss, loss_fn=loss_fn, loss_kwargs=loss_kwargs)
+    return out, partial(_loss_func, psp.loss_map, loss=loss, loss_fn=loss_fn, loss_kwargs=loss_kwargs, agg=agg)
 
 
 def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_fn: Optional[Callable] = None,
                      forward_only: bool = False, entropy_coef: float = 0.0, clip_eps: float = 0.2, clip_eps_high=None,
-                     kl_coef: float = 0.0, cp_strategy: str = "balanced") -> "RolloutOutputs":
+                     kl_coef: float = 0.0, cp_strategy: str = "balanced", loss_agg: str = "token-mean",
+                     loss_agg_norm: Optional[float] = None, beta: float = 0.1,
+                     simpo_gamma: float = 0.5) -> "RolloutOutputs":
     """One forward(-backward) of this rank's microbatches through Megatron-Core's schedule.
 
     ``model``: this rank's model chunk (a `TreeGPTModel` / `TreeMambaModel`, possibly wrapped in DDP /
@@ -333,6 +349,14 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     (DDP: call ``finalize_model_grads`` / the optimizer as usual; Megatron's schedule calls the
     config's ``finalize_model_grads_func``). Returns `RolloutOutputs` on every rank of the model-parallel
     group (gathered over CP, sent from the last pipeline stage).
+
+    Sequence-level objectives (`rl.objectives`, exact however carry / CP / DP cut a rollout; one extra
+    forward-only pass gives each rollout's sums first): ``"gspo"`` (sequence ratio, ``clip_eps`` /
+    ``clip_eps_high``, with the k3 KL and entropy terms), and over preference pairs (``RolloutBatch``
+    ``pair_ids`` / ``chosen``) ``"dpo"``, ``"ipo"`` (``beta``) and ``"simpo"`` (``beta``, ``simpo_gamma``),
+    the mean over pairs. ``loss_agg`` (`tree.loss_agg`: token-mean, seq-mean-token-sum,
+    seq-mean-token-mean, seq-mean-token-sum-norm with ``loss_agg_norm``) weighs every rollout's
+    per-occurrence losses (a ``loss_fn``'s too) by its exact factor over the whole step.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -347,7 +371,19 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     if callable(loss) and loss_fn is None:
         loss, loss_fn = None, loss
     kw = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
-    step = partial(_forward_step, cp_strategy=cp_strategy, loss=loss, loss_fn=loss_fn, loss_kwargs=kw)
+    from .objectives import PAIR_LOSSES, SEQUENCE_LOSSES, agg_factors, sequence_loss_fn
+
+    if loss in PAIR_LOSSES and loss_agg != "token-mean":
+        raise ValueError(f"loss {loss!r} is the mean over preference pairs; loss_agg={loss_agg!r} does not apply")
+    agg = None
+    if loss_agg != "token-mean" or loss_agg_norm is not None:
+        agg = torch.as_tensor(agg_factors(microbatches, loss_agg, loss_agg_norm, _dp_group()))
+    if loss in SEQUENCE_LOSSES and loss_fn is None:
+        # the stats pass: every rollout's log-probs, then the graded pass with per-rollout factors fixed
+        stats = forward_backward(model, microbatches, forward_only=True, cp_strategy=cp_strategy)
+        loss_fn = sequence_loss_fn(loss, microbatches, stats, _dp_group(), beta=beta, simpo_gamma=simpo_gamma, **kw)
+        loss = None
+    step = partial(_forward_step, cp_strategy=cp_strategy, loss=loss, loss_fn=loss_fn, loss_kwargs=kw, agg=agg)
     mbs = microbatches.microbatches
     if any(getattr(mb, "routes", None) is not None for mb in mbs):
         from ..megatron.routing_replay import reset_routing_replay

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..tree.loss_agg import LOSS_AGGS
+
 __all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "add_seq_aux_per_sample_arg",
            "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
            "DEFAULT_PAD_MULTIPLE"]
@@ -107,6 +109,14 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tree-loss", choices=TREE_LOSSES, default="sft",
                    help="sft: token-mean negative log-likelihood; grpo / ppo: clipped policy-gradient "
                         "surrogate per occurrence (needs advantages in the data). Default: sft.")
+    g.add_argument("--loss-agg", choices=LOSS_AGGS, default="token-mean",
+                   help="How a step's per-token losses are aggregated (verl's names): token-mean (every target of "
+                        "the global batch alike; default), seq-mean-token-sum, seq-mean-token-mean, "
+                        "seq-mean-token-sum-norm (Dr. GRPO: sums over a constant length, --loss-agg-norm). Exact "
+                        "whatever microbatches, ranks and carry the samples are cut over (a per-sample weight).")
+    g.add_argument("--loss-agg-norm", type=float, default=None, metavar="L",
+                   help="seq-mean-token-sum-norm's constant length L (default: the step's longest sample's "
+                        "target count).")
     g.add_argument("--tree-clip-eps", type=float, default=0.2,
                    help="PPO/GRPO lower clip range: ratio >= 1 - eps (default 0.2).")
     g.add_argument("--tree-clip-eps-high", type=float, default=None,
@@ -188,6 +198,9 @@ def validate_tree_args(args) -> argparse.Namespace:
     if _get(args, "attention_dropout") not in (None, 0, 0.0):
         errors.append(f"--attention-dropout must be 0 with --tree-packing (tree attention has no attention "
                       f"dropout); got {args.attention_dropout}")
+    if _get(args, "loss_agg_norm", None) is not None and (_get(args, "loss_agg", "token-mean") !=
+                                                         "seq-mean-token-sum-norm" or not args.loss_agg_norm > 0):
+        errors.append(f"--loss-agg-norm {args.loss_agg_norm} needs --loss-agg seq-mean-token-sum-norm and a length > 0")
     if _get(args, "tree_loss", "sft") not in TREE_LOSSES:
         errors.append(f"--tree-loss must be one of {TREE_LOSSES}, got {args.tree_loss!r}")
     if _get(args, "tree_loss", "sft") in ("grpo", "ppo"):

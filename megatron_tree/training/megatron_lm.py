@@ -629,7 +629,9 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
         seed=int(getattr(args, "seed", 0) or 0), num_epochs=None, shuffle=shuffle,
         pad_to_multiple_of=args.tree_pad_to_multiple_of, microbatches_per_rank=per_rank,
         lookahead=args.tree_lookahead, share_prefixes=not getattr(args, "tree_flat_packing", False),
-        mtp_tail=mtp_tail_rows(args), carry=bool(getattr(args, "tree_carry", False)), **_route_kwargs(args))
+        mtp_tail=mtp_tail_rows(args), carry=bool(getattr(args, "tree_carry", False)),
+        loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None),
+        **_route_kwargs(args))
     _skip_steps(pipe, start_step)
     return pipe
 

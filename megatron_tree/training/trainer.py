@@ -1209,7 +1209,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     kw = dict(max_tokens_per_mb=args.tree_max_tokens_per_mb, global_batch_samples=args.tree_global_batch_samples,
               dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, num_epochs=None,
               pad_to_multiple_of=args.tree_pad_to_multiple_of, vocab_size=args.vocab_size,
-              lookahead=args.tree_lookahead, carry=bool(getattr(args, "tree_carry", False)))
+              lookahead=args.tree_lookahead, carry=bool(getattr(args, "tree_carry", False)),
+              loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None))
     from ..megatron.mtp import mtp_tail_rows
 
     kw["mtp_tail"] = mtp_tail_rows(model.config)  # DSA in the MTP layers: each sample's trailing MTP positions

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss", "olmoe", "gemma3")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss", "olmoe", "gemma3", "gemma2")
 
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
@@ -84,6 +84,13 @@ def _config(family: str):
                                    rope_parameters={"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
                                                     "sliding_attention": {"rope_theta": 10000.0,
                                                                           "rope_type": "default"}})
+    if family == "gemma2":
+        # Gemma 2: a 4-token window on odd layers, attention and final logit soft-caps small enough to matter on
+        # a tiny random model (published: 50 and 30), query_pre_attn_scalar != head_dim, post-norms, tied embeddings
+        return tf.Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, num_hidden_layers=4, sliding_window=4,
+                               query_pre_attn_scalar=6, attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+                               max_position_embeddings=128, tie_word_embeddings=True)
     raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
 
 
@@ -129,9 +136,10 @@ def hf_logprobs(path, samples, dtype=torch.float64, stable_dsa_ties: bool = Fals
 
     import transformers as tf
 
-    # eager experts: transformers' default grouped-GEMM experts take no float64
+    # eager experts: transformers' default grouped-GEMM experts take no float64; eager attention: the reference
+    # (the default SDPA path drops Gemma 2's attention logit soft-cap, 9e-3 on its tiny model here)
     model = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, experts_implementation="eager",
-                                                    trust_remote_code=trust_remote_code)
+                                                    attn_implementation="eager", trust_remote_code=trust_remote_code)
     model.eval()
     out = {}
     with torch.no_grad(), (_stable_dsa_topk() if stable_dsa_ties else contextlib.nullcontext()):

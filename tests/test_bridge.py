@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(
     reason="megatron-bridge / transformers are not installed: the extra 'megatron-tree[hf]' needs Python 3.12 and "
            "megatron-core >= 0.19; `make test-latest` installs it")
 
-STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "olmoe", "gemma3")
+STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "olmoe", "gemma3", "gemma2")
 # Tree vs stock per sample, float64: 1e-12, except where stock itself rounds to fp32 inside a float64
 # model (tests/test_model_families.py measures it): Qwen3-Next's stock GatedDeltaNet keeps its decay and
 # output gate in fp32 (measured 8.4e-9 here). Route scores, which stock also keeps in fp32 (DeepSeek-V3's
@@ -74,9 +74,9 @@ def _cpu_provider(bridge, stock: bool):
 
             local = provider.transformer_layer_spec
             provider.transformer_layer_spec = lambda config, vp_stage=None: _with_dense_core(local(config, vp_stage))
-        if type(provider).__name__ == "Gemma3ModelProvider":
+        if type(provider).__name__ in ("Gemma3ModelProvider", "Gemma2ModelProvider"):
             local = provider.transformer_layer_spec
-            provider.transformer_layer_spec = lambda config, vp_stage=None: _with_stock_gemma3_core(local(config))
+            provider.transformer_layer_spec = lambda config, vp_stage=None: _with_stock_gemma_core(local(config))
     else:
         provider = tb.tree_provider(provider)
         provider.calculate_per_token_loss = True  # rl.forward_backward's per-token loss
@@ -89,13 +89,20 @@ def _cpu_provider(bridge, stock: bool):
     return provider
 
 
-def _with_stock_gemma3_core(block):
-    """The Gemma 3 block (the local twin of the Bridge's spec) with Megatron's local core attention, each layer
-    given its window as the Bridge's ``Gemma3TEDotProductAttention`` gives it (``(window - 1, 0)`` on local
-    layers, none on every sum(interleaved_attn_pattern)-th): stock's own sliding-window mask."""
+def _with_stock_gemma_core(block):
+    """The Gemma 2 / 3 block (the local twin of the Bridge's spec) with a stock core attention. Gemma 3: Megatron's
+    local core, each layer given its window as the Bridge's ``Gemma3TEDotProductAttention`` gives it
+    (``(window - 1, 0)`` on local layers, none on every sum(interleaved_attn_pattern)-th): stock's own
+    sliding-window mask. Gemma 2: the Bridge's own ``Gemma2DotProductAttention`` (unfused, local modules)."""
     import copy
 
+    from megatron.bridge.models.gemma import gemma2_provider
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_tree.cpu.megatron_core import patch_module
+
+    patch_module(gemma2_provider)  # its sliding-window mask is made with device="cuda": the CPU layer's torch view
+    Gemma2DotProductAttention = gemma2_provider.Gemma2DotProductAttention
 
     class StockGemma3Core(DotProductAttention):
         def __init__(self, config, layer_number, *args, **kwargs):
@@ -106,8 +113,10 @@ def _with_stock_gemma3_core(block):
 
     block = copy.deepcopy(block)
     for layer in {id(layer): layer for layer in block.layer_specs}.values():  # (one spec object for every layer)
-        assert layer.submodules.self_attention.submodules.core_attention.__name__ == "TreeGemma3DotProductAttention"
-        layer.submodules.self_attention.submodules.core_attention = StockGemma3Core
+        sub = layer.submodules.self_attention.submodules
+        stock = {"TreeGemma3DotProductAttention": StockGemma3Core,
+                 "TreeGemma2DotProductAttention": Gemma2DotProductAttention}[sub.core_attention.__name__]
+        sub.core_attention = stock
     return block
 
 
@@ -146,6 +155,11 @@ def _families_body(root: str) -> dict:
             res["hf_stable_ties"] = hf_tiny.hf_logprobs(path, SAMPLES, stable_dsa_ties=True)
         if fam == "gpt_oss":  # the same weights with plain RoPE: YaRN must matter on these records
             res["hf_plain_rope"] = hf_tiny.hf_logprobs(f"{root}/gpt_oss_plain_rope", SAMPLES)
+        if fam == "gemma2":  # the same weights without the soft-caps: they must matter
+            res["hf_no_softcap"] = hf_tiny.hf_logprobs(f"{root}/gemma2_no_softcap", SAMPLES)
+            res["layers"] = [(type(layer.self_attention.core_attention).__name__,
+                              layer.self_attention.core_attention.window, layer.self_attention.core_attention.softcap)
+                             for layer in tree.decoder.layers]
         if fam == "gemma3":  # the same weights with a window wider than every record: the window must matter
             res["hf_wide_window"] = hf_tiny.hf_logprobs(f"{root}/gemma3_wide_window", SAMPLES)
             res["layers"] = [(type(layer.self_attention.core_attention).__name__,
@@ -207,6 +221,7 @@ def families(tmp_path_factory):
     hf_tiny.make("nemotron_h", root / "nemotron_h_transformers_names", nvidia_names=False)
     hf_tiny.make("gpt_oss", root / "gpt_oss_plain_rope", rope_parameters=dict(rope_type="default", rope_theta=150000.0))
     hf_tiny.make("gemma3", root / "gemma3_wide_window", sliding_window=64)
+    hf_tiny.make("gemma2", root / "gemma2_no_softcap", attn_logit_softcapping=None, final_logit_softcapping=None)
     return run_distributed(_families_body, 1, str(root), timeout=1200)[0]
 
 
@@ -251,6 +266,17 @@ def test_gemma3_keeps_its_local_and_global_layers(families):
     wide = _max_rel(res["tree"], res["hf_wide_window"])
     print(f"\nGemma 3 tree vs transformers with a 64-token window (same weights): max rel {wide:.1e}")
     assert wide > 1e-2, wide
+
+
+def test_gemma2_keeps_its_windows_and_soft_caps(families):
+    """Gemma 2 (the Bridge's own spec and core attention, built from local twins and the tree's Gemma 2 core):
+    odd layers within 4 positions of depth, even ones global, the attention logit soft-cap on every layer and
+    the final one on the output; transformers without the soft-caps (same weights) is far away."""
+    res = families["gemma2"]
+    assert res["layers"] == [("TreeGemma2DotProductAttention", 4, 0.5), ("TreeGemma2DotProductAttention", None, 0.5)] * 2
+    off = _max_rel(res["tree"], res["hf_no_softcap"])
+    print(f"\nGemma 2 tree vs transformers without soft-caps (same weights): max rel {off:.1e}")
+    assert off > 1e-3, off
 
 
 def test_olmoe_keeps_its_own_attention_on_the_local_path(families):

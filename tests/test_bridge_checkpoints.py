@@ -90,14 +90,14 @@ def _slow_tokenizer_files(path) -> dict:
 def test_save_hf_saves_weights_then_copies_the_sources_files(tmp_path):
     """``train --hf-model --save-hf`` on a Llama 3 checkpoint with no tokenizer files, on one with a slow
     sentencepiece tokenizer (which the Bridge's own save re-instantiates, and where sentencepiece is not
-    installed lost the trained weights), on gpt-oss (YaRN, sinks, windows, biased MoE) and on Gemma 3 (local /
-    global layers, post-norms, tied embeddings): each saves; the tokenizer files are the source's bytes; the saved
+    installed lost the trained weights), on gpt-oss (YaRN, sinks, windows, biased MoE), Gemma 3 (local /
+    global layers, post-norms, tied embeddings) and Gemma 2 (soft-caps): each saves; the tokenizer files are the source's bytes; the saved
     directory is a model transformers loads, equal to the tree model scoring it; the step moved it; the
     quiet run prints no library tracebacks."""
     data = _records(tmp_path)
-    for name in ("plain", "sentencepiece", "gpt_oss", "gemma3"):
+    for name in ("plain", "sentencepiece", "gpt_oss", "gemma3", "gemma2"):
         src = tmp_path / f"src_{name}"
-        hf_tiny.make(name if name in ("gpt_oss", "gemma3") else "llama", src)
+        hf_tiny.make(name if name in ("gpt_oss", "gemma3", "gemma2") else "llama", src)
         files = _slow_tokenizer_files(src) if name == "sentencepiece" else {}
         out = tmp_path / f"saved_{name}"
         r = _ok("train", "--hf-model", str(src), "--tree-data-path", str(data), "--tree-global-batch-samples",
@@ -151,8 +151,9 @@ _TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_
                             final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
     ("gemma3_vision", dict(_TINY, model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
      "Gemma 3's vision-language model"),
-    ("gemma2", dict(_TINY, model_type="gemma2", architectures=["Gemma2ForCausalLM"]),
-     "Gemma 2's attention logit soft-cap"),
+    ("gemma2_layer_types", dict(_TINY, model_type="gemma2", architectures=["Gemma2ForCausalLM"],
+                                layer_types=["full_attention", "sliding_attention"]),
+     "odd layers local"),
     ("falcon_h1", dict(_TINY, model_type="falcon_h1", architectures=["FalconH1ForCausalLM"]),
      "Falcon-H1's parallel attention + Mamba-2 layers"),
     ("llama3_rope", dict(_TINY, model_type="llama", architectures=["LlamaForCausalLM"],

@@ -129,9 +129,9 @@ def test_cp1_without_process_group_and_errors():
 
 # ------------------------------------------------------------------------------ distributed equivalence
 def _case(seed, kind, waves, *, window=None, sinks=False, hq=2, hkv=2, d=8, dv=8, recompute=False, fault=None,
-          plan_seed=0):
+          plan_seed=0, softcap=None):
     return dict(seed=seed, kind=kind, waves=waves, window=window, sinks=sinks, hq=hq, hkv=hkv, d=d, dv=dv,
-                recompute=recompute, fault=fault, plan_seed=plan_seed)
+                recompute=recompute, fault=fault, plan_seed=plan_seed, softcap=softcap)
 
 
 def _run_cases(cases):
@@ -165,7 +165,7 @@ def _run_cases(cases):
         qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
         sr = None if sinks is None else sinks.clone().requires_grad_(True)
         o_ref, lse_ref = tree_attention(qr, kr, vr, layout.to(dev), window=c["window"], sinks=sr, return_lse=True,
-                                        backend="torch")
+                                        backend="torch", softcap=c["softcap"])
         ((o_ref * go).sum() + (lse_ref * glse).sum()).backward()
 
         rows = torch.as_tensor(plan.owner_rows(rank), device=dev)
@@ -174,10 +174,11 @@ def _run_cases(cases):
         cpa._FAULT = c["fault"]
         try:
             o, lse = tree_attention_cp(ql, kl, vl, plan, None, window=c["window"], sinks=sl, return_lse=True,
-                                       recompute=c["recompute"], backend="torch")
+                                       recompute=c["recompute"], backend="torch", softcap=c["softcap"])
             ((o * go[rows]).sum() + (lse * glse[rows]).sum()).backward()
             with torch.no_grad():  # inference: no stage graphs kept, same collectives in forward
-                o_ng = tree_attention_cp(ql, kl, vl, plan, None, window=c["window"], sinks=sl, backend="torch")
+                o_ng = tree_attention_cp(ql, kl, vl, plan, None, window=c["window"], sinks=sl, backend="torch",
+                                         softcap=c["softcap"])
         finally:
             cpa._FAULT = None
 
@@ -287,6 +288,8 @@ def test_cp_attention_2_ranks_and_sensitivity():
         _case(6, "all_on_0", 1),
         _case(2, "random", 3, window=4, sinks=True, hq=4, hkv=2, d=8, dv=5, recompute=True),
         _case(7, "chunks", 4, hq=4, hkv=2, dv=6, recompute=True),
+        _case(8, "random", 2, window=4, sinks=True, hq=4, hkv=2, softcap=0.7),  # Gemma 2's soft-cap, per stage
+        _case(9, "zigzag", 3, softcap=1.5, recompute=True),
     ]
     faults = [dict(c, fault=f) for c, f, _ in _FAULT_CASES]
     results = run_distributed(_run_cases, 2, cases + faults, timeout=120)

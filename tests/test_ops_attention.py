@@ -24,15 +24,18 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 
 
 # ------------------------------------------------------------------ oracle
-def sample_attention(q, k, v, scale, *, window=None, sinks=None):
+def sample_attention(q, k, v, scale, *, window=None, sinks=None, softcap=None):
     """Plain causal attention of ONE sample: q [L,Hq,D], k [L,Hkv,D], v [L,Hkv,Dv] -> (o, lse).
 
-    The window is measured in the sample's own token index (position 0 at its first token).
+    The window is measured in the sample's own token index (position 0 at its first token); ``softcap``
+    c: scores ``c tanh(s / c)`` (as transformers' Gemma 2 caps its attention logits).
     """
     L, hq, _ = q.shape
     g = hq // k.shape[1]
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     i = torch.arange(L)
     allowed = i[None, :] <= i[:, None]
     if window is not None:
@@ -68,6 +71,7 @@ def check_against_oracle(layout, samples, *, hq=4, hkv=2, d=8, dv=6, window=None
     cot = [(torch.randn(len(r), hq, dv, dtype=dtype, generator=gen), torch.randn(len(r), hq, dtype=dtype, generator=gen))
            for r in samples]
 
+    softcap = kw.get("softcap")
     o, lse = tree_attention(q, k, v, layout, softmax_scale=scale, window=window, sinks=sinks, return_lse=True,
                             backend="torch", **kw)
     assert o.shape == (n, hq, dv) and lse.shape == (n, hq)
@@ -75,7 +79,7 @@ def check_against_oracle(layout, samples, *, hq=4, hkv=2, d=8, dv=6, window=None
     loss_tree = 0
     loss_ref = 0
     for rows, (go, gl) in zip(samples, cot):
-        ro, rl = sample_attention(q[rows], k[rows], v[rows], eff_scale, window=window, sinks=sinks)
+        ro, rl = sample_attention(q[rows], k[rows], v[rows], eff_scale, window=window, sinks=sinks, softcap=softcap)
         torch.testing.assert_close(o[rows], ro, **tol)
         torch.testing.assert_close(lse[rows], rl, **tol)
         loss_tree = loss_tree + (o[rows] * go).sum() + (lse[rows] * gl).sum()
@@ -105,6 +109,19 @@ def test_block_sizes_and_scale(block_size):
 def test_window_matches_per_sample(seed, window):
     layout, samples = random_forest(seed)
     check_against_oracle(layout, samples, window=window, with_sinks=seed % 2 == 0, seed=seed, block_size=4)
+
+
+@pytest.mark.parametrize("seed,window,cap", [(0, None, 0.5), (1, 3, 1.0), (2, None, 2.0)])
+def test_softcap_matches_per_sample(seed, window, cap):
+    """Gemma 2's attention logit soft-cap: forward and gradients (through the cap's 1 - tanh^2) equal
+    per-sample attention on capped scores; a small cap changes the result (scores of q, k ~ N(0, 1) at
+    d = 8 reach several units)."""
+    layout, samples = random_forest(seed)
+    o, _ = check_against_oracle(layout, samples, window=window, with_sinks=seed == 1, seed=seed, block_size=4,
+                                softcap=cap)
+    q, k, v = make_qkv(layout.num_rows, 4, 2, 8, 6, seed)
+    plain = tree_attention(q, k, v, layout, window=window, backend="torch")
+    assert float((plain - o).abs().max()) > 1e-2
 
 
 def test_window_never_leaks_sibling():

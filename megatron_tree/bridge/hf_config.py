@@ -68,8 +68,6 @@ _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 _GPT_OSS_YARN = {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 #: model types built with a layer the tree does not have yet: why
 _NOT_BUILT = {
-    "gemma2": "Gemma 2's attention logit soft-cap and its per-layer local / global attention (an integer window) "
-              "are not built on the tree yet",
     "gemma3": "Gemma 3's vision-language model (Gemma3ForConditionalGeneration: a vision tower and its image-token "
               "attention bias) is not built on the tree yet; its text model (gemma3_text) is",
     "falcon_h1": "Falcon-H1's parallel attention + Mamba-2 layers (the Bridge's own FalconH1Model) are not built "
@@ -98,6 +96,11 @@ def checkpoint_refusals(path: str, config=None) -> list:
                    "these values, so the model would use other positions than the checkpoint's")
     if kind == "gemma3_text":
         out += [f"{where}: {why}" for why in _gemma3_text_refusals(cfg)]
+    if kind == "gemma2":
+        n = int(cfg.get("num_hidden_layers", 0))
+        built = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        if cfg.get("layer_types") is not None and list(cfg["layer_types"]) != built:
+            out.append(f"{where}: layer_types={cfg['layer_types']} (megatron-bridge builds {built}: odd layers local)")
     yarn = _differs(rope, _GPT_OSS_YARN) if kind == "gpt_oss" and kind_of_rope == "yarn" else []
     if yarn:
         out.append(f"{where}: YaRN with {', '.join(yarn)}: megatron-bridge's gpt-oss bridge sets gpt-oss's "

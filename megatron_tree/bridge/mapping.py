@@ -17,7 +17,8 @@ _STATIC = {"TreeDotProductAttention": "column", "TreeGatedDeltaNet": "column",
            # the local DSA indexer's weights projection (TE specs use a duplicated TELinear): every TP rank holds it whole
            "DuplicatedLinear": "replicated",
            # the local twin of the Bridge's TERowParallelLinearLayerNorm (`local_twins`), and Gemma 3's tree core
-           "RowParallelLinearLayerNorm": "row", "TreeGemma3DotProductAttention": "replicated"}
+           "RowParallelLinearLayerNorm": "row", "TreeGemma3DotProductAttention": "replicated",
+           "TreeGemma2DotProductAttention": "replicated"}
 
 
 def _tree_classes() -> list:

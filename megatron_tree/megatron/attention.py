@@ -76,6 +76,7 @@ class TreeDotProductAttention(MegatronModule):
         # inside the softmax: the net scale is unchanged, so it is ignored here.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.window = self.layer_window(config, layer_number)
+        self.softcap = None  # attention logit soft-cap c (c tanh(s / c)): a family core sets it (`family_cores`)
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type == "vanilla":
             self.softmax_offset = None
@@ -122,7 +123,7 @@ class TreeDotProductAttention(MegatronModule):
         if s != layout.num_rows:
             raise ValueError(f"sequence length {s} != tree layout rows {layout.num_rows}")
         out = tree_attention(query[:, 0], key[:, 0], value[:, 0], layout, softmax_scale=self.softmax_scale,
-                             window=self.window, sinks=sinks, backend=self.backend)
+                             window=self.window, sinks=sinks, backend=self.backend, softcap=self.softcap)
         return out.reshape(s, 1, -1)
 
     def _forward_carry(self, query, key, value, psp, sinks):
@@ -134,7 +135,8 @@ class TreeDotProductAttention(MegatronModule):
         if s != len(view.own):
             raise ValueError(f"carry: the input covers {s} rows but the microbatch owns {len(view.own)}")
         out = carried_attention(query[:, 0], key[:, 0], value[:, 0], psp.layout, view, ("attention", self.layer_number),
-                                softmax_scale=self.softmax_scale, window=self.window, sinks=sinks, backend=self.backend)
+                                softmax_scale=self.softmax_scale, window=self.window, sinks=sinks, backend=self.backend,
+                                softcap=self.softcap)
         return out.reshape(s, 1, -1)
 
     def _forward_cp(self, query, key, value, psp, sinks):
@@ -153,11 +155,11 @@ class TreeDotProductAttention(MegatronModule):
 
             out = carried_attention_cp(query[:n, 0], key[:n, 0], value[:n, 0], psp.carry,
                                        ("attention", self.layer_number), softmax_scale=self.softmax_scale,
-                                       window=self.window, sinks=sinks, backend=self.backend)
+                                       window=self.window, sinks=sinks, backend=self.backend, softcap=self.softcap)
         else:
             out = tree_attention_cp(query[:n, 0], key[:n, 0], value[:n, 0], plan, self.pg_collection.cp,
                                     softmax_scale=self.softmax_scale, window=self.window, sinks=sinks,
-                                    backend=self.backend)
+                                    backend=self.backend, softcap=self.softcap)
         out = out.reshape(n, 1, out.shape[1] * out.shape[2])  # n may be 0: a rank that owns nothing
         if s > n:
             out = torch.cat([out, out.new_zeros(s - n, 1, out.shape[-1])])

@@ -5,6 +5,8 @@ family's layer spec. `treeify_spec` replaces such a class by its tree counterpar
 keyed by the stock class's name, so nothing here imports the Bridge) and refuses a custom core
 attention it does not know: replacing it with plain tree attention would drop what it does.
 
+* ``Gemma2DotProductAttention`` / ``Gemma2FlexDotProductAttention`` (Gemma 2): local (a ``(left, 0)`` window)
+  on odd layers, global on even ones, scale ``1 / sqrt(query_pre_attn_scalar)``, attention logit soft-cap.
 * ``Gemma3TEDotProductAttention`` (Gemma 3): layer ``n`` (1-based) attends globally when
   ``n % sum(config.interleaved_attn_pattern) == 0`` and within an integer ``config.window_size`` of
   positions otherwise (``q - k < window_size``, as the Bridge's ``(window_size - 1, 0)``). Its vision-language
@@ -12,11 +14,12 @@ attention it does not know: replacing it with plain tree attention would drop wh
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from .attention import TreeDotProductAttention
 
-__all__ = ["TreeGemma3DotProductAttention", "TREE_CORES", "tree_core_for", "stand_in_name", "is_stand_in"]
+__all__ = ["TreeGemma2DotProductAttention", "TreeGemma3DotProductAttention", "TREE_CORES", "tree_core_for", "stand_in_name", "is_stand_in"]
 
 
 class TreeGemma3DotProductAttention(TreeDotProductAttention):
@@ -32,9 +35,31 @@ class TreeGemma3DotProductAttention(TreeDotProductAttention):
         return int(config.window_size)
 
 
+class TreeGemma2DotProductAttention(TreeDotProductAttention):
+    """Gemma 2's core attention on a tree (the Bridge's ``Gemma2DotProductAttention`` and its FlexAttention
+    twin): odd layers (1-based) attend within ``config.window_size = (left, 0)`` of depth, even ones
+    globally; scores scaled by ``1 / sqrt(config.query_pre_attn_scalar)`` whatever ``softmax_scale`` says
+    (as the Bridge's class), then soft-capped, ``c tanh(s / c)`` with ``c = config.attn_logit_softcapping``."""
+
+    def __init__(self, config, layer_number: int, *args, softmax_scale=None, **kwargs):
+        scale = 1.0 / math.sqrt(config.query_pre_attn_scalar)
+        super().__init__(config, layer_number, *args, softmax_scale=scale, **kwargs)
+        self.softcap = float(config.attn_logit_softcapping) if getattr(config, "attn_logit_softcapping", None) else None
+
+    def layer_window(self, config, layer_number: int) -> Optional[int]:
+        if max(1, layer_number) % 2 == 0 or not config.window_size:
+            return None
+        left, right = config.window_size
+        if right not in (0, -1) or left < 0:
+            raise ValueError(f"tree attention is causal: window_size must be (left >= 0, 0), got {config.window_size}")
+        return left + 1
+
+
 #: stock core-attention class name -> its tree class
 TREE_CORES = {"DotProductAttention": TreeDotProductAttention, "TEDotProductAttention": TreeDotProductAttention,
-              "Gemma3TEDotProductAttention": TreeGemma3DotProductAttention}
+              "Gemma3TEDotProductAttention": TreeGemma3DotProductAttention,
+              "Gemma2DotProductAttention": TreeGemma2DotProductAttention,
+              "Gemma2FlexDotProductAttention": TreeGemma2DotProductAttention}
 
 
 def tree_core_for(core_cls) -> type:

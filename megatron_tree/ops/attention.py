@@ -164,10 +164,11 @@ def _from_blocks(xb: torch.Tensor, n: int, groups: int) -> torch.Tensor:
     return xb.reshape(hkv, nb, groups, block, d).permute(1, 3, 0, 2, 4).reshape(nb * block, hkv * groups, d)[:n]
 
 
-def _forward_blocks(qh, kh, vh, plan: _Plan, groups: int):
+def _forward_blocks(qh, kh, vh, plan: _Plan, groups: int, softcap: float | None = None):
     """Online-softmax forward over the plan's batches.
 
-    qh [Hkv,nbq,G*bq,D] (already scaled), kh [Hkv,nbk,bk,D], vh [Hkv,nbk,bk,Dv].
+    qh [Hkv,nbq,G*bq,D] (already scaled), kh [Hkv,nbk,bk,D], vh [Hkv,nbk,bk,Dv]; ``softcap`` c: scores
+    ``c tanh(s / c)`` (Gemma 2's attention logit soft-cap) before the softmax.
     Returns o [Hkv,nbq,G*bq,Dv] and lse [Hkv,nbq,G*bq] (-inf where no key is visible, o = 0 there).
     """
     hkv, nbq, gb, d = qh.shape
@@ -178,6 +179,8 @@ def _forward_blocks(qh, kh, vh, plan: _Plan, groups: int):
     for kb, lo, hi, masked in plan.batches:
         n = hi - lo
         s = torch.matmul(qh[:, lo:hi].reshape(hkv, n * gb, d), kh[:, kb].transpose(-1, -2))  # [Hkv,n*G*bq,bk]
+        if softcap:
+            s = torch.tanh(s.div_(softcap)).mul_(softcap)
         _apply_masks(s, plan, kb, lo, masked, groups)
         mp = s.amax(-1)  # -inf for a row that sees no key of this batch (masked batches only)
         shift = torch.where(mp == -math.inf, 0.0, mp) if masked else mp
@@ -202,7 +205,7 @@ def _forward_blocks(qh, kh, vh, plan: _Plan, groups: int):
     return acc.div_(den1.unsqueeze(-1)), torch.where(pos, m + torch.log(den1), -math.inf)
 
 
-def _backward_blocks(qh, kh, vh, oh, lse, doh, dlse, plan: _Plan, groups: int):
+def _backward_blocks(qh, kh, vh, oh, lse, doh, dlse, plan: _Plan, groups: int, softcap: float | None = None):
     """Recompute-based backward. Returns dqh (w.r.t. the scaled q), dkh, dvh in block layout."""
     hkv, _, gb, d = qh.shape
     dv = vh.shape[-1]
@@ -224,12 +227,18 @@ def _backward_blocks(qh, kh, vh, oh, lse, doh, dlse, plan: _Plan, groups: int):
         qs = qh[:, lo:hi].reshape(hkv, n * gb, d)
         dos = doh[:, lo:hi].reshape(hkv, n * gb, dv)
         kt = kh[:, kb]
-        s = torch.baddbmm(neg_lse[:, lo:hi].reshape(hkv, n * gb, 1), qs, kt.transpose(-1, -2))
+        if softcap:  # P from the capped scores; dS then goes through the cap's derivative 1 - tanh^2
+            t = torch.tanh(torch.matmul(qs, kt.transpose(-1, -2)).div_(softcap))
+            s = (t * softcap).add_(neg_lse[:, lo:hi].reshape(hkv, n * gb, 1))
+        else:
+            s = torch.baddbmm(neg_lse[:, lo:hi].reshape(hkv, n * gb, 1), qs, kt.transpose(-1, -2))
         _apply_masks(s, plan, kb, lo, masked, groups)
         s.exp_()  # probabilities P
         dvv[kb].baddbmm_(s.transpose(-1, -2), dos)
         ds = torch.baddbmm(neg_delta[:, lo:hi].reshape(hkv, n * gb, 1), dos, vh[:, kb].transpose(-1, -2))
         ds.mul_(s)
+        if softcap:
+            ds.mul_(1 - t * t)
         dq[:, lo:hi].view(hkv, n * gb, d).baddbmm_(ds, kt)
         dk[kb].baddbmm_(ds.transpose(-1, -2), qs)
     dk, dvv = dk.transpose(0, 1), dvv.transpose(0, 1)
@@ -240,16 +249,16 @@ class _TreeAttentionFn(torch.autograd.Function):
     """(q, k, v) -> (o, lse) for sorted query rows; saves only q, k, v, o, lse (block layout)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: _Plan, scale: float):
+    def forward(ctx, q, k, v, plan: _Plan, scale: float, softcap: float | None = None):
         ctx.set_materialize_grads(False)  # an unused o or lse costs nothing in backward
         groups = q.shape[1] // k.shape[1]
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         qh = _to_blocks(q.to(cdt) * scale, plan.block_q, groups)
         kh = _to_blocks(k.to(cdt), plan.block_k, 1)
         vh = _to_blocks(v.to(cdt), plan.block_k, 1)
-        oh, lse = _forward_blocks(qh, kh, vh, plan, groups)
+        oh, lse = _forward_blocks(qh, kh, vh, plan, groups, softcap)
         ctx.save_for_backward(qh, kh, vh, oh, lse)
-        ctx.plan, ctx.scale, ctx.groups = plan, scale, groups
+        ctx.plan, ctx.scale, ctx.groups, ctx.softcap = plan, scale, groups, softcap
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         o = _from_blocks(oh, plan.num_q, groups).to(q.dtype)
         lse_out = _from_blocks(lse.unsqueeze(-1), plan.num_q, groups).squeeze(-1)
@@ -260,25 +269,26 @@ class _TreeAttentionFn(torch.autograd.Function):
         qh, kh, vh, oh, lse = ctx.saved_tensors
         plan, groups = ctx.plan, ctx.groups
         if do is None and dlse is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         cdt = qh.dtype
         if do is None:
             doh = oh.new_zeros(oh.shape)
         else:
             doh = _to_blocks(do.to(cdt), plan.block_q, groups)
         dlse_h = None if dlse is None else _to_blocks(dlse.to(cdt).unsqueeze(-1), plan.block_q, groups).squeeze(-1)
-        dqh, dkh, dvh = _backward_blocks(qh, kh, vh, oh, lse, doh, dlse_h, plan, groups)
+        dqh, dkh, dvh = _backward_blocks(qh, kh, vh, oh, lse, doh, dlse_h, plan, groups, ctx.softcap)
         dq = (_from_blocks(dqh, plan.num_q, groups) * ctx.scale).to(ctx.dtypes[0])
         dk = _from_blocks(dkh, plan.num_k, 1).to(ctx.dtypes[1])
         dv = _from_blocks(dvh, plan.num_k, 1).to(ctx.dtypes[2])
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def _torch_partial(q, k, v, q_rows, k_rows, k_vis, q_pos, k_pos, scale, window, block_size, batch_elems):
+def _torch_partial(q, k, v, q_rows, k_rows, k_vis, q_pos, k_pos, scale, window, block_size, batch_elems,
+                   softcap=None):
     tile = q.shape[1] * block_size * block_size
     plan = _make_plan(q_rows, k_rows, k_vis, q_pos, k_pos, window, block_size, block_size,
                       max(1, batch_elems // tile))
-    return _TreeAttentionFn.apply(q, k, v, plan, scale)
+    return _TreeAttentionFn.apply(q, k, v, plan, scale, softcap)
 
 
 # ====================================================================== public API
@@ -295,7 +305,8 @@ def tree_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
                            k_rows: torch.Tensor, k_visible_until: torch.Tensor, *,
                            q_positions: torch.Tensor | None = None, k_positions: torch.Tensor | None = None,
                            softmax_scale: float | None = None, window: int | None = None, backend: str = "auto",
-                           block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           block_size: int | None = None, softcap: float | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a query set against one key set (one stage of a staged/CP computation).
 
     q [Nq,Hq,D] with global row ids q_rows [Nq]; k [Nk,Hkv,D], v [Nk,Hkv,Dv] with global row ids
@@ -308,6 +319,8 @@ def tree_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     natural-log normaliser (float32, float64 for float64 inputs), -inf with o = 0 for a query that
     sees no key here. Both are differentiable (gradients flow through lse too), so stages over
     disjoint key sets combine exactly with ``merge_attention`` (then ``apply_sinks`` once).
+    ``softcap`` c: attention logits ``c tanh(s / c)`` of the scaled scores (Gemma 2), the torch backend
+    only ("auto" takes it; "flex" is refused).
     """
     _check_qkv(q, k, v)
     if q_rows.shape != (q.shape[0],) or k_rows.shape != (k.shape[0],) or k_visible_until.shape != k_rows.shape:
@@ -324,6 +337,10 @@ def tree_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         name = "torch"  # the flex kernels target 16/32-bit floats; float64 takes the exact reference
     if name == "flex" and (q.shape[0] == 0 or k.shape[0] == 0):
         name = "torch"  # nothing to compute; the torch path returns o = 0, lse = -inf, zero grads
+    if softcap is not None and name != "torch":
+        if backend != "auto":
+            raise ValueError(f"softcap (an attention logit soft-cap) runs on the torch backend only, not {name!r}")
+        name = "torch"
     dev = q.device
     q_rows, k_rows, k_visible_until = q_rows.to(dev), k_rows.to(dev), k_visible_until.to(dev)
     if window is not None:
@@ -353,7 +370,7 @@ def tree_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     else:
         o, lse = _torch_partial(q, k, v, q_rows, k_rows, k_visible_until, q_positions, k_positions, scale, window,
                                 int(block_size or DEFAULT_BLOCK_SIZE),
-                                DEFAULT_BATCH_ELEMENTS_CUDA if q.is_cuda else DEFAULT_BATCH_ELEMENTS)
+                                DEFAULT_BATCH_ELEMENTS_CUDA if q.is_cuda else DEFAULT_BATCH_ELEMENTS, softcap)
     if q_perm is not None:
         inv = torch.empty_like(q_perm)
         inv[q_perm] = torch.arange(q_perm.shape[0], device=dev)
@@ -363,7 +380,8 @@ def tree_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeLayout, *,
                    softmax_scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
-                   return_lse: bool = False, backend: str = "auto", block_size: int | None = None):
+                   return_lse: bool = False, backend: str = "auto", block_size: int | None = None,
+                   softcap: float | None = None):
     """Softmax attention over a packed prefix forest.
 
     q [N,Hq,D], k [N,Hkv,D], v [N,Hkv,Dv] token-major (N = ``layout.num_rows``); Hq a multiple of
@@ -377,6 +395,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Tr
     inputs, including the sink term) when ``return_lse``. ``backend``: "torch" (any device, exact
     reference, O(N) memory), "flex" (CUDA FlexAttention), or "auto" (flex for CUDA 16/32-bit
     inputs when available, else torch). ``block_size`` sets the torch backend's tile size.
+    ``softcap`` c: attention logits ``c tanh(s / c)`` (Gemma 2's soft-cap; torch backend).
     """
     _check_qkv(q, k, v)
     n = layout.num_rows
@@ -387,7 +406,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Tr
     pos = layout.position_ids if window is not None else None
     o, lse = tree_attention_partial(q, k, v, rows, rows, layout.visible_until, q_positions=pos, k_positions=pos,
                                     softmax_scale=softmax_scale, window=window, backend=backend,
-                                    block_size=block_size)
+                                    block_size=block_size, softcap=softcap)
     if sinks is not None:
         o, lse = apply_sinks(o, lse, sinks)
     return (o, lse) if return_lse else o

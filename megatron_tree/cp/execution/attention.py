@@ -76,6 +76,7 @@ class _Cfg:
     build_graph: bool  # grad mode was on and an input requires grad
     fault: str | None
     sinks: torch.Tensor | None  # only for the "sinks_per_stage" fault
+    softcap: float | None = None  # attention logit soft-cap (Gemma 2), elementwise: exact per stage
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -100,7 +101,7 @@ def _run_stage(q, k, v, k_rows, k_vis, k_pos, idx: dict, cfg: _Cfg, with_graph: 
         o, lse = tree_attention_partial(
             q, k, v, idx["owned"], k_rows, k_vis,
             q_positions=idx["owned_position_ids"] if pos else None, k_positions=k_pos if pos else None,
-            softmax_scale=cfg.scale, window=cfg.window, backend=cfg.backend)
+            softmax_scale=cfg.scale, window=cfg.window, backend=cfg.backend, softcap=cfg.softcap)
     return _Stage((q, k, v) if with_graph else None, o, lse)
 
 
@@ -128,7 +129,7 @@ def _remote_stage(block, idx, cfg, w, hkv, d, dv, q, with_graph) -> _Stage:
         o, lse = tree_attention_partial(
             q, k, v, idx["owned"], wi["rows"], wi["visible_until"],
             q_positions=idx["owned_position_ids"] if pos else None, k_positions=wi["position_ids"] if pos else None,
-            softmax_scale=cfg.scale, window=cfg.window, backend=cfg.backend)
+            softmax_scale=cfg.scale, window=cfg.window, backend=cfg.backend, softcap=cfg.softcap)
     return _Stage((q, block) if with_graph else None, o, lse)
 
 
@@ -286,7 +287,7 @@ class _CPAttentionFn(torch.autograd.Function):
 def tree_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPPlan, group=None, *,
                       softmax_scale: float | None = None, window: int | None = None,
                       sinks: torch.Tensor | None = None, return_lse: bool = False, recompute: bool = False,
-                      backend: str = "auto"):
+                      backend: str = "auto", softcap: float | None = None):
     """Tree attention of this rank's owned rows over the CP ``group`` under ``plan`` (autograd).
 
     q [n_local,Hq,D], k [n_local,Hkv,D], v [n_local,Hkv,Dv]: the rows ``plan.owner_rows(rank)``
@@ -297,8 +298,8 @@ def tree_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: C
     inputs, including the sinks). ``softmax_scale`` defaults to D**-0.5; ``window`` is the sliding
     window on depth; ``sinks`` [Hq] learned sink logits, applied once after the merge (each rank's
     sinks gradient covers its own queries: reduce it over the CP group like any replicated
-    parameter). ``recompute``: bounded remote-KV memory (see the module docstring). ``backend`` is
-    passed to ``ops.tree_attention_partial``.
+    parameter). ``recompute``: bounded remote-KV memory (see the module docstring). ``backend`` and
+    ``softcap`` (an attention logit soft-cap) are passed to ``ops.tree_attention_partial``.
 
     Every rank of the group must call this with the same plan, window and shapes apart from
     n_local, and must backpropagate through its output whenever any rank does (the backward runs
@@ -328,7 +329,7 @@ def tree_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: C
     fault = _FAULT
     cfg = _Cfg(sched=sched, group=group, scale=scale, window=sched.window, backend=backend,
                recompute=bool(recompute), build_graph=build, fault=fault,
-               sinks=sinks if fault == "sinks_per_stage" else None)
+               sinks=sinks if fault == "sinks_per_stage" else None, softcap=softcap)
     o, lse = _CPAttentionFn.apply(q, k, v, cfg)
     if sinks is not None and fault != "sinks_per_stage":
         o, lse = apply_sinks(o, lse, sinks)  # once, after every stage is merged

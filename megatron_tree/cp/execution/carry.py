@@ -369,13 +369,13 @@ class CarryView:
 
 
 def carried_attention(q, k, v, layout, view: CarryView, key, *, softmax_scale, window=None, sinks=None,
-                      backend: str = "auto") -> torch.Tensor:
+                      backend: str = "auto", softcap=None) -> torch.Tensor:
     """Tree attention of the own rows ``q, k, v`` ([n, H, D], rows ``view.own``) over own and carried
     keys. Returns [n, Hq, Dv], equal to whole-tree attention at those rows."""
     k, v = view.state(key, [k, v])
     own = view.own
     vis, pos = layout.visible_until, layout.position_ids
-    kw = dict(softmax_scale=softmax_scale, window=window, backend=backend)
+    kw = dict(softmax_scale=softmax_scale, window=window, backend=backend, softcap=softcap)
     if window is not None:
         kw.update(q_positions=pos[own])
     o, lse = tree_attention_partial(q, k, v, own, own, vis[own], k_positions=pos[own] if window else None, **kw)
@@ -415,7 +415,7 @@ def carry_cp_rows(view: CarryView):
 
 
 def carried_attention_cp(q, k, v, view: CarryView, key, *, softmax_scale, window=None, sinks=None,
-                         backend: str = "auto") -> torch.Tensor:
+                         backend: str = "auto", softcap=None) -> torch.Tensor:
     """`carried_attention` under tree CP: ``q, k, v`` [n, H, D] are this CP rank's own rows
     (``view.own``). The CP plan covers the whole layout, carried rows too: the carried rows it gives
     this rank enter `tree_attention_cp` with their stored K / V (leaves whose gradient, returned to
@@ -435,7 +435,7 @@ def carried_attention_cp(q, k, v, view: CarryView, key, *, softmax_scale, window
         at_carried = at_carried.to(dev)
         kf, vf = kf.index_copy(0, at_carried, kc.to(k.dtype)), vf.index_copy(0, at_carried, vc.to(v.dtype))
     out = tree_attention_cp(qf, kf, vf, cp.plan, cp.group, softmax_scale=softmax_scale, window=window, sinks=sinks,
-                            backend=backend)
+                            backend=backend, softcap=softcap)
     return out[at_own]
 
 

@@ -171,6 +171,7 @@ def cmd_verify(args) -> int:
     cfg.balancing = moe_balancing_fields(args)
     cfg.steps, cfg.optimizer = args.steps, args.optimizer
     cfg.seq_aux_per_sample = args.tree_seq_aux_per_sample
+    cfg.loss_agg, cfg.loss_agg_norm = args.loss_agg, args.loss_agg_norm
     out = run_verify(cfg)
     print(format_report(cfg, out))
     return 0 if out["passed"] else 1
@@ -192,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .data.synthetic import PRESETS
     from .training.arguments import add_moe_balancing_args, add_seq_aux_per_sample_arg
     from .training.verify import ALL_FAULTS as FAULTS
+    from .tree.loss_agg import LOSS_AGGS
 
     p = argparse.ArgumentParser(prog="megatron-tree", description="Prefix-tree training for Megatron-Core")
     sub = p.add_subparsers(dest="command", required=True)
@@ -231,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "passes iff the tree side's error against per-sample float64 training is at most 1.5x "
                          "that of flat-packed bf16 training (plus --tolerance, default 2^-16)")
     vf.add_argument("--loss", choices=["sft", "grpo", "ppo"], default="sft")
+    vf.add_argument("--loss-agg", choices=LOSS_AGGS, default="token-mean",
+                    help="the step's loss aggregation (as train --loss-agg): each sample's exact factor over the "
+                         "whole batch on both sides; fault loss_agg_per_microbatch takes it per microbatch instead")
+    vf.add_argument("--loss-agg-norm", type=float, default=None, metavar="L",
+                    help="seq-mean-token-sum-norm's constant length (default: the batch's longest sample)")
     vf.add_argument("--window", type=int, default=None, help="sliding-window attention (left context)")
     vf.add_argument("--sinks", action="store_true", help="learned attention sinks")
     vf.add_argument("--families", type=int, default=6, help="number of sample families in the random batch")

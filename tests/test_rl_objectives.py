@@ -64,7 +64,7 @@ def _objective(name, rows, adv, old, ref):
             out.append(-torch.nn.functional.logsigmoid(BETA * h) if name == "dpo" else (h - 1 / (2 * BETA)) ** 2)
         return torch.stack(out).mean()
     kind, agg = name.split(":")
-    per_rollout, tok_terms = [], []
+    per_rollout = []
     for i, (pos, lp, ent) in enumerate(rows):
         o, rf, a = torch.tensor(old[i])[pos], torch.tensor(ref[i])[pos], float(adv[i])
         d = rf - lp

@@ -77,7 +77,10 @@ REPLAY_FAULTS = ("route_row_shift", "route_recompute_stale")
 CARRY_FAULTS = ("carry_detach", "carry_stale", "carry_twice")
 # faults of MoE balancing runs (balancing set): every row weighs 1 in the routers' statistics
 BALANCE_FAULTS = ("multiplicity_ones",)
-ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS
+# faults of runs with a loss aggregation other than token-mean: the tree side's per-sample factors computed
+# over each microbatch's samples instead of the whole step's (a sequence-level normaliser taken locally)
+LOSS_AGG_FAULTS = ("loss_agg_per_microbatch",)
+ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS + LOSS_AGG_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS
 # faults of MTP runs (mtp_num_layers >= 1), planted in megatron.mtp for the tree side (`verify_mtp`)
@@ -154,6 +157,10 @@ class VerifyConfig:
     optimizer: Optional[str] = None
     # seq_aux_loss per sample (DeepSeek-V3's definition, `moe_balance.set_seq_aux_per_sample`) on both sides
     seq_aux_per_sample: bool = False
+    # the step's loss aggregation (`tree.loss_agg`): both sides weigh each sample's occurrences by its factor
+    # over the whole batch, as the data pipeline does for `train --loss-agg`
+    loss_agg: str = "token-mean"
+    loss_agg_norm: Optional[float] = None
 
     def balancing_on(self) -> bool:
         from types import SimpleNamespace
@@ -235,8 +242,8 @@ def inject_fault(mb, fault: Optional[str]):
         fields = {f.name: (None if getattr(lm, f.name) is None else getattr(lm, f.name)[idx])
                   for f in dataclasses.fields(lm)}
         return dataclasses.replace(mb, loss_map=type(lm)(**fields))
-    if fault == "nan" or fault in MODEL_FAULTS:
-        return mb  # planted after the backward pass (`_plant_nan`), not in the tree metadata
+    if fault == "nan" or fault in MODEL_FAULTS or fault in LOSS_AGG_FAULTS:
+        return mb  # planted after the backward pass (`_plant_nan`) / in the loss weights, not the tree metadata
     if fault == "zero_state":
         child = torch.nonzero(par >= 0).flatten()
         if len(child):
@@ -245,6 +252,21 @@ def inject_fault(mb, fault: Optional[str]):
             return dataclasses.replace(mb, layout=dataclasses.replace(L, segment_parent=p))
         return mb
     raise ValueError(f"unknown fault {fault!r}; choose one of {FAULTS}")
+
+
+def _agg_per_microbatch(mb, samples: list, cfg) -> "object":
+    """The planted ``loss_agg_per_microbatch`` fault: ``mb``'s occurrence weights rescaled from each sample's
+    factor over the whole batch to its factor over ``mb``'s own samples."""
+    from ..tree.loss_agg import loss_agg_factors
+
+    counts = np.array([int(s.target_mask().sum()) for s in samples])
+    whole = loss_agg_factors(counts, cfg.loss_agg, cfg.loss_agg_norm)
+    ids = list(mb.sample_ids)
+    local = dict(zip(ids, loss_agg_factors(counts[ids], cfg.loss_agg, cfg.loss_agg_norm).tolist()))
+    lm = mb.loss_map
+    ratio = torch.tensor([local[i] / whole[i] if whole[i] else 0.0 for i in lm.sample_index.tolist()],
+                         dtype=lm.weights.dtype)
+    return dataclasses.replace(mb, loss_map=dataclasses.replace(lm, weights=lm.weights * ratio))
 
 
 def plant_model_fault(model, fault: Optional[str]) -> None:
@@ -674,7 +696,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         # step). Verify leaves it off to stay exact; tests/test_model_families.py checks the gate against
         # stock GPTModel per sample.
         margs.extra["attention_output_gate"] = False
-    samples = verify_samples(cfg.seed, margs.vocab_size, cfg.families)
+    from ..tree.loss_agg import with_loss_agg
+
+    samples = with_loss_agg(verify_samples(cfg.seed, margs.vocab_size, cfg.families), cfg.loss_agg,
+                            cfg.loss_agg_norm)
     route_shape = None
     if cfg.routing_replay:
         margs.extra["moe_enable_routing_replay"] = True
@@ -702,6 +727,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     if not mine:
         raise ValueError(f"only {len(mbs)} microbatches for {dp} DP ranks: raise --families")
     tree_mbs = [inject_fault(mb, cfg.fault) for mb in mine]
+    if cfg.fault == "loss_agg_per_microbatch":
+        tree_mbs = [_agg_per_microbatch(mb, samples, cfg) for mb in tree_mbs]
     pad = cfg.tp if cfg.sp else 1  # sequence parallelism splits rows evenly over TP ranks
     # the per-sample side is stock MTP at CP 1 (it rolls token 0 in itself), the tree MTP code under CP
     # carry: a sample may be longer than the budget; the per-sample side runs it whole
@@ -1128,6 +1155,9 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.fault in DSA_FAULTS and cfg.model != "dsa":
             raise ValueError(f"fault {cfg.fault} plants a bug in DeepSeek sparse attention: it needs model='dsa' "
                              "(--model dsa)")
+        if cfg.fault in LOSS_AGG_FAULTS and cfg.loss_agg == "token-mean":
+            raise ValueError(f"fault {cfg.fault} plants a bug in a loss aggregation's per-sample factors: it needs "
+                             "--loss-agg other than token-mean (whose factors are all 1)")
         if cfg.fault == "mla_rope_physical" and cfg.model != "mla":
             raise ValueError("fault mla_rope_physical plants a bug in Multi-Latent Attention: it needs model='mla'"
                              " (--model mla)")

@@ -140,6 +140,41 @@ def _run(name, oracle, *, rank, dp, budget, carry=False, fault=None, cp=1):
     return dict(ok=ok, err=err, ids=mbs.rollout_ids.tolist(), cut=cut)
 
 
+def _run_trainer(oracle, *, rank, carry: bool):
+    """The trainer's GSPO (`train --tree-loss gspo --loss-agg seq-mean-token-mean`): the data pipeline's exact
+    per-sample weights, `trainer._gspo_stats_pass`, then the graded pass with each sample's ratio, DP 2."""
+    from types import SimpleNamespace
+
+    from megatron_tree.megatron.carry import carry_items
+    from megatron_tree.tree import Sample, pack
+    from megatron_tree.tree.carry import assign_carry_groups
+    from megatron_tree.tree.loss_agg import with_loss_agg
+    from megatron_tree.training.models import forward_backward, wrap_ddp
+    from megatron_tree.training.trainer import _gspo_stats_pass
+
+    toks, masks, adv, old, ref = _rollouts_here()
+    samples = with_loss_agg([Sample(tokens=t, loss_mask=m, advantage=float(a), old_logprobs=o, ref_logprobs=r)
+                             for t, m, a, o, r in zip(toks, masks, adv, old, ref)], "seq-mean-token-mean")
+    if carry:
+        mbs = pack(samples, 8, pad_to_multiple_of=8, carry=True)
+        mine = [mbs[i] for i in assign_carry_groups(mbs, 2)[rank]]
+    else:
+        mine = pack(samples, 48, pad_to_multiple_of=8)[rank::2]
+    tree, cfg = _tree_model(1, oracle["state"])
+    ddp = wrap_ddp(tree, cfg)
+    ddp.zero_grad_buffer()
+    kw = dict(loss_type="gspo", clip_eps=CLIP, kl_coef=KL, entropy_coef=ENT, return_entropy=True)
+    items = carry_items(mine) if carry else mine
+    ratios = _gspo_stats_pass(ddp, SimpleNamespace(microbatches=mine), items,
+                              SimpleNamespace(tree_carry=carry), kw)
+    forward_backward(ddp, carry_items(mine) if carry else mine, sequence_ratios=ratios, **kw)
+    got = _grads(ddp)
+    name = "gspo:seq-mean-token-mean"
+    err = max(float((got[k] - g).abs().max() / max(float(g.abs().max()), 1e-30)) for k, g in oracle[name].items())
+    ok = all(torch.allclose(got[k], g, **GRAD) for k, g in oracle[name].items())
+    return dict(ok=ok, err=err, ids=sorted(i for mb in mine for i in mb.sample_ids), cut=0)
+
+
 def _body():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -160,6 +195,11 @@ def _body():
         try:
             res[key] = _run(name, oracle, rank=rank, **kw)
         except Exception:  # noqa: BLE001 - reported by the test of that run
+            res[key] = {"error": traceback.format_exc()}
+    for key, carry in (("trainer/gspo", False), ("trainer_carry/gspo", True)):
+        try:
+            res[key] = _run_trainer(oracle, rank=rank, carry=carry)
+        except Exception:  # noqa: BLE001
             res[key] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=2)
@@ -186,7 +226,7 @@ def _get(results, rank, key):
 
 @pytest.mark.parametrize("key", [f"dp2/{c}" for c in CASES] + [
     f"carry/{c}" for c in ("gspo:seq-mean-token-mean", "dpo", "simpo", "grpo:seq-mean-token-mean")] + [
-    "cp2/gspo:seq-mean-token-mean", "cp2/dpo"])
+    "cp2/gspo:seq-mean-token-mean", "cp2/dpo", "trainer/gspo", "trainer_carry/gspo"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_gradients_equal_stock_per_rollout(results, key, rank):
     r = _get(results, rank, key)

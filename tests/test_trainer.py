@@ -294,3 +294,31 @@ def test_dp2_hybrid_carry_at_a_small_budget_equals_whole_trees(tmp_path):
     # under CP the step metrics (and the step's log line, which reads them) hold the planner's predicted
     # imbalance with carry too: carry plans each item as it runs, and the metric reads those plans
     assert all(m["cp_predicted_imbalance"] >= 1.0 for m in cp_carry["history"] + cp_whole["history"])
+
+
+def _gspo_body(data):
+    """DP2 GPT, `train --tree-loss gspo --loss-agg seq-mean-token-mean`: tree packing, flat packing (every
+    sample its own chain: per-sample GSPO), and tree packing with --tree-carry at 16 rows (every sample cut)."""
+    from megatron_tree.training.trainer import train
+
+    common = ("--num-layers", "2", "--train-iters", "3", "--tree-loss", "gspo", "--tree-clip-eps", "0.2",
+              "--loss-agg", "seq-mean-token-mean")
+    return (train(_args(data, *common)), train(_args(data, *common, "--packing", "flat")),
+            train(_args(data, *common, "--tree-carry", "--tree-max-tokens-per-mb", "16")))
+
+
+def test_dp2_gspo_with_seq_mean_token_mean_equals_flat_training(tmp_path):
+    """GSPO in the trainer: each sample's sequence ratio from a forward-only stats pass over DP ranks, then the
+    graded pass, with the loss aggregation's per-sample weights: tree packing and carry equal flat packing
+    (per-sample training) step by step, and the loss moves."""
+    data = tmp_path / "d.jsonl"
+    _write_data(data, seed=5)
+    tree, flat, carry = run_distributed(_gspo_body, 2, data, timeout=600)[0]
+    th, fh, ch = tree["history"], flat["history"], carry["history"]
+    assert len(th) == len(fh) == len(ch) == 3
+    assert th[0]["loss"] != th[-1]["loss"]
+    for a, b, c in zip(th, fh, ch):
+        assert a["sample_ids"] == b["sample_ids"] == c["sample_ids"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-5) and c["loss"] == pytest.approx(b["loss"], rel=2e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
+        assert c["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)

@@ -178,7 +178,8 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, vocab_start: int = 0,
 
 
 def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_eps: float = 0.2,
-                   clip_eps_high=None, kl_coef: float = 0.0, entropy_coef: float = 0.0):
+                   clip_eps_high=None, kl_coef: float = 0.0, entropy_coef: float = 0.0, sequence_ratios=None,
+                   report_occurrences: bool = False):
     """Megatron ``loss_func`` body: returns ``(loss_sum, num_tokens, report)``.
 
     ``logprobs``: the model's output, ``[M]`` per-occurrence log-probs or ``(logprobs, entropy)``
@@ -191,6 +192,10 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
     denominator), so a positive coefficient raises the entropy and a negative one lowers it.
     ``report["entropy"]`` is ``[sum_e H_e, M]`` whenever the entropy is there (Megatron-LM logs the
     ratio, the mean entropy per target token).
+
+    ``loss_type="gspo"`` takes ``sequence_ratios`` (`tree.loss.SampleValues`: each sample's ratio from a stats
+    pass, `gspo_sequence_ratios`). ``report_occurrences``: ``report["occurrences"]`` holds every occurrence's
+    ``sample_index`` and ``logprobs - old_logprobs`` (what a stats pass reads; not a [sum, count] pair).
     """
     entropy = None
     if isinstance(logprobs, (tuple, list)):
@@ -198,9 +203,10 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
     if entropy_coef and entropy is None:
         raise ValueError("entropy_coef needs the per-occurrence entropy: run the model with "
                          "TreePackedSeqParams(return_entropy=True) (tree_forward_step(..., return_entropy=True))")
+    seq = None if sequence_ratios is None else sequence_ratios.at(loss_map.sample_index).to(logprobs.device)
     loss_sum, metrics = tree_loss(logprobs, loss_map, loss_type=loss_type, clip_eps=clip_eps,
                                   clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy=entropy,
-                                  entropy_coef=entropy_coef, reduction="sum")
+                                  entropy_coef=entropy_coef, reduction="sum", sequence_ratio=seq)
     num_tokens = torch.tensor(len(loss_map), dtype=torch.int, device=logprobs.device)
     acc = torch.float64 if loss_sum.dtype == torch.float64 else torch.float32
     report = {"lm loss": torch.stack([loss_sum.detach().clone().to(acc), num_tokens.to(acc)])}
@@ -209,4 +215,40 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
     for k, v in metrics.items():
         if k != "num_tokens":
             report[k] = torch.tensor([v * len(loss_map), float(len(loss_map))], device=logprobs.device)
+    if report_occurrences:
+        old = loss_map.old_logprobs
+        if old is None:
+            raise ValueError("a GSPO stats pass needs old_logprobs in the data (each sample's mean log-ratio)")
+        report["occurrences"] = {"sample_index": loss_map.sample_index.cpu(),
+                                 "log_ratio": (logprobs.detach() - old.to(logprobs)).double().cpu()}
     return loss_sum, num_tokens, report
+
+
+def gspo_sequence_ratios(reports: list, groups: list, src_group=None, src_rank: int = 0):
+    """GSPO's per-sample ratio ``exp(mean_t (logp_t - old_t))`` from a stats pass's reports (made with
+    ``report_occurrences``): this rank's occurrences, gathered over ``groups`` (the DP x CP group: each rank
+    holds part of the step's occurrences, a sample's possibly cut over microbatches and CP ranks), then sent
+    from the last pipeline stage over ``src_group`` (the PP group; only that stage has reports). Returns
+    `tree.loss.SampleValues` on every rank."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from ..tree.loss import SampleValues
+
+    occ = [r["occurrences"] for r in reports if "occurrences" in r]
+    sid = torch.cat([o["sample_index"] for o in occ]).numpy() if occ else np.zeros(0, np.int64)
+    val = torch.cat([o["log_ratio"] for o in occ]).numpy() if occ else np.zeros(0)
+    part = (sid, val)
+    for g in groups:
+        if g is not None and dist.get_world_size(g) > 1:
+            parts = [None] * dist.get_world_size(g)
+            dist.all_gather_object(parts, part, group=g)
+            part = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    if src_group is not None and dist.get_world_size(src_group) > 1:
+        box = [part]
+        dist.broadcast_object_list(box, src=src_rank, group=src_group)
+        part = box[0]
+    ids, inverse = np.unique(part[0], return_inverse=True)
+    sums = np.bincount(inverse, weights=part[1], minlength=len(ids))
+    counts = np.bincount(inverse, minlength=len(ids))
+    return SampleValues(ids, torch.as_tensor(np.exp(sums / np.maximum(counts, 1))))

@@ -131,21 +131,14 @@ def sequence_loss_fn(loss: str, microbatches, outputs, group, *, clip_eps=0.2, c
 
 
 def _gspo_fn(seq_ratio: torch.Tensor, clip_eps, clip_eps_high, kl_coef, entropy_coef):
+    from ..tree.loss import tree_loss
+
     def gspo_fn(lp, ent, loss_map):
-        s = seq_ratio.to(lp.device)[loss_map.sample_index.to(lp.device)].to(lp)
-        ratio = s * torch.exp(lp - lp.detach())  # value s_i, gradient s_i dlogp
-        adv = loss_map.advantages.to(lp)
-        lo = torch.as_tensor(clip_eps, dtype=lp.dtype, device=lp.device)
-        hi = lo if clip_eps_high is None else torch.as_tensor(clip_eps_high, dtype=lp.dtype, device=lp.device)
-        per = -torch.minimum(ratio * adv, torch.minimum(torch.maximum(ratio, 1 - lo), 1 + hi) * adv)
-        if kl_coef:
-            if loss_map.ref_logprobs is None:
-                raise ValueError("kl_coef > 0 needs ref_logprobs")
-            dref = loss_map.ref_logprobs.to(lp) - lp
-            per = per + kl_coef * (torch.exp(dref) - dref - 1)
-        if entropy_coef:
-            per = per - entropy_coef * ent
-        return per * loss_map.weights.to(lp)
+        s = seq_ratio.to(lp.device)[loss_map.sample_index.to(lp.device)]
+        per, _ = tree_loss(lp, loss_map, loss_type="gspo", clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                           kl_coef=kl_coef, entropy=ent, entropy_coef=entropy_coef, reduction="none",
+                           sequence_ratio=s)
+        return per
 
     return gspo_fn
 

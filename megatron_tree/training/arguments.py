@@ -22,7 +22,7 @@ __all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "add
            "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
            "DEFAULT_PAD_MULTIPLE"]
 
-TREE_LOSSES = ("sft", "grpo", "ppo")
+TREE_LOSSES = ("sft", "grpo", "ppo", "gspo")
 CP_PLANNERS = ("contiguous", "zigzag", "balanced")
 BAD_SAMPLE_POLICIES = ("error", "skip")
 # Rows are padded to a multiple of this unless --tree-pad-to-multiple-of says otherwise: GEMM tiles
@@ -108,7 +108,10 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Row ownership planner for tree context parallelism (default: balanced).")
     g.add_argument("--tree-loss", choices=TREE_LOSSES, default="sft",
                    help="sft: token-mean negative log-likelihood; grpo / ppo: clipped policy-gradient "
-                        "surrogate per occurrence (needs advantages in the data). Default: sft.")
+                        "surrogate per occurrence (needs advantages in the data); gspo: one clipped ratio per "
+                        "sample, exp(mean log-ratio), from a forward-only stats pass first (needs advantages and "
+                        "old_logprobs; megatron-tree train; pair it with --loss-agg seq-mean-token-mean as GSPO's "
+                        "paper). Default: sft.")
     g.add_argument("--loss-agg", choices=LOSS_AGGS, default="token-mean",
                    help="How a step's per-token losses are aggregated (verl's names): token-mean (every target of "
                         "the global batch alike; default), seq-mean-token-sum, seq-mean-token-mean, "
@@ -203,7 +206,7 @@ def validate_tree_args(args) -> argparse.Namespace:
         errors.append(f"--loss-agg-norm {args.loss_agg_norm} needs --loss-agg seq-mean-token-sum-norm and a length > 0")
     if _get(args, "tree_loss", "sft") not in TREE_LOSSES:
         errors.append(f"--tree-loss must be one of {TREE_LOSSES}, got {args.tree_loss!r}")
-    if _get(args, "tree_loss", "sft") in ("grpo", "ppo"):
+    if _get(args, "tree_loss", "sft") in ("grpo", "ppo", "gspo"):
         if not _get(args, "tree_clip_eps", 0.2) > 0:
             errors.append(f"--tree-clip-eps must be > 0, got {args.tree_clip_eps}")
         high = _get(args, "tree_clip_eps_high")

@@ -1029,6 +1029,25 @@ def exit_status(result: dict) -> int:
 
 
 # --------------------------------------------------------------------------------------------- training
+def _gspo_stats_pass(ddp, step, items, args, loss_kwargs):
+    """GSPO's stats pass: the step's microbatches forward only (no gradient, no MoE statistics), every
+    occurrence's ``logp - old``, gathered into each sample's ratio ``exp(mean)`` over DP x CP and sent from the
+    last pipeline stage (`megatron.loss.gspo_sequence_ratios`). One forward of the step, no backward."""
+    from megatron.core import parallel_state as ps
+
+    from ..megatron.carry import carry_items
+    from ..megatron.loss import gspo_sequence_ratios
+    from .models import forward_backward
+
+    stats_items = carry_items(step.microbatches) if getattr(args, "tree_carry", False) else items
+    kw = dict(loss_kwargs, loss_type="sft", entropy_coef=0.0, report_occurrences=True)
+    with torch.no_grad():
+        reports = forward_backward(ddp, stats_items, forward_only=True, **kw)
+    pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    return gspo_sequence_ratios(reports, [ps.get_data_parallel_group(with_context_parallel=True)], src_group=pp,
+                                src_rank=ps.get_pipeline_model_parallel_last_rank())
+
+
 def _make_pipeline(samples, packing: str, **kw):
     """`TreeDataPipeline` over ``samples``; ``packing="flat"`` shares nothing (the baseline)."""
     from ..data.pipeline import TreeDataPipeline
@@ -1277,9 +1296,16 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                 items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
                 if getattr(args, "tree_carry", False):  # fill / run, then the restores, one store per step
                     items = carry_items(step.microbatches)
+                extra = {}
+                if args.tree_loss == "gspo":  # each sample's sequence ratio first, from a forward-only pass
+                    extra["sequence_ratios"] = _gspo_stats_pass(ddp, step, items, args, loss_kwargs)
+                    if getattr(args, "tree_carry", False):  # the stats pass ran the step's carry items
+                        items = carry_items(step.microbatches)
+                    if replay is not None:
+                        reset_routing_replay(ddp)
                 if cp_group is not None:
                     attention_seconds(reset=True)
-                reports = forward_backward(ddp, items, **loss_kwargs)
+                reports = forward_backward(ddp, items, **loss_kwargs, **extra)
                 if args.check_for_nan_in_loss_and_grad:  # reports follow the schedule items
                     item_mbs = [getattr(x, "mb", x) for x in items]
                     _stop_on_nonfinite(it + 1, reports if loss_owner else [], item_mbs, ddp, dev, sources)

@@ -78,7 +78,7 @@ def entropy_loss(entropy: torch.Tensor, loss_map: LossMap, *, coef: float, reduc
 
 def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | torch.Tensor = 0.2,
                 clip_eps_high: float | torch.Tensor | None = None, kl_coef: float = 0.0, reduction: str = "token",
-                denominator=None) -> tuple[torch.Tensor, dict]:
+                denominator=None, sequence_ratio: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
     """PPO/GRPO clipped surrogate, applied per occurrence with its own advantage and old log-prob.
 
     per occurrence e: r = exp(logp_e - old_e);  l_e = -min(r A_e, clip(r, 1-eps_lo, 1+eps_hi) A_e)
@@ -86,6 +86,10 @@ def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | 
     ``clip_eps`` / ``clip_eps_high`` may be scalars or [M] tensors (per-occurrence clip ranges);
     ``clip_eps_high`` defaults to ``clip_eps``. Without old log-probs the update is on-policy
     (old = logp detached). Returns (loss, metrics) with float metrics.
+
+    GSPO: ``sequence_ratio`` [M], each occurrence's sample's ``s_i = exp(mean_t (logp_it - old_it))`` computed
+    beforehand over the whole sample (a stats pass: `rl.objectives`, the trainer), gives
+    ``r = s_i exp(logp_e - sg(logp_e))``: the sample's one ratio as value, ``s_i dlogp_e`` as gradient.
     """
     if loss_map.advantages is None:
         raise ValueError("policy_loss needs advantages in the loss map (give samples an advantage)")
@@ -96,8 +100,12 @@ def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | 
     old = logprobs.detach() if loss_map.old_logprobs is None else loss_map.old_logprobs.to(logprobs)
     lo = torch.as_tensor(clip_eps, dtype=logprobs.dtype, device=logprobs.device)
     hi = lo if clip_eps_high is None else torch.as_tensor(clip_eps_high, dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = logprobs - old
-    ratio = torch.exp(log_ratio)
+    if sequence_ratio is None:
+        log_ratio = logprobs - old
+        ratio = torch.exp(log_ratio)
+    else:
+        seq = sequence_ratio.to(logprobs)
+        ratio, log_ratio = seq * torch.exp(logprobs - logprobs.detach()), torch.log(seq)
     unclipped = ratio * adv
     clipped = torch.minimum(torch.maximum(ratio, 1 - lo), 1 + hi) * adv
     per = -torch.minimum(unclipped, clipped)
@@ -122,21 +130,43 @@ def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | 
     return loss, metrics
 
 
-LOSS_TYPES = ("sft", "grpo", "ppo")
+LOSS_TYPES = ("sft", "grpo", "ppo", "gspo")
+
+
+class SampleValues:
+    """One value per sample id (a stats pass's per-sample result, e.g. GSPO's sequence ratios): ``ids`` [S]
+    int64 ascending, ``values`` [S]. ``at(sample_index [M])`` reads each occurrence's sample's value."""
+
+    def __init__(self, ids, values):
+        order = torch.argsort(torch.as_tensor(ids, dtype=torch.int64))
+        self.ids = torch.as_tensor(ids, dtype=torch.int64)[order]
+        self.values = torch.as_tensor(values)[order]
+
+    def at(self, sample_index: torch.Tensor) -> torch.Tensor:
+        idx = torch.searchsorted(self.ids, sample_index.cpu()).clamp(max=max(len(self.ids) - 1, 0))
+        if len(self.ids) == 0 or not bool((self.ids[idx] == sample_index.cpu()).all()):
+            missing = sample_index.cpu()[self.ids[idx] != sample_index.cpu()] if len(self.ids) else sample_index
+            raise ValueError(f"sample {int(missing[0])}: no value from the stats pass (it saw {len(self.ids)} samples)")
+        return self.values[idx]
 
 
 def tree_loss(logprobs: torch.Tensor, loss_map: LossMap, *, loss_type: str = "sft", clip_eps=0.2,
               clip_eps_high=None, kl_coef: float = 0.0, entropy: Optional[torch.Tensor] = None,
-              entropy_coef: float = 0.0, reduction: str = "token", denominator=None) -> tuple[torch.Tensor, dict]:
-    """The loss every entry point trains with: ``loss_type`` "sft" (`sft_loss`) or "grpo" / "ppo"
-    (`policy_loss`: clipped surrogate plus ``kl_coef`` x k3 KL), minus ``entropy_coef`` x the entropy
-    (`entropy_loss`, needs ``entropy`` [M]), all with one ``reduction`` and ``denominator``.
-    Returns (loss, metrics)."""
+              entropy_coef: float = 0.0, reduction: str = "token", denominator=None,
+              sequence_ratio: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """The loss every entry point trains with: ``loss_type`` "sft" (`sft_loss`), "grpo" / "ppo"
+    (`policy_loss`: clipped surrogate plus ``kl_coef`` x k3 KL) or "gspo" (the same with each sample's
+    ``sequence_ratio`` [M]), minus ``entropy_coef`` x the entropy (`entropy_loss`, needs ``entropy`` [M]),
+    all with one ``reduction`` and ``denominator``. Returns (loss, metrics)."""
     if loss_type == "sft":
         loss, metrics = sft_loss(logprobs, loss_map, reduction=reduction, denominator=denominator), {}
-    elif loss_type in ("grpo", "ppo"):
+    elif loss_type in ("grpo", "ppo", "gspo"):
+        if (loss_type == "gspo") != (sequence_ratio is not None):
+            raise ValueError("loss_type 'gspo' needs (and only it takes) the per-occurrence sequence_ratio of a "
+                             "stats pass")
         loss, metrics = policy_loss(logprobs, loss_map, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-                                    kl_coef=kl_coef, reduction=reduction, denominator=denominator)
+                                    kl_coef=kl_coef, reduction=reduction, denominator=denominator,
+                                    sequence_ratio=sequence_ratio)
     else:
         raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     if entropy_coef:

@@ -10,7 +10,10 @@ hybrid stack spec, Qwen3-Next's experimental-attention block). On a host without
 (`use_local_specs` does nothing elsewhere) they are pointed at Megatron's stock structure with
 Megatron's local modules (`megatron_tree.megatron.family_specs`' local builders, the ones the tests'
 stock oracles use), zero-centred norms as `megatron_tree.cpu.bridge.ZeroCenteredRMSNorm`. The
-Bridge's weight mappings name both the fused TE norms and the separate local ones. This lives
+Bridge's weight mappings name both the fused TE norms and the separate local ones. A family's own spec
+function gets its local twin: OLMoE's (which modifies the Bridge's ``default_layer_spec``) run on the
+Bridge's ``local_layer_spec``; Gemma's (which names TE modules directly) with each TE module replaced by its
+local twin (`local_twins`); a TE module without a twin is refused by name. This lives
 here, not in `megatron_tree.cpu`, only because it builds from `megatron_tree.megatron`, a layer above it.
 """
 from __future__ import annotations

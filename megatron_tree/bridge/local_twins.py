@@ -46,7 +46,8 @@ class RowParallelLinearLayerNorm(RowParallelLinear):
     built the same way (``post_norm``, ``TENorm``'s local counterpart, over ``output_size``) except for its
     epsilon: the Bridge's ``TENorm(config, output_size)`` gets TENorm's default 1e-5, where the checkpoint's
     post-norms use its ``rms_norm_eps`` (transformers' Gemma 2 / 3); this twin uses ``config.layernorm_epsilon``
-    (the Bridge's ``rms_norm_eps``), and `provider.tree_provider` sets the transformer-engine module's to it.
+    (the Bridge's ``rms_norm_eps``), and the tree provider's ``provide()`` sets the transformer-engine module's
+    to it.
     On a tiny random Gemma 3 the two epsilons move transformers' own log-probs by 0.02."""
 
     def __init__(self, input_size: int, output_size: int, *, config, post_norm, **kwargs):
@@ -83,16 +84,14 @@ def local_twin_spec(spec, zero_centered: bool):
     not a class at all. Without transformer-engine the Bridge binds each TE class it cannot import to a
     ``MagicMock`` stand-in: such an entry is known by the name a module binds it to
     (`family_cores.stand_in_name`)."""
-    norm = local_norm(zero_centered)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    simple = {"TENorm": norm, "TEColumnParallelLinear": ColumnParallelLinear, "TERowParallelLinear": RowParallelLinear,
-              "TERowParallelLinearLayerNorm": ModuleSpec(module=RowParallelLinearLayerNorm,
-                                                         params={"post_norm": norm})}
-
-    simple["TEDotProductAttention"] = DotProductAttention
-    simple.update({name: cls for name, cls in TREE_CORES.items() if name not in simple})
+    norm = local_norm(zero_centered)
+    family_cores = {k: v for k, v in TREE_CORES.items() if k not in ("DotProductAttention", "TEDotProductAttention")}
+    simple = {**family_cores, "TENorm": norm, "TEColumnParallelLinear": ColumnParallelLinear,
+              "TERowParallelLinear": RowParallelLinear, "TEDotProductAttention": DotProductAttention,
+              "TERowParallelLinearLayerNorm": ModuleSpec(module=RowParallelLinearLayerNorm, params={"post_norm": norm})}
     return _walk(spec, simple, norm, "spec")
 
 
@@ -104,11 +103,11 @@ def _walk(spec, simple: dict, norm, where: str):
         name = _name(spec) or "an unnamed stand-in"
         if name in simple:
             return simple[name]
-        if name.startswith("TE") and name not in ("TELayerNormColumnParallelLinear",):
-            raise LocalTwinError(f"{where} is transformer-engine's {name}, which has no local twin")
         if name == "TELayerNormColumnParallelLinear":
             raise LocalTwinError(f"{where} is TELayerNormColumnParallelLinear outside a layer's linear_qkv / "
                                  "linear_fc1: its fused norm has no place to go")
+        if name.startswith("TE"):
+            raise LocalTwinError(f"{where} is transformer-engine's {name}, which has no local twin")
         if not isinstance(spec, type):
             raise LocalTwinError(f"{where} is {name}, which the Bridge could not import here (no transformer-engine) "
                                  "and which has no local twin")

@@ -59,7 +59,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
 
 # Test-only fault switch (None in normal use): "entropy_row_shift" reads each occurrence's entropy
-# from the next distinct source row (a row off by one), which the entropy tests must catch.
+# from the next distinct source row (a row off by one), which the entropy tests must catch;
+# "gspo_one_microbatch" takes each sample's GSPO statistic from the first microbatch holding it
+# (`gspo_sequence_ratios`), which verify --loss gspo must catch where a sample is cut.
 _FAULT = None
 
 
@@ -236,6 +238,13 @@ def gspo_sequence_ratios(reports: list, groups: list, src_group=None, src_rank: 
     from ..tree.loss import SampleValues
 
     occ = [r["occurrences"] for r in reports if "occurrences" in r]
+    if _FAULT == "gspo_one_microbatch":  # planted: a sample's statistic from the first microbatch holding it
+        seen, kept = set(), []
+        for o in occ:
+            keep = torch.tensor([int(i) not in seen for i in o["sample_index"].tolist()], dtype=torch.bool)
+            kept.append({k: v[keep] for k, v in o.items()})
+            seen.update(o["sample_index"].tolist())
+        occ = kept
     sid = torch.cat([o["sample_index"] for o in occ]).numpy() if occ else np.zeros(0, np.int64)
     val = torch.cat([o["log_ratio"] for o in occ]).numpy() if occ else np.zeros(0)
     part = (sid, val)

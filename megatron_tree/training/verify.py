@@ -79,7 +79,7 @@ CARRY_FAULTS = ("carry_detach", "carry_stale", "carry_twice")
 BALANCE_FAULTS = ("multiplicity_ones",)
 # faults of runs with a loss aggregation other than token-mean: the tree side's per-sample factors computed
 # over each microbatch's samples instead of the whole step's (a sequence-level normaliser taken locally)
-LOSS_AGG_FAULTS = ("loss_agg_per_microbatch",)
+LOSS_AGG_FAULTS = ("loss_agg_per_microbatch", "gspo_one_microbatch")
 ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS + LOSS_AGG_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS
@@ -252,6 +252,40 @@ def inject_fault(mb, fault: Optional[str]):
             return dataclasses.replace(mb, layout=dataclasses.replace(L, segment_parent=p))
         return mb
     raise ValueError(f"unknown fault {fault!r}; choose one of {FAULTS}")
+
+
+def _with_sample_ids(mb, ids: list):
+    """``mb`` (packed from a sub-list of the batch) with its loss map's sample indices mapped to the batch's
+    ``ids`` (its j-th sample is ``ids[j]``)."""
+    lm = mb.loss_map
+    idx = torch.as_tensor(ids, dtype=torch.int64)[lm.sample_index]
+    return dataclasses.replace(mb, loss_map=dataclasses.replace(lm, sample_index=idx))
+
+
+def _gspo_extras(ddp, batch, cfg, side: str, carry_again, wrap) -> dict:
+    """``--loss gspo``: each sample's sequence ratio from a forward-only stats pass over ``batch`` (the
+    trainer's two passes, `trainer._gspo_stats_pass`); {} for the other losses. Fault ``gspo_one_microbatch``
+    (tree side): each sample's statistic from the first microbatch holding it."""
+    if cfg.loss != "gspo":
+        return {}
+    from megatron.core import parallel_state as ps
+
+    from ..megatron import loss as tree_loss_mod
+    from .models import forward_backward
+
+    items = carry_again(batch) if carry_again is not None else batch
+    with torch.no_grad():
+        reports = forward_backward(ddp, items, forward_only=True, loss_type="sft", cp_strategy=cfg.cp_strategy,
+                                   wrap_step=wrap, report_occurrences=True)
+    pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    before = tree_loss_mod._FAULT
+    tree_loss_mod._FAULT = "gspo_one_microbatch" if side == "tree" and cfg.fault == "gspo_one_microbatch" else None
+    try:
+        ratios = tree_loss_mod.gspo_sequence_ratios(reports, [ps.get_data_parallel_group(with_context_parallel=True)],
+                                                    src_group=pp, src_rank=ps.get_pipeline_model_parallel_last_rank())
+    finally:
+        tree_loss_mod._FAULT = before
+    return {"sequence_ratios": ratios}
 
 
 def _agg_per_microbatch(mb, samples: list, cfg) -> "object":
@@ -735,6 +769,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     flat_budget = max(cfg.budget, -(-max(len(s) for s in samples) // 8) * 8) if cfg.carry else cfg.budget
     flat_mbs = [pack([samples[i]], flat_budget, pad_to_multiple_of=pad, mtp_tail=tail if cfg.cp > 1 else 0)[0]
                 for mb in mine for i in mb.sample_ids]
+    if cfg.loss == "gspo":  # GSPO's per-sample statistics are keyed by sample: the batch's ids on every side
+        flat_mbs = [_with_sample_ids(fm, [i]) for fm, i in zip(flat_mbs, [i for mb in mine for i in mb.sample_ids])]
     # Every DP rank runs the same number of microbatches (MoE all-to-alls run once per microbatch
     # on every expert-parallel rank): top up with zero-loss padding microbatches.
     fields = [f for f in ("advantages", "old_logprobs", "ref_logprobs") if getattr(mine[0].loss_map, f) is not None]
@@ -751,6 +787,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # samples flat (stock's statistic on the same microbatch), padding weighing nothing
     packed_mbs = ([_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay, mtp_tail=tail if balance else 0)
                    for mb in mine] if bf16 or balance else None)
+    if packed_mbs is not None and cfg.loss == "gspo":
+        packed_mbs = [_with_sample_ids(pm, list(mb.sample_ids)) for pm, mb in zip(packed_mbs, mine)]
     if cfg.carry:  # the same number of schedule items on every DP rank (an exporting microbatch is two)
         count = lambda rank_mbs: sum(1 + (len(mbs[i].carry.exported) > 0) for i in rank_mbs)
         tree_mbs += [filler] * (max(count(r) for r in ranks) - count(ranks[dpr]))
@@ -900,7 +938,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                 selected = stack.enter_context(dsa_oracle.capture_stock_selected() if stock else capture_selected())
             if cfg.carry and side == "tree":
                 batch = carry_again(batch)
-            reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap)
+            extra = _gspo_extras(ddp, batch, cfg, side, carry_again if cfg.carry and side == "tree" else None, wrap)
+            if cfg.carry and side == "tree" and extra:
+                batch = carry_again(batch)
+            reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap,
+                                       **extra)
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
             tot = tot.double()
@@ -916,7 +958,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                 opt.zero_grad()
                 if cfg.carry and side == "tree":
                     batch = carry_again(batch)
-                forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap)
+                extra = _gspo_extras(ddp, batch, cfg, side, carry_again if cfg.carry and side == "tree" else None,
+                                     wrap)
+                if cfg.carry and side == "tree" and extra:
+                    batch = carry_again(batch)
+                forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap, **extra)
                 opt.step()
             params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
         if cfg.carry:
@@ -1155,7 +1201,10 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.fault in DSA_FAULTS and cfg.model != "dsa":
             raise ValueError(f"fault {cfg.fault} plants a bug in DeepSeek sparse attention: it needs model='dsa' "
                              "(--model dsa)")
-        if cfg.fault in LOSS_AGG_FAULTS and cfg.loss_agg == "token-mean":
+        if cfg.fault == "gspo_one_microbatch" and (cfg.loss != "gspo" or not (cfg.carry or cfg.cp > 1)):
+            raise ValueError("fault gspo_one_microbatch takes a sample's GSPO statistic from one microbatch: it needs "
+                             "--loss gspo and a sample cut over microbatches or ranks (--carry or --cp > 1)")
+        if cfg.fault == "loss_agg_per_microbatch" and cfg.loss_agg == "token-mean":
             raise ValueError(f"fault {cfg.fault} plants a bug in a loss aggregation's per-sample factors: it needs "
                              "--loss-agg other than token-mean (whose factors are all 1)")
         if cfg.fault == "mla_rope_physical" and cfg.model != "mla":

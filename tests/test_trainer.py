@@ -322,3 +322,18 @@ def test_dp2_gspo_with_seq_mean_token_mean_equals_flat_training(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-5) and c["loss"] == pytest.approx(b["loss"], rel=2e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
         assert c["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
+
+
+def test_policy_losses_name_the_first_record_without_their_fields():
+    """grpo / ppo / gspo read an advantage (gspo also old log-probs) from every record: a record without one is
+    named by file:line before any rank starts, not found inside a rank's loss."""
+    from megatron_tree.tree import Sample
+    from megatron_tree.training.trainer import _check_loss_fields
+
+    good = Sample(tokens=[1, 2, 3], advantage=1.0, old_logprobs=[0.0, -1.0, -1.0])
+    no_old = Sample(tokens=[1, 2, 4], advantage=1.0)
+    _check_loss_fields("grpo", [good, no_old], ["a.jsonl:1", "a.jsonl:2"])
+    with pytest.raises(ValueError, match="a.jsonl:2: has no old_logprobs, which --tree-loss gspo needs"):
+        _check_loss_fields("gspo", [good, no_old], ["a.jsonl:1", "a.jsonl:2"])
+    with pytest.raises(ValueError, match="sample 0: has no advantage, which --tree-loss ppo needs"):
+        _check_loss_fields("ppo", [Sample(tokens=[1, 2])])

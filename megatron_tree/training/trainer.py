@@ -507,6 +507,17 @@ def load_train_samples(args, report=None) -> list:
                         report=report, route_spec=route_spec, require_routes=replay)
 
 
+def _check_loss_fields(loss: str, samples, sources=None) -> None:
+    """The record fields ``--tree-loss`` reads, present on every sample (named by file:line) before any rank
+    starts: an advantage for grpo / ppo / gspo, old log-probs for gspo (its sequence ratio)."""
+    need = {"grpo": ("advantage",), "ppo": ("advantage",), "gspo": ("advantage", "old_logprobs")}.get(loss, ())
+    for field in need:
+        bad = next((i for i, s in enumerate(samples) if getattr(s, field) is None), None)
+        if bad is not None:
+            where = sources[bad] if sources and bad < len(sources) else f"sample {bad}"
+            raise ValueError(f"{where}: has no {field}, which --tree-loss {loss} needs on every record")
+
+
 # --------------------------------------------------------------------------------------------- process group
 def _launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -1464,6 +1475,8 @@ def run(args) -> dict:
     report = ReadReport()
     samples = load_train_samples(args, report) if (args.tree_data_path or args.synthetic_preset) else None
     check_train_args(args, samples)
+    if samples is not None:
+        _check_loss_fields(args.tree_loss, samples, report.sources)
     if _launched() or dist.is_initialized():
         _quiet_warnings()
         if args.quiet:

@@ -280,3 +280,18 @@ def test_falcon_h1_is_refused_by_name_through_the_python_api(tmp_path):
         mamba_chunk_size=16, max_position_embeddings=128)).save_pretrained(str(path))
     out = run_distributed(_falcon_h1_body, 1, str(path), timeout=300)[0]
     assert "FalconH1ModelProvider" in out and "builds no GPTModel / HybridModel" in out, out
+
+
+@pytest.mark.parametrize("family,layout", [("gemma3", ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+                                           ("gemma2", ("--context-parallel-size", "2"))])
+def test_gemma_scores_equal_transformers_under_tp_sp_and_cp(tmp_path, family, layout):
+    """Gemma 3 under TP2 + SP (the local twins' column / row linears and post-norms split over TP ranks) and
+    Gemma 2 under tree CP 2 (the attention soft-cap on every CP stage's scores): ``score --hf-model`` equals
+    transformers record by record."""
+    src = tmp_path / family
+    hf_tiny.make(family, src)
+    data = _records(tmp_path)
+    ours = _score(src, data, tmp_path / "scores.parquet", "--nproc", "2", *layout)  # (the later --nproc counts)
+    err = _max_rel(ours, hf_tiny.hf_logprobs(src, SAMPLES))
+    print(f"\n{family} {' '.join(layout)}: score --hf-model vs transformers max rel {err:.1e}")
+    assert err <= 1e-5, err

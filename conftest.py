@@ -39,6 +39,7 @@ STACK_INDEPENDENT = {
     "test_data_fuzz.py": "damaged JSONL / Parquet files against the readers (hypothesis)",
     "test_gpu_check.py": "the GPU check script's dry run",
     "test_layers.py": "import layering of our own package",
+    "test_loss_agg.py": "loss-aggregation factors (numpy) and the data pipeline's weights",
     "test_no_orphans.py": "our launcher's processes (no Megatron-Core)",
     "test_ops_attention.py": "tree attention ops",
     "test_ops_conv.py": "tree causal conv op",
@@ -98,6 +99,10 @@ MAIN_TIER_ONLY = {
                                                "--tree-carry run in latest",
     "test_concurrent_runs.py::*": "our launcher's and the single-process runs' rendezvous (stores, not Megatron-Core); "
                                   "the Megatron-LM launches of the latest tier bind through torchrun's port-0 store",
+    "test_verify_objectives.py::*": "verify's loss-agg weights and GSPO passes (ours); test_rl_objectives.py runs "
+                                    "the same objectives against stock per rollout in latest",
+    "test_trainer.py::test_dp2_gspo*": "megatron-tree train's GSPO passes; test_rl_objectives.py runs the trainer's "
+                                       "two passes against stock per rollout in latest",
     "test_activations.py::*": "the activation profile's fit against saved-tensor hooks (our meter and features; "
                               "a profile is per stack and model: tools/calibrate_activations.py on the one you run)",
 }

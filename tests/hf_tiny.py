@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss", "olmoe", "gemma3", "gemma2")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "glm5", "gpt_oss", "olmoe", "gemma3", "gemma2",
+            "falcon_h1")
 
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
@@ -91,6 +92,18 @@ def _config(family: str):
                                num_key_value_heads=2, head_dim=8, num_hidden_layers=4, sliding_window=4,
                                query_pre_attn_scalar=6, attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
                                max_position_embeddings=128, tie_word_embeddings=True)
+    if family == "falcon_h1":
+        # Falcon-H1: every layer Mamba-2 and attention side by side on one norm, then a SwiGLU MLP; every MuP
+        # multiplier away from 1 (published values are of this size), the mixer's gated RMSNorm over 2 groups
+        return tf.FalconH1Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_d_ssm=32,
+                                 mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2,
+                                 mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=False,
+                                 max_position_embeddings=128, tie_word_embeddings=False, rope_theta=1e11,
+                                 embedding_multiplier=2.0, lm_head_multiplier=0.5, key_multiplier=0.7,
+                                 attention_in_multiplier=1.3, attention_out_multiplier=0.8, ssm_in_multiplier=0.6,
+                                 ssm_out_multiplier=1.4, mlp_multipliers=[0.9, 1.2],
+                                 ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.8])
     raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
 
 

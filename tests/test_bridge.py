@@ -2,8 +2,7 @@
 against `transformers` itself and against stock Megatron-Core run per sample.
 
 For each family (`hf_tiny.FAMILIES`: Qwen3, Qwen3-MoE, Qwen3-Next, Nemotron-H, DeepSeek-V3, GLM-5, gpt-oss,
-OLMoE) a
-tiny random model is made and saved by `transformers` in the test; ``bridge.hf_provider`` imports it
+OLMoE, Gemma 3, Gemma 2, Falcon-H1) a tiny random model is made and saved by `transformers` in the test; ``bridge.hf_provider`` imports it
 (float64) as a tree provider, ``load_hf_weights`` loads it (refusing any parameter left unloaded),
 and the tree model's per-occurrence log-probs on a packed forest with shared prefixes, forks, a
 prefix sample and a duplicate (`per_sample.SAMPLES`) are compared with
@@ -45,13 +44,16 @@ pytestmark = pytest.mark.skipif(
     reason="megatron-bridge / transformers are not installed: the extra 'megatron-tree[hf]' needs Python 3.12 and "
            "megatron-core >= 0.19; `make test-latest` installs it")
 
-STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "olmoe", "gemma3", "gemma2")
+STOCK = ("qwen3", "qwen3_moe", "qwen3_next", "nemotron_h", "deepseek_v3", "gpt_oss", "olmoe", "gemma3", "gemma2",
+         "falcon_h1")
 # Tree vs stock per sample, float64: 1e-12, except where stock itself rounds to fp32 inside a float64
 # model (tests/test_model_families.py measures it): Qwen3-Next's stock GatedDeltaNet keeps its decay and
 # output gate in fp32 (measured 8.4e-9 here). Route scores, which stock also keeps in fp32 (DeepSeek-V3's
 # sigmoid with expert bias: 3.0e-10), are widened to float64 on both sides (`router_precision`).
 # A wrong tree computation moves log-probs by O(0.1).
-STOCK_TOL = {"qwen3_next": 1e-7}
+# Stock's Mamba-2 chunked scan on CPU orders its float64 sums otherwise than the tree's SSD: Nemotron-H measured
+# 8.8e-13, Falcon-H1 (two Mamba-2 mixers with 4 heads, every layer) 1.4e-12, with or without its multipliers.
+STOCK_TOL = {"qwen3_next": 1e-7, "falcon_h1": 1e-11}
 
 
 def _cpu_provider(bridge, stock: bool):
@@ -123,8 +125,30 @@ def _with_stock_gemma_core(block):
 def _build(bridge, stock: bool = False):
     from megatron_tree import bridge as tb
 
-    model = _cpu_provider(bridge, stock).provide().to(torch.float64)
+    provider = _cpu_provider(bridge, stock)
+    if stock and type(provider).__name__ == "FalconH1ModelProvider":
+        model = _stock_falcon_h1(provider)
+    else:
+        model = provider.provide().to(torch.float64)
     tb.load_hf_weights(bridge, [model])
+    return model
+
+
+def _stock_falcon_h1(provider):
+    """The Bridge's own ``FalconH1Model`` on CPU in float64: its stack's final norm (transformer-engine's TENorm,
+    named in its module) built as the local twin, and its parallel layers' residual stream kept at float64 (the
+    Bridge casts it to fp32, ``residual_in_fp32``, which would narrow a float64 model; the tree keeps fp32 or wider)."""
+    from megatron.bridge.models.falcon_h1.modeling_falconh1 import falconh1_block
+
+    from megatron_tree.bridge.local_twins import local_norm
+
+    te_norm, falconh1_block.TENorm = falconh1_block.TENorm, local_norm(False)
+    try:
+        model = provider.provide().to(torch.float64)
+    finally:
+        falconh1_block.TENorm = te_norm
+    for layer in model.decoder.layers:
+        layer.residual_in_fp32 = False
     return model
 
 
@@ -160,6 +184,10 @@ def _families_body(root: str) -> dict:
             res["layers"] = [(type(layer.self_attention.core_attention).__name__,
                               layer.self_attention.core_attention.window, layer.self_attention.core_attention.softcap)
                              for layer in tree.decoder.layers]
+        if fam == "falcon_h1":  # the same weights with every MuP multiplier 1: they must matter
+            res["hf_no_multipliers"] = hf_tiny.hf_logprobs(f"{root}/falcon_h1_no_multipliers", SAMPLES)
+            res["layers"] = sorted({type(m).__name__ for layer in tree.decoder.layers for m in layer.modules()
+                                    if "Falcon" in type(m).__name__ or "Tree" in type(m).__name__})
         if fam == "gemma3":  # the same weights with a window wider than every record: the window must matter
             res["hf_wide_window"] = hf_tiny.hf_logprobs(f"{root}/gemma3_wide_window", SAMPLES)
             res["layers"] = [(type(layer.self_attention.core_attention).__name__,
@@ -222,6 +250,9 @@ def families(tmp_path_factory):
     hf_tiny.make("gpt_oss", root / "gpt_oss_plain_rope", rope_parameters=dict(rope_type="default", rope_theta=150000.0))
     hf_tiny.make("gemma3", root / "gemma3_wide_window", sliding_window=64)
     hf_tiny.make("gemma2", root / "gemma2_no_softcap", attn_logit_softcapping=None, final_logit_softcapping=None)
+    hf_tiny.make("falcon_h1", root / "falcon_h1_no_multipliers", embedding_multiplier=1.0, lm_head_multiplier=1.0,
+                 key_multiplier=1.0, attention_in_multiplier=1.0, attention_out_multiplier=1.0, ssm_in_multiplier=1.0,
+                 ssm_out_multiplier=1.0, mlp_multipliers=[1.0, 1.0], ssm_multipliers=[1.0] * 5)
     return run_distributed(_families_body, 1, str(root), timeout=1200)[0]
 
 
@@ -233,7 +264,7 @@ def _max_rel(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("fam", [f for f in hf_tiny.FAMILIES if f != "glm5"] + ["glm5_dense"])
 def test_tree_model_from_hf_equals_transformers_per_sample(families, fam):
     res = families[fam]
-    assert res["tree_class"] == ("TreeMambaModel" if fam == "nemotron_h" else "TreeGPTModel")
+    assert res["tree_class"] == {"nemotron_h": "TreeMambaModel", "falcon_h1": "TreeFalconH1Model"}.get(fam, "TreeGPTModel")
     err = _max_rel(res["tree"], res["hf"])
     print(f"\n{fam}: tree vs transformers max rel {err:.1e} over {len(res['hf'])} occurrences")
     assert err <= 1e-5, err
@@ -242,7 +273,7 @@ def test_tree_model_from_hf_equals_transformers_per_sample(families, fam):
 @pytest.mark.parametrize("fam", STOCK)
 def test_tree_model_from_hf_equals_stock_megatron_per_sample(families, fam):
     res = families[fam]
-    assert res["stock_class"] in ("GPTModel", "HybridModel")
+    assert res["stock_class"] in ("GPTModel", "HybridModel", "FalconH1Model")
     err = _max_rel(res["tree"], res["stock"])
     print(f"\n{fam}: tree vs stock Megatron-Core per sample max rel {err:.1e}")
     assert err <= STOCK_TOL.get(fam, 1e-12), err
@@ -277,6 +308,19 @@ def test_gemma2_keeps_its_windows_and_soft_caps(families):
     off = _max_rel(res["tree"], res["hf_no_softcap"])
     print(f"\nGemma 2 tree vs transformers without soft-caps (same weights): max rel {off:.1e}")
     assert off > 1e-3, off
+
+
+def test_falcon_h1_keeps_its_parallel_layers_and_multipliers(families):
+    """Falcon-H1 (the Bridge's own FalconH1Model: Mamba-2 and attention side by side in every layer, MuP
+    multipliers on the embedding, both mixers' inputs and outputs, the mixer's z / x / B / C / dt parts, the keys,
+    the MLP and the logits): built from the tree's Falcon classes, and transformers with every multiplier 1 (same
+    weights) is far away, so the multipliers are what the tree reproduces."""
+    res = families["falcon_h1"]
+    assert res["layers"] == ["FalconH1MLP", "FalconH1SelfAttention", "TreeDotProductAttention", "TreeFalconH1Layer",
+                             "TreeFalconH1MambaMixer"], res["layers"]
+    off = _max_rel(res["tree"], res["hf_no_multipliers"])
+    print(f"\nFalcon-H1 tree vs transformers with every multiplier 1 (same weights): max rel {off:.1e}")
+    assert off > 1e-2, off
 
 
 def test_olmoe_keeps_its_own_attention_on_the_local_path(families):

@@ -154,8 +154,10 @@ _TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_
     ("gemma2_layer_types", dict(_TINY, model_type="gemma2", architectures=["Gemma2ForCausalLM"],
                                 layer_types=["full_attention", "sliding_attention"]),
      "odd layers local"),
-    ("falcon_h1", dict(_TINY, model_type="falcon_h1", architectures=["FalconH1ForCausalLM"]),
-     "Falcon-H1's parallel attention + Mamba-2 layers"),
+    ("falcon_h1_bias", dict(_TINY, model_type="falcon_h1", architectures=["FalconH1ForCausalLM"],
+                            mamba_proj_bias=True), "mamba_proj_bias=True (megatron-bridge's Falcon-H1 maps no such bias)"),
+    ("falcon_h1_dt_limit", dict(_TINY, model_type="falcon_h1", architectures=["FalconH1ForCausalLM"],
+                                time_step_limit=[0.0, 0.5]), "time_step_limit=[0.0, 0.5]"),
     ("llama3_rope", dict(_TINY, model_type="llama", architectures=["LlamaForCausalLM"],
                          rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                               original_max_position_embeddings=16, rope_theta=500000.0)),
@@ -250,36 +252,6 @@ def test_a_provider_whose_provide_calls_its_parents_builds_the_tree_model_and_cu
     if not module_available("transformer_engine"):
         assert "a family's own spec" in out.get("custom_spec", "") and "has no local twin" in out["custom_spec"], out
         assert "test_bridge_checkpoints" in out["custom_spec"], out
-
-
-def _falcon_h1_body(path: str) -> str:
-    from dist import init_megatron
-
-    init_megatron()
-    from megatron_tree import bridge as tb
-
-    try:
-        tb.hf_provider(path, load_weights=False)
-    except tb.TreeProviderError as e:
-        return str(e)
-    return "built"
-
-
-def test_falcon_h1_is_refused_by_name_through_the_python_api(tmp_path):
-    """Falcon-H1 (the Bridge builds its own ``FalconH1Model``: parallel attention + Mamba-2 layers with MuP
-    multipliers) has no tree counterpart: ``hf_provider`` refuses it by name before anything is built (the
-    CLI refuses it before any rank starts, above), not with an AttributeError from the CPU path."""
-    import transformers as tf
-
-    from dist import run_distributed
-
-    path = tmp_path / "falcon_h1"
-    tf.AutoModelForCausalLM.from_config(tf.FalconH1Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
-        mamba_chunk_size=16, max_position_embeddings=128)).save_pretrained(str(path))
-    out = run_distributed(_falcon_h1_body, 1, str(path), timeout=300)[0]
-    assert "FalconH1ModelProvider" in out and "builds no GPTModel / HybridModel" in out, out
 
 
 @pytest.mark.parametrize("family,layout", [("gemma3", ("--tensor-model-parallel-size", "2", "--sequence-parallel"))])

@@ -56,6 +56,14 @@ def use_local_specs(provider) -> bool:
     if module_available("transformer_engine"):
         return False
     zero_centered = bool(getattr(provider, "layernorm_zero_centered_gamma", False))
+    if hasattr(provider, "falconh1_stack_spec"):  # Falcon-H1: its own stack spec, names TE modules directly
+        te_stack = provider.falconh1_stack_spec
+
+        def falcon_local_stack():
+            return local_twin_spec(te_stack() if callable(te_stack) else te_stack, zero_centered)
+
+        provider.falconh1_stack_spec = falcon_local_stack
+        return True
     if hasattr(provider, "hybrid_stack_spec"):
         from ..megatron.family_specs import get_local_mamba_stack_spec
 

@@ -70,8 +70,6 @@ _GPT_OSS_YARN = {"factor": 32.0, "original_max_position_embeddings": 4096, "beta
 _NOT_BUILT = {
     "gemma3": "Gemma 3's vision-language model (Gemma3ForConditionalGeneration: a vision tower and its image-token "
               "attention bias) is not built on the tree yet; its text model (gemma3_text) is",
-    "falcon_h1": "Falcon-H1's parallel attention + Mamba-2 layers (the Bridge's own FalconH1Model) are not built "
-                 "from the tree mixers yet",
 }
 
 
@@ -101,10 +99,28 @@ def checkpoint_refusals(path: str, config=None) -> list:
         built = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
         if cfg.get("layer_types") is not None and list(cfg["layer_types"]) != built:
             out.append(f"{where}: layer_types={cfg['layer_types']} (megatron-bridge builds {built}: odd layers local)")
+    if kind == "falcon_h1":
+        out += [f"{where}: {why}" for why in _falcon_h1_refusals(cfg, kind_of_rope)]
     yarn = _differs(rope, _GPT_OSS_YARN) if kind == "gpt_oss" and kind_of_rope == "yarn" else []
     if yarn:
         out.append(f"{where}: YaRN with {', '.join(yarn)}: megatron-bridge's gpt-oss bridge sets gpt-oss's "
                    "published YaRN whatever the checkpoint says")
+    return out
+
+
+def _falcon_h1_refusals(cfg: dict, rope_type) -> list:
+    """What a Falcon-H1 checkpoint can say that megatron-bridge 0.6.2's Falcon-H1 bridge does not build: it maps no
+    bias (the Mamba projections, attention or MLP), clamps no time step, builds plain rope, and makes every layer
+    the parallel Mamba-2 + attention + MLP layer."""
+    out = [f"{key}=True (megatron-bridge's Falcon-H1 maps no such bias)"
+           for key in ("mamba_proj_bias", "projectors_bias", "attention_bias", "mlp_bias") if cfg.get(key)]
+    limit = cfg.get("time_step_limit")
+    if limit is not None and (float(limit[0]) > 0 or float(limit[1]) != float("inf")):
+        out.append(f"time_step_limit={list(limit)} (megatron-bridge's Falcon-H1 clamps no time step)")
+    if rope_type not in (None, "default"):
+        out.append(f"rope of type {rope_type!r} (megatron-bridge's Falcon-H1 builds plain rope)")
+    if cfg.get("mamba_use_mlp") is False:
+        out.append("mamba_use_mlp=False (megatron-bridge's Falcon-H1 builds an MLP in every layer)")
     return out
 
 

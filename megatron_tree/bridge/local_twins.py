@@ -13,6 +13,9 @@ transformer-engine module            local twin
   (a layer's ``linear_qkv`` /        ``input_layernorm`` / ``pre_mlp_layernorm`` (the names
   ``linear_fc1``)                    `mapping.with_local_module_names` maps, and the checkpoint keys
                                      of the fused ones, as Megatron's local spec keeps them)
+``TELayerNormColumnParallelLinear``  `LayerNormColumnParallelLinear`: the norm and the linear in one
+  (anywhere else: Falcon-H1's        module, under the fused module's parameter names
+  MLP, a Mamba mixer's ``in_proj``)  (``layer_norm_weight`` [, ``layer_norm_bias``], ``weight``)
 ``TEColumnParallelLinear``           ``ColumnParallelLinear``
 ``TERowParallelLinear``              ``RowParallelLinear``
 ``TERowParallelLinearLayerNorm``     `RowParallelLinearLayerNorm` (``weight``, ``post_layernorm.weight``)
@@ -29,11 +32,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from ..megatron.family_cores import TREE_CORES, is_stand_in, stand_in_name
 
-__all__ = ["RowParallelLinearLayerNorm", "local_twin_spec", "local_norm", "LocalTwinError"]
+__all__ = ["RowParallelLinearLayerNorm", "LayerNormColumnParallelLinear", "local_twin_spec", "local_norm", "LocalTwinError"]
 
 
 class LocalTwinError(ValueError):
@@ -59,6 +63,41 @@ class RowParallelLinearLayerNorm(RowParallelLinear):
         if bias is not None:  # as the transformer-engine module: a post-norm before a deferred bias is wrong
             raise ValueError("RowParallelLinearLayerNorm assumes add_bias_linear=False")
         return self.post_layernorm(output), bias
+
+
+class LayerNormColumnParallelLinear(ColumnParallelLinear):
+    """A norm of the input, then ``ColumnParallelLinear``: the local twin of transformer-engine's
+    ``TELayerNormColumnParallelLinear`` where a spec has no layer norm slot to move its norm to (Falcon-H1's
+    parallel layer: its MLP's ``linear_fc1``). Parameters as the fused module names them: ``layer_norm_weight``
+    (and ``layer_norm_bias`` for LayerNorm; replicated over TP, reduced over TP under sequence parallelism as
+    Megatron's norms are), ``weight`` (and ``bias``) column-parallel. The norm is ``config.normalization`` over
+    the last dimension with ``config.layernorm_epsilon``, gain ``1 + w`` where ``zero_centered``."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, zero_centered: bool = False, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise LocalTwinError(f"LayerNormColumnParallelLinear: normalization {config.normalization!r} is neither "
+                                 "RMSNorm nor LayerNorm")
+        self.zero_centered = zero_centered
+        self.eps = config.layernorm_epsilon
+        init = torch.zeros if zero_centered else torch.ones
+        dtype = config.params_dtype
+        self.layer_norm_weight = torch.nn.Parameter(init(input_size, dtype=dtype))
+        self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(input_size, dtype=dtype))
+                                if config.normalization == "LayerNorm" else None)
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is not None:
+                p.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x):
+        import torch.nn.functional as F
+
+        w = 1 + self.layer_norm_weight if self.zero_centered else self.layer_norm_weight
+        if self.layer_norm_bias is None:
+            x = F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        else:
+            x = F.layer_norm(x, (x.shape[-1],), w, self.layer_norm_bias, self.eps)
+        return super().forward(x)
 
 
 def local_norm(zero_centered: bool):
@@ -91,7 +130,10 @@ def local_twin_spec(spec, zero_centered: bool):
     family_cores = {k: v for k, v in TREE_CORES.items() if k not in ("DotProductAttention", "TEDotProductAttention")}
     simple = {**family_cores, "TENorm": norm, "TEColumnParallelLinear": ColumnParallelLinear,
               "TERowParallelLinear": RowParallelLinear, "TEDotProductAttention": DotProductAttention,
-              "TERowParallelLinearLayerNorm": ModuleSpec(module=RowParallelLinearLayerNorm, params={"post_norm": norm})}
+              "TERowParallelLinearLayerNorm": ModuleSpec(module=RowParallelLinearLayerNorm, params={"post_norm": norm}),
+              # reached only where _unfuse_layer_norms found no layer slot for its norm
+              "TELayerNormColumnParallelLinear": ModuleSpec(module=LayerNormColumnParallelLinear,
+                                                            params={"zero_centered": zero_centered})}
     return _walk(spec, simple, norm, "spec")
 
 
@@ -103,9 +145,6 @@ def _walk(spec, simple: dict, norm, where: str):
         name = _name(spec) or "an unnamed stand-in"
         if name in simple:
             return simple[name]
-        if name == "TELayerNormColumnParallelLinear":
-            raise LocalTwinError(f"{where} is TELayerNormColumnParallelLinear outside a layer's linear_qkv / "
-                                 "linear_fc1: its fused norm has no place to go")
         if name.startswith("TE"):
             raise LocalTwinError(f"{where} is transformer-engine's {name}, which has no local twin")
         if not isinstance(spec, type):

@@ -229,14 +229,19 @@ def _stock_builders() -> dict:
         from megatron.core.models.mamba import MambaModel
 
         out[MambaModel] = _tree_hybrid_model
+    falcon = sys.modules.get("megatron.bridge.models.falcon_h1.modeling_falconh1.falconh1_model")
+    if falcon is not None:  # imported with its provider: the Bridge's own model class for Falcon-H1
+        from .falcon_h1 import tree_falcon_h1_model
+
+        out[falcon.FalconH1Model] = tree_falcon_h1_model
     return out
 
 
 def _model_swaps(provider_cls) -> list:
     """(module, global name, stock object, its stand-in) for every stock model class named in a module that
-    defines a ``provide`` on ``provider_cls``'s MRO, plus the Bridge's MTP block spec function there. A
-    provider whose ``provide()`` builds another model class (Falcon-H1's ``FalconH1Model``) is refused by
-    name: the tree has no counterpart of it."""
+    defines a ``provide`` on ``provider_cls``'s MRO, plus the Bridge's MTP block spec function there (the
+    Bridge's own ``FalconH1Model`` is among them: `falcon_h1`). A provider whose ``provide()`` builds another
+    model class is refused by name: the tree has no counterpart of it."""
     owners = [c for c in provider_cls.__mro__ if "provide" in vars(c) and c is not _TreeProviderMixin]
     builders = _stock_builders()
     swaps = []
@@ -248,7 +253,7 @@ def _model_swaps(provider_cls) -> list:
         name = provider_cls.__name__.removeprefix("Tree") if issubclass(provider_cls, _TreeProviderMixin) \
             else provider_cls.__name__
         raise TreeProviderError(f"{name}: its provide() ({', '.join(c.__qualname__ for c in owners) or '?'}) "
-                                "builds no GPTModel / HybridModel, the model classes megatron_tree.bridge builds "
+                                "builds no GPTModel / HybridModel / FalconH1Model, the model classes megatron_tree.bridge builds "
                                 "as tree models; the family's own model class has no tree counterpart")
     swaps += [(module, "mtp_block_spec", module.mtp_block_spec, _mtp_marker)
               for module in dict.fromkeys(m for m, *_ in swaps) if callable(getattr(module, "mtp_block_spec", None))]

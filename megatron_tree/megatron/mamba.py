@@ -106,6 +106,11 @@ class _TreeMambaMixerImpl:
         self.cp_comm_type = cp_comm_type
         self.backend = backend
 
+    def scale_projection(self, zxBCdt: torch.Tensor) -> torch.Tensor:
+        """``in_proj``'s output ``[rows, z | x | B | C | dt]`` (this TP rank's widths) as the sequence mixing
+        reads it: unchanged here; a family mixer with per-part multipliers (Falcon-H1's MuP vector) scales it."""
+        return zxBCdt
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 inference_context=None, rotary_pos_emb=None, attention_bias=None, packed_seq_params=None,
                 sequence_len_offset: Optional[int] = None, *, inference_params=None, **kwargs):
@@ -122,7 +127,7 @@ class _TreeMambaMixerImpl:
         d_inner = H * P
 
         zxBCdt, _ = self.in_proj(hidden_states)
-        zxBCdt = zxBCdt.squeeze(1)
+        zxBCdt = self.scale_projection(zxBCdt.squeeze(1))
         N = zxBCdt.shape[0]
         carry = getattr(packed_seq_params, "carry", None)
         if carry is None:
@@ -191,7 +196,7 @@ class _TreeMambaMixerImpl:
         H, P, G, S = self.nheads_local_tp, self.headdim, self.ngroups_local_tp, self.d_state
         d_inner = H * P
         zxBCdt, _ = self.in_proj(hidden_states)
-        zxBCdt = zxBCdt.squeeze(1)
+        zxBCdt = self.scale_projection(zxBCdt.squeeze(1))
         s, n = zxBCdt.shape[0], int(psp.local_rows.shape[0])
         if s != psp.num_local_rows:
             sp = self.pg_collection.tp.size() if self.config.sequence_parallel else 1
@@ -232,17 +237,24 @@ def _check_cp_heads(config, d_model: int, expand, tp: int, cp: int, who: str) ->
                          f"({groups} / TP {tp}) and the CP size {cp} must divide one another")
 
 
-_CLASS = None
+_CLASSES: dict = {}
+
+
+def tree_mamba_mixer_over(base: type, name: str, *, mixins: tuple = (), module: str = __name__) -> type:
+    """The tree mixer class over ``base`` (Megatron's ``MambaMixer`` or a family's subclass of it, e.g.
+    Megatron-Bridge's ``FalconH1MambaMixer``): `TreeMambaMixer`'s sequence mixing with ``base``'s parameters
+    and constructor; ``mixins`` go first in the MRO (a family's `_TreeMambaMixerImpl.scale_projection`).
+    One class per (base, name)."""
+    key = (base, name)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(name, (*mixins, _TreeMambaMixerImpl, base),
+                             {"__module__": module, "__qualname__": name,
+                              "__doc__": f"``{base.__name__}`` over a prefix tree.\n\n" + _TreeMambaMixerImpl.__doc__})
+    return _CLASSES[key]
 
 
 def _tree_mamba_mixer_class():
-    global _CLASS
-    if _CLASS is None:
-        stock = mamba_mixer_module()
-        _CLASS = type("TreeMambaMixer", (_TreeMambaMixerImpl, stock.MambaMixer),
-                      {"__module__": __name__, "__qualname__": "TreeMambaMixer",
-                       "__doc__": "Megatron's ``MambaMixer`` over a prefix tree.\n\n" + _TreeMambaMixerImpl.__doc__})
-    return _CLASS
+    return tree_mamba_mixer_over(mamba_mixer_module().MambaMixer, "TreeMambaMixer")
 
 
 def __getattr__(name: str):

@@ -237,6 +237,53 @@ class TreeLanguageModelMixin:
         raise ValueError(f"tree training supports rope, yarn, learned_absolute or none position embeddings, "
                          f"not {self.position_embedding_type!r}")
 
+    def tree_embedding(self, input_ids, position_ids) -> torch.Tensor:
+        """The first stage's decoder input for a tree's rows (a family that scales its embeddings, Falcon-H1's
+        ``embedding_multiplier``, overrides this)."""
+        return self.embedding(input_ids=input_ids, position_ids=position_ids)
+
+    def tree_stack_forward(self, input_ids, position_ids, attention_mask, psp, *, decoder_input=None, labels=None,
+                           runtime_gather_output=None, **decoder_kwargs):
+        """A layer stack's model (`TreeMambaModel`, Falcon-H1's) on a tree: embedding, the stack with the
+        rotary table by depth and ``packed_seq_params``, then (last stage) `_tree_postprocess`."""
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.tree_embedding(input_ids, position_ids)
+        # (a later pipeline stage passes None: the stack reads the tensor set by set_input_tensor)
+        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                     rotary_pos_emb=self.tree_rotary_pos_emb(psp), packed_seq_params=psp,
+                                     **decoder_kwargs)
+        if not self.post_process:
+            if getattr(self, "mtp_process", False):
+                raise ValueError("tree MTP needs every MTP layer on the last pipeline stage")
+            return hidden_states
+        return self._tree_postprocess(hidden_states, psp, input_ids=input_ids, position_ids=position_ids,
+                                      labels=labels, runtime_gather_output=runtime_gather_output)
+
+    def _tree_postprocess(self, hidden_states, psp, *, input_ids, position_ids, labels=None,
+                          runtime_gather_output=None):
+        """Last stage on a tree: MTP layers (megatron-core >= 0.19's hybrid MTP, `megatron.mtp`) when
+        there is a loss map, then the main head: per-occurrence log-probs, or logits / loss as stock (the
+        model's ``_scale_logits`` applied where it has one)."""
+        if self.wants_tree_logprobs(psp, labels):
+            if getattr(self, "mtp_process", False):  # their losses ride on hidden_states, as in TreeGPTModel
+                from .mtp import tree_mtp_postprocess
+
+                hidden_states = tree_mtp_postprocess(self, hidden_states, psp, input_ids=input_ids,
+                                                     position_ids=position_ids)
+            return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy,
+                                      return_topk=psp.return_topk)
+        if getattr(self, "mtp_process", False) and labels is not None:
+            raise ValueError(f"{type(self).__name__} with MTP layers on a tree: give the targets as the packed-seq "
+                             "params' loss map, not labels (the MTP targets follow the tree, not a rolled label tensor)")
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
+        scale = getattr(self, "_scale_logits", None)
+        if scale is not None:
+            logits = scale(logits)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v], as stock
+        return self.compute_language_model_loss(labels, logits)
+
     def wants_tree_logprobs(self, packed_seq_params, labels=None) -> bool:
         """True when this (last) stage must return per-occurrence log-probs instead of logits/loss."""
         return (self.post_process and _is_tree(packed_seq_params) and packed_seq_params.loss_map is not None
@@ -346,37 +393,6 @@ class TreeMambaModel(TreeLanguageModelMixin, MambaModel):
                                    padding_mask=padding_mask)
         if inference_context is not None or inference_params is not None:
             raise ValueError("TreeMambaModel is a training model: inference over a tree is not supported")
-        psp = packed_seq_params
-        if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        # (a later pipeline stage passes None: the stack reads the tensor set by set_input_tensor)
-        hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
-                                     rotary_pos_emb=self.tree_rotary_pos_emb(psp), packed_seq_params=psp,
-                                     padding_mask=padding_mask)
-        if not self.post_process:
-            if getattr(self, "mtp_process", False):
-                raise ValueError("tree MTP needs every MTP layer on the last pipeline stage")
-            return hidden_states
-        return self._tree_postprocess(hidden_states, psp, input_ids=input_ids, position_ids=position_ids,
-                                      labels=labels, runtime_gather_output=runtime_gather_output)
-
-    def _tree_postprocess(self, hidden_states, psp, *, input_ids, position_ids, labels=None,
-                          runtime_gather_output=None):
-        """Last stage on a tree: MTP layers (megatron-core >= 0.19's hybrid MTP, `megatron.mtp`) when
-        there is a loss map, then the main head: per-occurrence log-probs, or logits / loss as stock."""
-        if self.wants_tree_logprobs(psp, labels):
-            if getattr(self, "mtp_process", False):  # their losses ride on hidden_states, as in TreeGPTModel
-                from .mtp import tree_mtp_postprocess
-
-                hidden_states = tree_mtp_postprocess(self, hidden_states, psp, input_ids=input_ids,
-                                                     position_ids=position_ids)
-            return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy,
-                                      return_topk=psp.return_topk)
-        if getattr(self, "mtp_process", False) and labels is not None:
-            raise ValueError("TreeMambaModel with MTP layers on a tree: give the targets as the packed-seq params' "
-                             "loss map, not labels (the MTP targets follow the tree, not a rolled label tensor)")
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v], as MambaModel
-        return self.compute_language_model_loss(labels, logits)
+        return self.tree_stack_forward(input_ids, position_ids, attention_mask, packed_seq_params,
+                                       decoder_input=decoder_input, labels=labels,
+                                       runtime_gather_output=runtime_gather_output, padding_mask=padding_mask)

@@ -65,6 +65,7 @@ def tree_falcon_h1_classes() -> dict:
     from megatron.bridge.models.falcon_h1.modeling_falconh1 import falconh1_block, falconh1_layer, falconh1_model
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.transformer.utils import sharded_state_dict_default
     from megatron.core.utils import make_viewless_tensor
 
     from ..megatron.mamba import tree_mamba_mixer_over
@@ -106,6 +107,14 @@ def tree_falcon_h1_classes() -> dict:
                         self.mlp(hidden_states.to(dtype=cfg.params_dtype)), mlp_residual, self.hidden_dropout)
             return hidden_states
 
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """The Bridge's keys, with replicated tensors (the norm) told the TP group: the Bridge's layer leaves
+            it out, so every TP rank claimed the main replica and a TP > 1 checkpoint save stopped."""
+            return {k: v for name in ("norm", "mamba_mixer", "self_attention", "mlp")
+                    if getattr(self, name, None) is not None
+                    for k, v in sharded_state_dict_default(getattr(self, name), f"{prefix}{name}.", sharded_offsets,
+                                                           metadata, tp_group=self.pg_collection.tp).items()}
+
     class TreeFalconH1Stack(falconh1_block.FalconH1Stack):
         """``FalconH1Stack`` passing the tree layout to every layer. Its final norm is built from the spec's
         ``final_norm`` param (the Bridge's stack builds transformer-engine's ``TENorm`` directly: its local
@@ -114,6 +123,7 @@ def tree_falcon_h1_classes() -> dict:
         def __init__(self, config, submodules, *args, final_norm=None, post_layer_norm: bool = True,
                      **kwargs):
             super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+            self.tp_group = kwargs["pg_collection"].tp
             self.post_layer_norm = post_layer_norm
             if self.post_process and post_layer_norm:
                 self.final_norm = build_module(final_norm or falconh1_block.TENorm, config=config,
@@ -139,6 +149,13 @@ def tree_falcon_h1_classes() -> dict:
                 hidden_states = self.final_norm(hidden_states)
             return make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad,
                                         keep_graph=True)
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            if getattr(self, "final_norm", None) is not None:  # as in TreeFalconH1Layer: the TP group told
+                out.update(sharded_state_dict_default(self.final_norm, f"{prefix}final_norm.", sharded_offsets,
+                                                      metadata, tp_group=self.tp_group))
+            return out
 
     class TreeFalconH1Model(TreeLanguageModelMixin, falconh1_model.FalconH1Model):
         """Megatron-Bridge's ``FalconH1Model`` for tree microbatches (see the module doc); any other input

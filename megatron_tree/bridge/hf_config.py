@@ -108,6 +108,11 @@ def checkpoint_refusals(path: str, config=None) -> list:
     return out
 
 
+def _json_float(value) -> float:
+    """A float from config.json: transformers 5 writes infinities as ``{"__float__": "Infinity"}``."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
 def _falcon_h1_refusals(cfg: dict, rope_type) -> list:
     """What a Falcon-H1 checkpoint can say that megatron-bridge 0.6.2's Falcon-H1 bridge does not build: it maps no
     bias (the Mamba projections, attention or MLP), clamps no time step, builds plain rope, and makes every layer
@@ -115,8 +120,10 @@ def _falcon_h1_refusals(cfg: dict, rope_type) -> list:
     out = [f"{key}=True (megatron-bridge's Falcon-H1 maps no such bias)"
            for key in ("mamba_proj_bias", "projectors_bias", "attention_bias", "mlp_bias") if cfg.get(key)]
     limit = cfg.get("time_step_limit")
-    if limit is not None and (float(limit[0]) > 0 or float(limit[1]) != float("inf")):
-        out.append(f"time_step_limit={list(limit)} (megatron-bridge's Falcon-H1 clamps no time step)")
+    if limit is not None:
+        low, high = (_json_float(v) for v in limit)
+        if low > 0 or high != float("inf"):
+            out.append(f"time_step_limit={[low, high]} (megatron-bridge's Falcon-H1 clamps no time step)")
     if rope_type not in (None, "default"):
         out.append(f"rope of type {rope_type!r} (megatron-bridge's Falcon-H1 builds plain rope)")
     if cfg.get("mamba_use_mlp") is False:

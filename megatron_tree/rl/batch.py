@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional, Sequence
@@ -78,6 +79,12 @@ class RolloutBatch:
     @property
     def lengths(self) -> np.ndarray:
         return np.array([len(s) for s in self.samples], dtype=np.int64)
+
+    @functools.cached_property
+    def target_counts(self) -> np.ndarray:
+        """[B] int64 targets (loss-masked positions) of each rollout, counted once per batch: the sequence
+        objectives and aggregations read it several times a step (a batch's samples are not changed after)."""
+        return np.array([int(s.target_mask().sum()) for s in self.samples], dtype=np.int64)
 
     def float_fields(self) -> tuple:
         """The optional loss-map fields some rollout carries ("advantages", "old_logprobs", "ref_logprobs")."""

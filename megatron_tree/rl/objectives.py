@@ -56,17 +56,13 @@ def _dp_all_reduce(x: np.ndarray, group, op=dist.ReduceOp.SUM) -> np.ndarray:
     return t.cpu().numpy()
 
 
-def _target_counts(batch) -> np.ndarray:
-    return np.array([int(s.target_mask().sum()) for s in batch.samples], dtype=np.int64)
-
-
 def step_totals(microbatches, group) -> tuple:
     """(N, B, longest) of the whole step: targets, rollouts with a target and the longest rollout's
     targets, over this rank's rollouts and the DP ``group``'s (a framework may shard its batch over DP
     itself, or let `build_microbatches` do it: either way each rank counts its own rollouts)."""
     from ..tree.loss_agg import batch_totals
 
-    n, b, longest = batch_totals(_target_counts(microbatches.batch)[microbatches.rollout_ids])
+    n, b, longest = batch_totals(microbatches.batch.target_counts[microbatches.rollout_ids])
     n, b = _dp_all_reduce([n, b], group).tolist()
     return n, b, float(_dp_all_reduce([longest], group, dist.ReduceOp.MAX)[0])
 
@@ -76,7 +72,7 @@ def agg_factors(microbatches, mode: str, norm, group) -> np.ndarray:
     totals (`step_totals`)."""
     from ..tree.loss_agg import loss_agg_factors
 
-    return loss_agg_factors(_target_counts(microbatches.batch), mode, norm, totals=step_totals(microbatches, group))
+    return loss_agg_factors(microbatches.batch.target_counts, mode, norm, totals=step_totals(microbatches, group))
 
 
 def _rollout_sums(microbatches, outputs, group) -> dict:
@@ -110,7 +106,7 @@ def sequence_loss_fn(loss: str, microbatches, outputs, group, *, clip_eps=0.2, c
     if loss not in SEQUENCE_LOSSES:
         raise ValueError(f"sequence loss must be one of {SEQUENCE_LOSSES}, got {loss!r}")
     sums = _rollout_sums(microbatches, outputs, group)
-    counts = _target_counts(microbatches.batch).astype(np.float64)
+    counts = microbatches.batch.target_counts.astype(np.float64)
     if loss == "gspo":
         missing = [i for i in microbatches.rollout_ids.tolist() if microbatches.batch.samples[i].advantage is None]
         if missing:

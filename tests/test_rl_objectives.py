@@ -140,9 +140,11 @@ def _run(name, oracle, *, rank, dp, budget, carry=False, fault=None, cp=1):
     return dict(ok=ok, err=err, ids=mbs.rollout_ids.tolist(), cut=cut)
 
 
-def _run_trainer(oracle, *, rank, carry: bool):
-    """The trainer's GSPO (`train --tree-loss gspo --loss-agg seq-mean-token-mean`): the data pipeline's exact
-    per-sample weights, `trainer._gspo_stats_pass`, then the graded pass with each sample's ratio, DP 2."""
+def _run_trainer(oracle, *, rank, carry: bool, loss: str = "gspo"):
+    """The trainer's two passes, DP 2: GSPO (`train --tree-loss gspo --loss-agg seq-mean-token-mean`: the data
+    pipeline's exact per-sample weights, `trainer._gspo_stats_pass`, then the graded pass with each sample's
+    ratio) or DPO (`train --tree-loss dpo`: records with pair_id / chosen, `trainer._pair_stats_pass`, then the
+    graded pass with each sample's pair factors)."""
     from types import SimpleNamespace
 
     from megatron_tree.megatron.carry import carry_items
@@ -150,11 +152,17 @@ def _run_trainer(oracle, *, rank, carry: bool):
     from megatron_tree.tree.carry import assign_carry_groups
     from megatron_tree.tree.loss_agg import with_loss_agg
     from megatron_tree.training.models import forward_backward, wrap_ddp
-    from megatron_tree.training.trainer import _gspo_stats_pass
+    from megatron_tree.training.trainer import _check_loss_fields, _gspo_stats_pass, _pair_stats_pass
 
     toks, masks, adv, old, ref = _rollouts_here()
-    samples = with_loss_agg([Sample(tokens=t, loss_mask=m, advantage=float(a), old_logprobs=o, ref_logprobs=r)
-                             for t, m, a, o, r in zip(toks, masks, adv, old, ref)], "seq-mean-token-mean")
+    if loss == "dpo":
+        ids, chosen = _pair_fields()
+        samples = [Sample(tokens=t, loss_mask=m, ref_logprobs=r, meta={"pair_id": int(p), "chosen": bool(c)})
+                   for t, m, r, p, c in zip(toks[:6], masks[:6], ref[:6], ids, chosen)]
+        _check_loss_fields("dpo", samples)
+    else:
+        samples = with_loss_agg([Sample(tokens=t, loss_mask=m, advantage=float(a), old_logprobs=o, ref_logprobs=r)
+                                 for t, m, a, o, r in zip(toks, masks, adv, old, ref)], "seq-mean-token-mean")
     if carry:
         mbs = pack(samples, 8, pad_to_multiple_of=8, carry=True)
         mine = [mbs[i] for i in assign_carry_groups(mbs, 2)[rank]]
@@ -163,13 +171,19 @@ def _run_trainer(oracle, *, rank, carry: bool):
     tree, cfg = _tree_model(1, oracle["state"])
     ddp = wrap_ddp(tree, cfg)
     ddp.zero_grad_buffer()
-    kw = dict(loss_type="gspo", clip_eps=CLIP, kl_coef=KL, entropy_coef=ENT, return_entropy=True)
     items = carry_items(mine) if carry else mine
-    ratios = _gspo_stats_pass(ddp, SimpleNamespace(microbatches=mine), items,
-                              SimpleNamespace(tree_carry=carry), kw)
-    forward_backward(ddp, carry_items(mine) if carry else mine, sequence_ratios=ratios, **kw)
+    step = SimpleNamespace(microbatches=mine, sample_ids=tuple(range(len(samples))))
+    if loss == "dpo":
+        kw = dict(loss_type="dpo", return_entropy=True)
+        args = SimpleNamespace(tree_carry=carry, tree_loss="dpo", tree_dpo_beta=BETA, tree_simpo_gamma=GAMMA)
+        extra = {"pair_factors": _pair_stats_pass(ddp, step, items, args, kw, samples)}
+        name = "dpo"
+    else:
+        kw = dict(loss_type="gspo", clip_eps=CLIP, kl_coef=KL, entropy_coef=ENT, return_entropy=True)
+        extra = {"sequence_ratios": _gspo_stats_pass(ddp, step, items, SimpleNamespace(tree_carry=carry), kw)}
+        name = "gspo:seq-mean-token-mean"
+    forward_backward(ddp, carry_items(mine) if carry else mine, **extra, **kw)
     got = _grads(ddp)
-    name = "gspo:seq-mean-token-mean"
     err = max(float((got[k] - g).abs().max() / max(float(g.abs().max()), 1e-30)) for k, g in oracle[name].items())
     ok = all(torch.allclose(got[k], g, **GRAD) for k, g in oracle[name].items())
     return dict(ok=ok, err=err, ids=sorted(i for mb in mine for i in mb.sample_ids), cut=0)
@@ -196,9 +210,10 @@ def _body():
             res[key] = _run(name, oracle, rank=rank, **kw)
         except Exception:  # noqa: BLE001 - reported by the test of that run
             res[key] = {"error": traceback.format_exc()}
-    for key, carry in (("trainer/gspo", False), ("trainer_carry/gspo", True)):
+    for key, carry, loss in (("trainer/gspo", False, "gspo"), ("trainer_carry/gspo", True, "gspo"),
+                             ("trainer/dpo", False, "dpo"), ("trainer_carry/dpo", True, "dpo")):
         try:
-            res[key] = _run_trainer(oracle, rank=rank, carry=carry)
+            res[key] = _run_trainer(oracle, rank=rank, carry=carry, loss=loss)
         except Exception:  # noqa: BLE001
             res[key] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()
@@ -226,7 +241,8 @@ def _get(results, rank, key):
 
 @pytest.mark.parametrize("key", [f"dp2/{c}" for c in CASES] + [
     f"carry/{c}" for c in ("gspo:seq-mean-token-mean", "dpo", "simpo", "grpo:seq-mean-token-mean")] + [
-    "cp2/gspo:seq-mean-token-mean", "cp2/dpo", "trainer/gspo", "trainer_carry/gspo"])
+    "cp2/gspo:seq-mean-token-mean", "cp2/dpo", "trainer/gspo", "trainer_carry/gspo", "trainer/dpo",
+    "trainer_carry/dpo"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_gradients_equal_stock_per_rollout(results, key, rank):
     r = _get(results, rank, key)

@@ -324,6 +324,93 @@ def test_dp2_gspo_with_seq_mean_token_mean_equals_flat_training(tmp_path):
         assert c["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
 
 
+def _write_pairs(path, n_prompts=6, seed=3, vocab=128):
+    """Preference data: per prompt (16 tokens) two pairs, each a chosen and a rejected completion of 3..6 tokens
+    with reference log-probs; pair ids and the chosen flag as JSONL keys beside the sample's fields."""
+    from megatron_tree.data.io import write_jsonl
+    from megatron_tree.tree import Sample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_prompts):
+        prompt = rng.integers(1, vocab, 16)
+        for p in range(2):
+            for chosen in (True, False):
+                comp = rng.integers(1, vocab, int(rng.integers(3, 7)))
+                toks = np.concatenate([prompt, comp])
+                out.append(Sample(tokens=toks, loss_mask=np.r_[np.zeros(16, bool), np.ones(len(comp), bool)],
+                                  ref_logprobs=-np.log(vocab) + rng.normal(0, .3, len(toks)),
+                                  meta={"pair_id": 2 * g + p, "chosen": chosen}))
+    write_jsonl(out, path)
+    return out
+
+
+def _dpo_body(data):
+    """DP2 GPT, `train --tree-loss dpo` / `simpo`: tree packing, flat packing (every sample its own chain), and
+    tree packing with --tree-carry at 16 rows (completions and their pairs cut over microbatches and ranks)."""
+    from megatron_tree.training.trainer import train
+
+    out = {}
+    for loss in ("dpo", "simpo"):
+        common = ("--num-layers", "2", "--train-iters", "3", "--tree-loss", loss, "--tree-dpo-beta", "0.5")
+        out[loss] = (train(_args(data, *common)), train(_args(data, *common, "--packing", "flat")),
+                     train(_args(data, *common, "--tree-carry", "--tree-max-tokens-per-mb", "16")))
+    return out
+
+
+def test_dp2_preference_pairs_train_as_flat_packing(tmp_path):
+    """DPO and SimPO in the trainer: each sample's summed log-prob from a forward-only stats pass over DP ranks,
+    each pair's factors, then the graded pass: tree packing and carry equal flat packing (per-sample training)
+    step by step, every step holds whole pairs, and the loss moves. (The gradients themselves equal stock
+    per rollout in tests/test_rl_objectives.py, trainer/dpo.)"""
+    data = tmp_path / "pairs.jsonl"
+    samples = _write_pairs(data)
+    res = run_distributed(_dpo_body, 2, data, timeout=900)[0]
+    for loss, (tree, flat, carry) in res.items():
+        th, fh, ch = tree["history"], flat["history"], carry["history"]
+        assert len(th) == len(fh) == len(ch) == 3
+        assert th[0]["loss"] != th[-1]["loss"], loss
+        for a, b, c in zip(th, fh, ch):
+            assert a["sample_ids"] == b["sample_ids"] == c["sample_ids"]
+            pairs = [samples[i].meta["pair_id"] for i in a["sample_ids"]]
+            assert all(pairs.count(p) == 2 for p in pairs), pairs
+            assert a["loss"] == pytest.approx(b["loss"], rel=2e-5) and c["loss"] == pytest.approx(b["loss"], rel=2e-5)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
+            assert c["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4)
+        print(f"\n{loss}: step losses {[round(m['loss'], 5) for m in th]} (tree), "
+              f"{[round(m['loss'], 5) for m in fh]} (flat), {[round(m['loss'], 5) for m in ch]} (carry at 16 rows)")
+
+
+def test_preference_records_are_checked_by_file_and_line():
+    """dpo / ipo / simpo read pair_id, chosen (and ref_logprobs for dpo / ipo) from every record: a missing or
+    mistyped field, a pair without exactly one chosen and one rejected record, a record without a target or
+    with a weight are named by file:line before any rank starts; an odd global batch is refused."""
+    from megatron_tree.tree import Sample
+    from megatron_tree.training.trainer import _check_loss_fields
+
+    def rec(pid, chosen, **kw):
+        return Sample(tokens=[1, 2, 3], ref_logprobs=[0.0, -1.0, -1.0], meta={"pair_id": pid, "chosen": chosen}, **kw)
+
+    src = [f"p.jsonl:{i + 1}" for i in range(4)]
+    _check_loss_fields("dpo", [rec(0, True), rec(0, False), rec(1, False), rec(1, True)], src)
+    cases = [([rec(0, True), rec(0, True)], "pair 0: records p.jsonl:1, p.jsonl:2 (chosen: [True, True])"),
+             ([rec(0, True), rec(0, False), rec(1, True)], "pair 1: records p.jsonl:3"),
+             ([rec(0, True), rec("a", False)], "p.jsonl:2: pair_id must be an integer"),
+             ([rec(0, True), rec(0, 1)], "p.jsonl:2: chosen must be true or false"),
+             ([rec(0, True), Sample(tokens=[1, 2], meta={"pair_id": 0, "chosen": False})],
+              "p.jsonl:2: has no ref_logprobs, which --tree-loss dpo needs"),
+             ([rec(0, True), rec(0, False, weight=2.0)], "p.jsonl:2: a weight does not apply"),
+             ([rec(0, True), rec(0, False, loss_mask=[False, False, False])], "p.jsonl:2: has no target")]
+    for samples, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _check_loss_fields("dpo", samples, src)
+    _check_loss_fields("simpo", [rec(0, True), Sample(tokens=[1, 2], meta={"pair_id": 0, "chosen": False})], src)
+    args = build_train_parser().parse_args(["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "1",
+                                            "--tree-loss", "dpo", "--tree-global-batch-samples", "5"])
+    with pytest.raises(ValueError, match="--tree-global-batch-samples 5 is odd"):
+        check_train_args(args)
+
+
 def test_policy_losses_name_the_first_record_without_their_fields():
     """grpo / ppo / gspo read an advantage (gspo also old log-probs) from every record: a record without one is
     named by file:line before any rank starts, not found inside a rank's loss."""

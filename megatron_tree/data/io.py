@@ -381,7 +381,7 @@ def _parse_json(raw: bytes, where: str):
 
 
 def write_jsonl(samples, path) -> None:
-    """Write samples in the format `read_jsonl` reads."""
+    """Write samples in the format `read_jsonl` reads (``meta`` as the record's other keys, as it reads them)."""
     with open(path, "w") as f:
         for s in samples:
             rec = {"tokens": s.tokens.tolist()}
@@ -389,4 +389,5 @@ def write_jsonl(samples, path) -> None:
                 v = getattr(s, k)
                 if v is not None:
                     rec[k] = v.tolist() if hasattr(v, "tolist") else v
+            rec.update((k, v) for k, v in (s.meta or {}).items() if k not in rec)
             f.write(json.dumps(rec) + "\n")

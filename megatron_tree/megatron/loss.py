@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..tree.loss import tree_loss
 from ..tree.loss_map import LossMap
+from ..tree.pair_loss import PAIR_LOSSES, pair_surrogate
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -181,7 +182,7 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, vocab_start: int = 0,
 
 def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_eps: float = 0.2,
                    clip_eps_high=None, kl_coef: float = 0.0, entropy_coef: float = 0.0, sequence_ratios=None,
-                   report_occurrences: bool = False):
+                   pair_factors=None, report_occurrences: bool = False):
     """Megatron ``loss_func`` body: returns ``(loss_sum, num_tokens, report)``.
 
     ``logprobs``: the model's output, ``[M]`` per-occurrence log-probs or ``(logprobs, entropy)``
@@ -196,8 +197,11 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
     ratio, the mean entropy per target token).
 
     ``loss_type="gspo"`` takes ``sequence_ratios`` (`tree.loss.SampleValues`: each sample's ratio from a stats
-    pass, `gspo_sequence_ratios`). ``report_occurrences``: ``report["occurrences"]`` holds every occurrence's
-    ``sample_index`` and ``logprobs - old_logprobs`` (what a stats pass reads; not a [sum, count] pair).
+    pass, `gspo_sequence_ratios`). A pair loss (``"dpo"``, ``"ipo"``, ``"simpo"``) takes ``pair_factors``, the
+    (coef, share) `tree.loss.SampleValues` of `tree.pair_loss.pair_loss_factors` from a stats pass, and
+    trains `tree.pair_loss.pair_surrogate` (unweighted: a pair's loss is a function of its sums).
+    ``report_occurrences``: ``report["occurrences"]`` holds every occurrence's ``sample_index``, ``logprobs``
+    and, where the data has old log-probs, ``logprobs - old_logprobs`` (``log_ratio``): what a stats pass reads.
     """
     entropy = None
     if isinstance(logprobs, (tuple, list)):
@@ -205,10 +209,17 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
     if entropy_coef and entropy is None:
         raise ValueError("entropy_coef needs the per-occurrence entropy: run the model with "
                          "TreePackedSeqParams(return_entropy=True) (tree_forward_step(..., return_entropy=True))")
-    seq = None if sequence_ratios is None else sequence_ratios.at(loss_map.sample_index).to(logprobs.device)
-    loss_sum, metrics = tree_loss(logprobs, loss_map, loss_type=loss_type, clip_eps=clip_eps,
-                                  clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy=entropy,
-                                  entropy_coef=entropy_coef, reduction="sum", sequence_ratio=seq)
+    if loss_type in PAIR_LOSSES:
+        if pair_factors is None or kl_coef or entropy_coef:
+            raise ValueError(f"loss_type {loss_type!r} needs the pair factors of a stats pass and takes no KL or "
+                             "entropy term")
+        coef, share = (v.at(loss_map.sample_index).to(logprobs.device) for v in pair_factors)
+        loss_sum, metrics = pair_surrogate(logprobs, coef, share).sum(), {}
+    else:
+        seq = None if sequence_ratios is None else sequence_ratios.at(loss_map.sample_index).to(logprobs.device)
+        loss_sum, metrics = tree_loss(logprobs, loss_map, loss_type=loss_type, clip_eps=clip_eps,
+                                      clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy=entropy,
+                                      entropy_coef=entropy_coef, reduction="sum", sequence_ratio=seq)
     num_tokens = torch.tensor(len(loss_map), dtype=torch.int, device=logprobs.device)
     acc = torch.float64 if loss_sum.dtype == torch.float64 else torch.float32
     report = {"lm loss": torch.stack([loss_sum.detach().clone().to(acc), num_tokens.to(acc)])}
@@ -218,26 +229,26 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
         if k != "num_tokens":
             report[k] = torch.tensor([v * len(loss_map), float(len(loss_map))], device=logprobs.device)
     if report_occurrences:
-        old = loss_map.old_logprobs
-        if old is None:
-            raise ValueError("a GSPO stats pass needs old_logprobs in the data (each sample's mean log-ratio)")
-        report["occurrences"] = {"sample_index": loss_map.sample_index.cpu(),
-                                 "log_ratio": (logprobs.detach() - old.to(logprobs)).double().cpu()}
+        occ = {"sample_index": loss_map.sample_index.cpu(), "logprobs": logprobs.detach().double().cpu()}
+        if loss_map.old_logprobs is not None:
+            occ["log_ratio"] = (logprobs.detach() - loss_map.old_logprobs.to(logprobs)).double().cpu()
+        report["occurrences"] = occ
     return loss_sum, num_tokens, report
 
 
-def gspo_sequence_ratios(reports: list, groups: list, src_group=None, src_rank: int = 0):
-    """GSPO's per-sample ratio ``exp(mean_t (logp_t - old_t))`` from a stats pass's reports (made with
-    ``report_occurrences``): this rank's occurrences, gathered over ``groups`` (the DP x CP group: each rank
-    holds part of the step's occurrences, a sample's possibly cut over microbatches and CP ranks), then sent
-    from the last pipeline stage over ``src_group`` (the PP group; only that stage has reports). Returns
-    `tree.loss.SampleValues` on every rank."""
+def gather_sample_sums(reports: list, field: str, groups: list, src_group=None, src_rank: int = 0) -> tuple:
+    """(ids [S], sums [S] float64, counts [S]) per sample of the step: the stats pass's per-occurrence ``field``
+    ("logprobs" or "log_ratio") of this rank's reports (made with ``report_occurrences``), gathered over
+    ``groups`` (the DP x CP group: each rank holds part of the step's occurrences, a sample's possibly cut over
+    microbatches and CP ranks), then sent from the last pipeline stage over ``src_group`` (the PP group; only
+    that stage has reports). The same on every rank."""
     import numpy as np
     import torch.distributed as dist
 
-    from ..tree.loss import SampleValues
-
     occ = [r["occurrences"] for r in reports if "occurrences" in r]
+    if occ and field not in occ[0]:
+        raise ValueError("a GSPO stats pass needs old_logprobs in the data (each sample's mean log-ratio)"
+                         if field == "log_ratio" else f"the stats pass reported no {field!r}")
     if _FAULT == "gspo_one_microbatch":  # planted: a sample's statistic from the first microbatch holding it
         seen, kept = set(), []
         for o in occ:
@@ -246,7 +257,7 @@ def gspo_sequence_ratios(reports: list, groups: list, src_group=None, src_rank: 
             seen.update(o["sample_index"].tolist())
         occ = kept
     sid = torch.cat([o["sample_index"] for o in occ]).numpy() if occ else np.zeros(0, np.int64)
-    val = torch.cat([o["log_ratio"] for o in occ]).numpy() if occ else np.zeros(0)
+    val = torch.cat([o[field] for o in occ]).numpy() if occ else np.zeros(0)
     part = (sid, val)
     for g in groups:
         if g is not None and dist.get_world_size(g) > 1:
@@ -258,6 +269,15 @@ def gspo_sequence_ratios(reports: list, groups: list, src_group=None, src_rank: 
         dist.broadcast_object_list(box, src=src_rank, group=src_group)
         part = box[0]
     ids, inverse = np.unique(part[0], return_inverse=True)
-    sums = np.bincount(inverse, weights=part[1], minlength=len(ids))
-    counts = np.bincount(inverse, minlength=len(ids))
+    return ids, np.bincount(inverse, weights=part[1], minlength=len(ids)), np.bincount(inverse, minlength=len(ids))
+
+
+def gspo_sequence_ratios(reports: list, groups: list, src_group=None, src_rank: int = 0):
+    """GSPO's per-sample ratio ``exp(mean_t (logp_t - old_t))`` from a stats pass's reports, gathered as
+    `gather_sample_sums` does. Returns `tree.loss.SampleValues` on every rank."""
+    import numpy as np
+
+    from ..tree.loss import SampleValues
+
+    ids, sums, counts = gather_sample_sums(reports, "log_ratio", groups, src_group, src_rank)
     return SampleValues(ids, torch.as_tensor(np.exp(sums / np.maximum(counts, 1))))

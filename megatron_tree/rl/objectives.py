@@ -34,9 +34,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..tree.pair_loss import PAIR_LOSSES, pair_loss_factors, pair_members, pair_surrogate
+
 __all__ = ["SEQUENCE_LOSSES", "PAIR_LOSSES", "agg_factors", "step_totals", "sequence_loss_fn", "validate_pairs"]
 
-PAIR_LOSSES = ("dpo", "ipo", "simpo")
 SEQUENCE_LOSSES = ("gspo",) + PAIR_LOSSES
 
 # Test-only fault switch (None in normal use): "one_microbatch" takes each rollout's statistic from its
@@ -120,8 +121,7 @@ def sequence_loss_fn(loss: str, microbatches, outputs, group, *, clip_eps=0.2, c
 
     def pair_fn(lp, ent, loss_map):
         i = loss_map.sample_index.to(coef.device)
-        c, v = coef[i].to(lp), share[i].to(lp)
-        return v + c * (lp - lp.detach())
+        return pair_surrogate(lp, coef[i], share[i])
 
     return pair_fn
 
@@ -144,43 +144,21 @@ def _pairs(batch):
     if batch.pair_ids is None or batch.chosen is None:
         raise ValueError("a preference loss needs RolloutBatch pair_ids and chosen (one chosen and one rejected "
                          "rollout per pair id)")
-    ids, chosen = np.asarray(batch.pair_ids), np.asarray(batch.chosen, dtype=bool)
-    order = np.lexsort((~chosen, ids))  # per pair: chosen first
-    c, r = order[0::2], order[1::2]
+    c, r = pair_members(batch.pair_ids, batch.chosen)
     if _FAULT == "wrong_partner":  # planted: each chosen rollout against the next pair's rejected one
         r = np.roll(r, 1)
     return c, r
 
 
 def _pair_factors(loss, microbatches, sums, counts, group, *, beta, gamma):
-    """Per rollout: ``coef_i = N dL/dpi_i`` and ``share_i = N L_p / n_p`` (its pair's loss spread over the
-    pair's n_p occurrences), with L the mean over the step's pairs."""
+    """Per rollout: ``coef_i = N dL/dpi_i`` and ``share_i = N L_p / n_p`` (`tree.pair_loss`), with L the mean
+    over the step's pairs."""
     c, r = _pairs(microbatches.batch)
     n, _, _ = step_totals(microbatches, group)
     pairs = float(len(c)) if getattr(microbatches, "dp_size", 1) > 1 else float(
         _dp_all_reduce([len(c)], group)[0])  # a framework-sharded batch holds its own pairs only
-    pi, ref = sums["pi"], sums["ref"]
-    if loss == "simpo":
-        z = beta * (pi[c] / np.maximum(counts[c], 1) - pi[r] / np.maximum(counts[r], 1)) - gamma
-        value, dz = np.logaddexp(0.0, -z), -_sigmoid(-z)
-        d_c, d_r = dz * beta / np.maximum(counts[c], 1), -dz * beta / np.maximum(counts[r], 1)
-    else:
-        h = (pi[c] - ref[c]) - (pi[r] - ref[r])
-        if loss == "dpo":
-            value, dh = np.logaddexp(0.0, -beta * h), -beta * _sigmoid(-beta * h)
-        else:  # ipo
-            value, dh = (h - 1.0 / (2.0 * beta)) ** 2, 2.0 * (h - 1.0 / (2.0 * beta))
-        d_c, d_r = dh, -dh
-    B = len(microbatches.batch)
-    coef, share = np.zeros(B), np.zeros(B)
-    coef[c], coef[r] = n * d_c / pairs, n * d_r / pairs
-    occ = np.maximum(counts[c] + counts[r], 1.0)
-    share[c] = share[r] = n * value / (pairs * occ)
-    return coef, share
-
-
-def _sigmoid(x):
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
+    return pair_loss_factors(loss, sums["pi"], sums["ref"], counts, c, r, n_targets=n, n_pairs=pairs, beta=beta,
+                             gamma=gamma)
 
 
 def validate_pairs(pair_ids, chosen, size: int):

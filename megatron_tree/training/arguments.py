@@ -22,7 +22,7 @@ __all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "add
            "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
            "DEFAULT_PAD_MULTIPLE"]
 
-TREE_LOSSES = ("sft", "grpo", "ppo", "gspo")
+TREE_LOSSES = ("sft", "grpo", "ppo", "gspo", "dpo", "ipo", "simpo")
 CP_PLANNERS = ("contiguous", "zigzag", "balanced")
 BAD_SAMPLE_POLICIES = ("error", "skip")
 # Rows are padded to a multiple of this unless --tree-pad-to-multiple-of says otherwise: GEMM tiles
@@ -111,7 +111,13 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "surrogate per occurrence (needs advantages in the data); gspo: one clipped ratio per "
                         "sample, exp(mean log-ratio), from a forward-only stats pass first (needs advantages and "
                         "old_logprobs; megatron-tree train; pair it with --loss-agg seq-mean-token-mean as GSPO's "
-                        "paper). Default: sft.")
+                        "paper); dpo / ipo / simpo: preference pairs (records with pair_id and chosen, dpo / ipo "
+                        "also ref_logprobs), the loss of each pair's summed log-probs averaged over the step's "
+                        "pairs, from a forward-only stats pass first (megatron-tree train). Default: sft.")
+    g.add_argument("--tree-dpo-beta", type=float, default=0.1,
+                   help="beta of --tree-loss dpo / ipo / simpo (default 0.1).")
+    g.add_argument("--tree-simpo-gamma", type=float, default=0.5,
+                   help="SimPO's target reward margin gamma (default 0.5).")
     g.add_argument("--loss-agg", choices=LOSS_AGGS, default="token-mean",
                    help="How a step's per-token losses are aggregated (verl's names): token-mean (every target of "
                         "the global batch alike; default), seq-mean-token-sum, seq-mean-token-mean, "
@@ -212,6 +218,18 @@ def validate_tree_args(args) -> argparse.Namespace:
         high = _get(args, "tree_clip_eps_high")
         if high is not None and not high > 0:
             errors.append(f"--tree-clip-eps-high must be > 0, got {high}")
+    if _get(args, "tree_loss", "sft") in ("dpo", "ipo", "simpo"):
+        if _get(args, "loss_agg", "token-mean") != "token-mean":
+            errors.append(f"--loss-agg {args.loss_agg} does not apply to --tree-loss {args.tree_loss}: its loss is the "
+                          "mean over preference pairs of a function of each pair's sums")
+        if _get(args, "tree_kl_coef", 0.0) or _get(args, "tree_entropy_coef", 0.0):
+            errors.append(f"--tree-kl-coef / --tree-entropy-coef do not apply to --tree-loss {args.tree_loss} (a "
+                          "function of preference pairs)")
+        if not _get(args, "tree_dpo_beta", 0.1) > 0:
+            errors.append(f"--tree-dpo-beta must be > 0, got {args.tree_dpo_beta}")
+        if (_get(args, "tree_global_batch_samples", None) or 0) % 2:
+            errors.append(f"--tree-global-batch-samples {args.tree_global_batch_samples} is odd: a step of "
+                          f"--tree-loss {args.tree_loss} holds whole preference pairs")
     if not _get(args, "tree_kl_coef", 0.0) >= 0:
         errors.append(f"--tree-kl-coef must be >= 0, got {args.tree_kl_coef}")
     if not math.isfinite(_get(args, "tree_entropy_coef", 0.0)):

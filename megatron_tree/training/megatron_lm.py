@@ -96,10 +96,11 @@ def _tree_config(args, config):
         config.moe_enable_routing_replay = True
     if not getattr(config, "calculate_per_token_loss", False):
         raise ValueError("tree training needs calculate_per_token_loss=True (--calculate-per-token-loss)")
-    if getattr(args, "tree_loss", "sft") == "gspo":
-        raise ValueError("--tree-loss gspo needs a forward-only stats pass before each step's forward-backward, "
+    loss = getattr(args, "tree_loss", "sft")
+    if loss in ("gspo", "dpo", "ipo", "simpo"):
+        raise ValueError(f"--tree-loss {loss} needs a forward-only stats pass before each step's forward-backward, "
                          "which Megatron-LM's train_step does not run: use megatron-tree train or "
-                         "megatron_tree.rl.forward_backward(loss='gspo')")
+                         f"megatron_tree.rl.forward_backward(loss={loss!r})")
     return config
 
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -81,6 +82,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..tree.pair_loss import PAIR_LOSSES
 from .arguments import add_moe_balancing_args, add_tree_args, moe_balancing_fields, validate_tree_args
 from .checkpoint_errors import dir_bytes as _dir_bytes, iteration_dir as _iter_dir
 from .files import write_atomically
@@ -509,13 +511,57 @@ def load_train_samples(args, report=None) -> list:
 
 def _check_loss_fields(loss: str, samples, sources=None) -> None:
     """The record fields ``--tree-loss`` reads, present on every sample (named by file:line) before any rank
-    starts: an advantage for grpo / ppo / gspo, old log-probs for gspo (its sequence ratio)."""
-    need = {"grpo": ("advantage",), "ppo": ("advantage",), "gspo": ("advantage", "old_logprobs")}.get(loss, ())
+    starts: an advantage for grpo / ppo / gspo, old log-probs for gspo (its sequence ratio); for dpo / ipo /
+    simpo `_check_pair_fields`."""
+    need = {"grpo": ("advantage",), "ppo": ("advantage",), "gspo": ("advantage", "old_logprobs"),
+            "dpo": ("ref_logprobs",), "ipo": ("ref_logprobs",)}.get(loss, ())
     for field in need:
         bad = next((i for i, s in enumerate(samples) if getattr(s, field) is None), None)
         if bad is not None:
-            where = sources[bad] if sources and bad < len(sources) else f"sample {bad}"
-            raise ValueError(f"{where}: has no {field}, which --tree-loss {loss} needs on every record")
+            raise ValueError(f"{_where(sources, bad)}: has no {field}, which --tree-loss {loss} needs on every record")
+    if loss in PAIR_LOSSES:
+        _check_pair_fields(loss, samples, sources)
+
+
+def _where(sources, i: int) -> str:
+    return sources[i] if sources and i < len(sources) else f"sample {i}"
+
+
+def _check_pair_fields(loss: str, samples, sources=None) -> None:
+    """Preference-pair records: ``pair_id`` (an integer) and ``chosen`` (true / false) on every record (JSONL keys
+    beside the sample's fields, read from ``Sample.meta``), every pair id held by one chosen and one rejected
+    record, each with a target and no ``weight`` (a pair's loss is a function of its sums). A ValueError names
+    the record by file:line."""
+    ids = np.zeros(len(samples), np.int64)
+    chosen = np.zeros(len(samples), bool)
+    for i, s in enumerate(samples):
+        pid, ch = s.meta.get("pair_id"), s.meta.get("chosen")
+        if isinstance(pid, bool) or not isinstance(pid, (int, np.integer)):
+            raise ValueError(f"{_where(sources, i)}: pair_id must be an integer on every record of --tree-loss {loss}, "
+                             f"got {pid!r}")
+        if not isinstance(ch, (bool, np.bool_)):
+            raise ValueError(f"{_where(sources, i)}: chosen must be true or false on every record of --tree-loss "
+                             f"{loss}, got {ch!r}")
+        if s.weight is not None:
+            raise ValueError(f"{_where(sources, i)}: a weight does not apply to --tree-loss {loss} (the loss of a pair "
+                             "is a function of its summed log-probs)")
+        if not s.target_mask().any():
+            raise ValueError(f"{_where(sources, i)}: has no target; a preference pair's completions need one")
+        ids[i], chosen[i] = int(pid), bool(ch)
+    uniq, inverse, count = np.unique(ids, return_inverse=True, return_counts=True)
+    n_chosen = np.bincount(inverse, weights=chosen, minlength=len(uniq))
+    bad = np.flatnonzero((count != 2) | (n_chosen != 1))
+    if len(bad):
+        members = np.flatnonzero(ids == uniq[bad[0]]).tolist()
+        raise ValueError(f"pair {int(uniq[bad[0]])}: records {', '.join(_where(sources, i) for i in members)} (chosen: "
+                         f"{chosen[members].tolist()}); a preference pair is exactly one chosen and one rejected record")
+
+
+def _pair_grouped(samples) -> list:
+    """The samples with each preference pair as a group (``group = ("pair", pair_id)`` where a record has no group
+    of its own): the data pipeline keeps a group's members in one step."""
+    return [s if s.group is not None else dataclasses.replace(s, group=("pair", int(s.meta["pair_id"])))
+            for s in samples]
 
 
 # --------------------------------------------------------------------------------------------- process group
@@ -1059,6 +1105,47 @@ def _gspo_stats_pass(ddp, step, items, args, loss_kwargs):
                                 src_rank=ps.get_pipeline_model_parallel_last_rank())
 
 
+def _pair_stats_pass(ddp, step, items, args, loss_kwargs, samples):
+    """Preference pairs' stats pass (dpo / ipo / simpo): the step's microbatches forward only (no gradient), every
+    occurrence's log-prob summed per sample over DP x CP and sent from the last pipeline stage
+    (`megatron.loss.gather_sample_sums`), then each sample's factors (`tree.pair_loss.pair_loss_factors`) from its
+    pair in the step's window (``step.sample_ids``, every rank's). Returns the (coef, share)
+    `tree.loss.SampleValues` the graded pass trains with. One forward of the step, no backward."""
+    from megatron.core import parallel_state as ps
+
+    from ..megatron.carry import carry_items
+    from ..megatron.loss import gather_sample_sums
+    from ..tree.loss import SampleValues
+    from ..tree.pair_loss import pair_loss_factors, pair_members
+    from .models import forward_backward
+
+    stats_items = carry_items(step.microbatches) if getattr(args, "tree_carry", False) else items
+    kw = dict(loss_kwargs, loss_type="sft", entropy_coef=0.0, report_occurrences=True)
+    with torch.no_grad():
+        reports = forward_backward(ddp, stats_items, forward_only=True, **kw)
+    pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    ids, sums, counts = gather_sample_sums(reports, "logprobs", [ps.get_data_parallel_group(with_context_parallel=True)],
+                                           src_group=pp, src_rank=ps.get_pipeline_model_parallel_last_rank())
+    window = np.asarray(step.sample_ids, dtype=np.int64)
+    at = np.searchsorted(window, ids)
+    pi, n = np.zeros(len(window)), np.zeros(len(window))
+    pi[at], n[at] = sums, counts
+    pair_ids = np.array([samples[i].meta["pair_id"] for i in window], dtype=np.int64)
+    chosen = np.array([bool(samples[i].meta["chosen"]) for i in window])
+    uniq, count = np.unique(pair_ids, return_counts=True)
+    if (count != 2).any():
+        p = int(uniq[np.flatnonzero(count != 2)[0]])
+        raise ValueError(f"pair {p}: only one of its records is in this step's {len(window)} samples (the data "
+                         "pipeline keeps a group together; give the pair's records no group of their own or the "
+                         "same one, and a --tree-global-batch-samples the groups' sizes divide)")
+    ref = np.array([0.0 if samples[i].ref_logprobs is None else
+                    float(samples[i].ref_logprobs[samples[i].target_mask()].sum()) for i in window])
+    c, r = pair_members(pair_ids, chosen)
+    coef, share = pair_loss_factors(args.tree_loss, pi, ref, n, c, r, n_targets=float(n.sum()), n_pairs=float(len(c)),
+                                    beta=args.tree_dpo_beta, gamma=args.tree_simpo_gamma)
+    return SampleValues(window, torch.as_tensor(coef)), SampleValues(window, torch.as_tensor(share))
+
+
 def _make_pipeline(samples, packing: str, **kw):
     """`TreeDataPipeline` over ``samples``; ``packing="flat"`` shares nothing (the baseline)."""
     from ..data.pipeline import TreeDataPipeline
@@ -1176,6 +1263,9 @@ def train(args, samples=None, *, skipped=None, sources=None) -> dict:
         samples = load_train_samples(args, report)
         skipped, sources = report.skipped, report.sources
     check_train_args(args, samples)
+    if args.tree_loss in PAIR_LOSSES:  # (main checked them before any rank started; a direct call here)
+        _check_loss_fields(args.tree_loss, samples, sources)
+        samples = _pair_grouped(samples)
     on_cpu = init_parallel(args)
     sources = list(sources) if sources is not None and len(sources) == len(samples) else None
     try:
@@ -1308,8 +1398,11 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                 if getattr(args, "tree_carry", False):  # fill / run, then the restores, one store per step
                     items = carry_items(step.microbatches)
                 extra = {}
-                if args.tree_loss == "gspo":  # each sample's sequence ratio first, from a forward-only pass
-                    extra["sequence_ratios"] = _gspo_stats_pass(ddp, step, items, args, loss_kwargs)
+                if args.tree_loss in ("gspo",) + PAIR_LOSSES:  # per-sample statistics first, a forward-only pass
+                    if args.tree_loss == "gspo":
+                        extra["sequence_ratios"] = _gspo_stats_pass(ddp, step, items, args, loss_kwargs)
+                    else:
+                        extra["pair_factors"] = _pair_stats_pass(ddp, step, items, args, loss_kwargs, samples)
                     if getattr(args, "tree_carry", False):  # the stats pass ran the step's carry items
                         items = carry_items(step.microbatches)
                     if replay is not None:

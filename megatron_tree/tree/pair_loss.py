@@ -1,0 +1,73 @@
+"""Preference-pair losses (DPO, IPO, SimPO) as per-occurrence surrogates with exact gradients.
+
+A preference pair is a chosen and a rejected completion of one prompt (a two-leaf tree). The loss of a
+pair is a function of each completion's summed target log-probs ``pi`` (and, DPO / IPO, the reference
+model's ``ref``)::
+
+    h = (pi_c - ref_c) - (pi_r - ref_r)
+    dpo     -log sigmoid(beta h)
+    ipo     (h - 1 / (2 beta))^2
+    simpo   -log sigmoid(beta (pi_c / T_c - pi_r / T_r) - gamma)       T: the completion's targets
+
+and the step's loss is the mean over its pairs. A completion's occurrences are cut over microbatches
+and ranks, so its ``pi`` is known only after a forward-only stats pass; the graded pass then trains, per
+occurrence of sample i, ``share_i + coef_i (logp - sg(logp))``: the gradient is ``coef_i dlogp`` with
+``coef_i = N dL/dpi_i`` (exact: ``dL/dlogp_it = dL/dpi_i``), and the values add up to ``N L`` (each pair's
+loss spread over its occurrences). ``N`` is the step's target count, by which Megatron's per-token
+normalisation divides. Used by the `rl` API and the trainer.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["PAIR_LOSSES", "pair_loss_factors", "pair_surrogate", "pair_members"]
+
+PAIR_LOSSES = ("dpo", "ipo", "simpo")
+
+
+def pair_members(pair_ids, chosen) -> tuple:
+    """(chosen positions [P], rejected positions [P]) of validated ``pair_ids`` / ``chosen`` ([B] each: every
+    pair id held by one chosen and one rejected entry), pairs in ascending id order."""
+    ids, ch = np.asarray(pair_ids), np.asarray(chosen, dtype=bool)
+    order = np.lexsort((~ch, ids))  # per pair: chosen first
+    return order[0::2], order[1::2]
+
+
+def pair_loss_factors(loss: str, pi, ref, counts, chosen_pos, rejected_pos, *, n_targets: float, n_pairs: float,
+                      beta: float, gamma: float = 0.0) -> tuple:
+    """Per sample ([B] float64 each): ``coef_i = N dL/dpi_i`` and ``share_i = N L_p / n_p`` (its pair's loss
+    over the pair's occurrences), 0 for a sample in no pair. ``pi`` / ``ref`` / ``counts`` [B]: summed target
+    log-probs, summed reference log-probs, targets; ``chosen_pos`` / ``rejected_pos`` [P]: the pairs here;
+    ``n_targets`` N and ``n_pairs``: the whole step's (a pair set may be part of it)."""
+    if loss not in PAIR_LOSSES:
+        raise ValueError(f"a pair loss is one of {PAIR_LOSSES}, got {loss!r}")
+    pi, ref = np.asarray(pi, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.float64)
+    c, r = np.asarray(chosen_pos, dtype=np.int64), np.asarray(rejected_pos, dtype=np.int64)
+    if loss == "simpo":
+        tc, tr = np.maximum(counts[c], 1.0), np.maximum(counts[r], 1.0)
+        z = beta * (pi[c] / tc - pi[r] / tr) - gamma
+        value, dz = np.logaddexp(0.0, -z), -_sigmoid(-z)
+        d_c, d_r = dz * beta / tc, -dz * beta / tr
+    else:
+        h = (pi[c] - ref[c]) - (pi[r] - ref[r])
+        if loss == "dpo":
+            value, dh = np.logaddexp(0.0, -beta * h), -beta * _sigmoid(-beta * h)
+        else:  # ipo
+            value, dh = (h - 1.0 / (2.0 * beta)) ** 2, 2.0 * (h - 1.0 / (2.0 * beta))
+        d_c, d_r = dh, -dh
+    coef, share = np.zeros(len(pi)), np.zeros(len(pi))
+    coef[c], coef[r] = n_targets * d_c / n_pairs, n_targets * d_r / n_pairs
+    share[c] = share[r] = n_targets * value / (n_pairs * np.maximum(counts[c] + counts[r], 1.0))
+    return coef, share
+
+
+def pair_surrogate(logprobs: torch.Tensor, coef: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """[M] per-occurrence surrogate ``share + coef (logp - sg(logp))`` (``coef`` / ``share`` [M]: each occurrence's
+    sample's factors, `pair_loss_factors`): value ``share``, gradient ``coef``."""
+    return share.to(logprobs) + coef.to(logprobs) * (logprobs - logprobs.detach())
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))

@@ -296,7 +296,17 @@ class TreeLanguageModelMixin:
         ``return_topk`` k > 0 also ``topk_ids [M, k]`` and ``topk_logprobs [M, k]`` (no gradient).
 
         float64 for a float64 model, float32 otherwise (bf16 / fp16 / fp32 logits are upcast).
+
+        A value model (`value_head.add_value_head`) returns its [M] values at the occurrences' source rows in
+        place of the log-probs (and zeros for the entropy): the critic of PPO reads ``V(s_t)`` there.
         """
+        if getattr(self, "value_head", None) is not None:
+            from .value_head import occurrence_values
+
+            if return_topk:
+                raise ValueError("a value model returns values, not top-k log-probs")
+            values = occurrence_values(self, hidden_states, loss_map)
+            return (values, torch.zeros_like(values)) if return_entropy else values
         tp_group = self.pg_collection.tp
         if self.config.sequence_parallel:
             # backward: reduce-scatter = sum of every rank's partial (vocab-shard) input gradient

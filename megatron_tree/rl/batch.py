@@ -67,11 +67,45 @@ class RolloutBatch:
     #: preference pairs (``loss="dpo" / "ipo" / "simpo"``): each rollout's pair id, and whether it is the chosen one
     pair_ids: Optional[np.ndarray] = None
     chosen: Optional[np.ndarray] = None
+    #: value models (``loss="value"``): per rollout, one return (and old value) per token, aligned with its tokens
+    returns: Optional[list] = None
+    old_values: Optional[list] = None
 
     def __post_init__(self):
         from .objectives import validate_pairs
 
         self.pair_ids, self.chosen = validate_pairs(self.pair_ids, self.chosen, len(self.samples))
+        for name in ("returns", "old_values"):
+            rows = getattr(self, name)
+            if rows is None:
+                continue
+            if len(rows) != len(self.samples):
+                raise ValueError(f"{name} needs one entry per rollout ({len(self.samples)}), got {len(rows)}")
+            rows = [np.asarray(_np(r), dtype=np.float64) for r in rows]
+            for i, (r, s) in enumerate(zip(rows, self.samples)):
+                if r.shape != (len(s),):
+                    raise ValueError(f"rollout {i}: {name} needs one value per token ({len(s)}), got shape {r.shape}")
+                if not np.isfinite(r[s.target_mask()]).all():
+                    raise ValueError(f"rollout {i}: {name} is not finite at a target")
+            setattr(self, name, rows)
+
+    def per_occurrence(self, name: str, loss_map) -> torch.Tensor:
+        """[M] float64 ``returns`` / ``old_values`` of ``loss_map``'s occurrences (rollout ``sample_index``, token
+        ``positions``), read from the flattened field (no per-occurrence Python loop)."""
+        flat, offsets = self._flat(name)
+        idx = offsets[loss_map.sample_index.cpu().numpy()] + loss_map.positions.cpu().numpy()
+        return torch.as_tensor(flat[idx])
+
+    def _flat(self, name: str) -> tuple:
+        cache = self.__dict__.setdefault("_flat_fields", {})
+        if name not in cache:
+            rows = getattr(self, name)
+            if rows is None:
+                raise ValueError(f"this RolloutBatch has no {name}: give {name}= to RolloutBatch.from_lists / "
+                                 "from_padded")
+            offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])[:-1]]).astype(np.int64)
+            cache[name] = (np.concatenate(rows) if rows else np.zeros(0), offsets)
+        return cache[name]
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -92,14 +126,15 @@ class RolloutBatch:
 
     @classmethod
     def from_lists(cls, tokens: Sequence, *, loss_mask=None, advantages=None, old_logprobs=None, ref_logprobs=None,
-                   weights=None, routed_experts=None, pair_ids=None, chosen=None) -> "RolloutBatch":
+                   weights=None, routed_experts=None, pair_ids=None, chosen=None, returns=None,
+                   old_values=None) -> "RolloutBatch":
         """Per-rollout token lists (lists, arrays or tensors); every other field is per rollout too:
         ``loss_mask`` / ``old_logprobs`` / ``ref_logprobs`` one value per token, ``advantages`` /
         ``weights`` a scalar or one value per token (or a ``[B]`` array of scalars),
         ``routed_experts`` ``[L, moe_layers, topk]`` expert ids per token (routing replay: what the
         rollout engine returned), ``pair_ids`` / ``chosen`` ``[B]`` (preference pairs: one chosen and one
-        rejected rollout per pair id). A bad rollout is a ValueError naming it (``rollout i``) and the
-        rule it breaks."""
+        rejected rollout per pair id), ``returns`` / ``old_values`` one value per token (value models:
+        ``loss="value"``). A bad rollout is a ValueError naming it (``rollout i``) and the rule it breaks."""
         samples = []
         for i in range(len(tokens)):
             s = Sample(tokens=_np(tokens[i]), loss_mask=_row(loss_mask, i), advantage=_row(advantages, i),
@@ -107,17 +142,19 @@ class RolloutBatch:
                        routed_experts=_row(routed_experts, i))
             validate_sample(i, s, where=f"rollout {i}")
             samples.append(s)
-        return cls(samples, pair_ids=_np(pair_ids), chosen=_np(chosen))
+        return cls(samples, pair_ids=_np(pair_ids), chosen=_np(chosen),
+                   returns=None if returns is None else [_row(returns, i) for i in range(len(tokens))],
+                   old_values=None if old_values is None else [_row(old_values, i) for i in range(len(tokens))])
 
     @classmethod
     def from_padded(cls, input_ids, attention_mask, *, loss_mask=None, advantages=None, old_logprobs=None,
                     ref_logprobs=None, weights=None, routed_experts=None, pair_ids=None,
-                    chosen=None) -> "RolloutBatch":
+                    chosen=None, returns=None, old_values=None) -> "RolloutBatch":
         """Padded ``[B, T]`` tensors: ``attention_mask`` marks each row's real tokens (one contiguous
         run: left and/or right padding); ``loss_mask``, ``old_logprobs``, ``ref_logprobs`` are
         ``[B, T]`` aligned with ``input_ids`` (a response-only tensor is padded on the left by the
         prompt columns first); ``advantages`` / ``weights`` ``[B]`` or ``[B, T]``; ``routed_experts``
-        ``[B, T, moe_layers, topk]``; ``pair_ids`` / ``chosen`` ``[B]``."""
+        ``[B, T, moe_layers, topk]``; ``pair_ids`` / ``chosen`` ``[B]``; ``returns`` / ``old_values`` ``[B, T]``."""
         ids, am = _np(input_ids), _np(attention_mask).astype(bool)
         if ids.ndim != 2 or am.shape != ids.shape:
             raise ValueError(f"input_ids and attention_mask must both be [B, T], got {ids.shape} and {am.shape}")
@@ -150,7 +187,9 @@ class RolloutBatch:
                        routed_experts=cut(routed_experts, b))
             validate_sample(b, s, where=f"rollout {b}")
             samples.append(s)
-        return cls(samples, starts=start.astype(np.int64), width=int(T), pair_ids=_np(pair_ids), chosen=_np(chosen))
+        return cls(samples, starts=start.astype(np.int64), width=int(T), pair_ids=_np(pair_ids), chosen=_np(chosen),
+                   returns=None if returns is None else [cut(returns, b) for b in range(B)],
+                   old_values=None if old_values is None else [cut(old_values, b) for b in range(B)])
 
 
 @dataclass
@@ -342,7 +381,7 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
                      forward_only: bool = False, entropy_coef: float = 0.0, clip_eps: float = 0.2, clip_eps_high=None,
                      kl_coef: float = 0.0, cp_strategy: str = "balanced", loss_agg: str = "token-mean",
                      loss_agg_norm: Optional[float] = None, beta: float = 0.1,
-                     simpo_gamma: float = 0.5) -> "RolloutOutputs":
+                     simpo_gamma: float = 0.5, value_clip: Optional[float] = None) -> "RolloutOutputs":
     """One forward(-backward) of this rank's microbatches through Megatron-Core's schedule.
 
     ``model``: this rank's model chunk (a `TreeGPTModel` / `TreeMambaModel`, possibly wrapped in DDP /
@@ -364,6 +403,11 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     the mean over pairs. ``loss_agg`` (`tree.loss_agg`: token-mean, seq-mean-token-sum,
     seq-mean-token-mean, seq-mean-token-sum-norm with ``loss_agg_norm``) weighs every rollout's
     per-occurrence losses (a ``loss_fn``'s too) by its exact factor over the whole step.
+
+    Value models (`megatron.value_head.add_value_head`: the model returns each occurrence's value ``V(s_t)``
+    where a policy returns its log-prob): ``loss="value"`` trains PPO's value loss against the batch's
+    ``returns`` (`tree.loss.value_loss`; clipped around its ``old_values`` with ``value_clip``), and the
+    outputs hold ``"values"`` (``per_rollout("values")``) in place of ``"logprobs"``.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -380,6 +424,18 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     kw = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
     from .objectives import PAIR_LOSSES, SEQUENCE_LOSSES, agg_factors, sequence_loss_fn
 
+    from ..megatron.value_head import value_head_of
+
+    value_model = value_head_of(chunks[-1]) is not None
+    if loss == "value":
+        if kl_coef or entropy_coef:
+            raise ValueError("loss='value' trains a value model: kl_coef / entropy_coef do not apply")
+        if ps.is_pipeline_last_stage() and not value_model:
+            raise ValueError("loss='value' needs a value model: megatron_tree.megatron.value_head.add_value_head(model) "
+                             "before wrapping it")
+        loss, loss_fn = None, _value_loss_fn(microbatches.batch, value_clip)
+    elif value_model and loss not in ("sft",) and not forward_only:
+        raise ValueError(f"a value model trains with loss='value', not {loss!r}")
     if loss in PAIR_LOSSES and loss_agg != "token-mean":
         raise ValueError(f"loss {loss!r} is the mean over preference pairs; loss_agg={loss_agg!r} does not apply")
     agg = None
@@ -409,6 +465,9 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     keys = ("sample_index", "positions", "logprobs", "entropy", "loss")
     occ = [r.pop("occurrences") for r in reports if "occurrences" in r]
     part = {k: torch.cat([o[k] for o in occ]).numpy() if occ else np.zeros(0) for k in keys}
+    if value_model:  # (the last stage: the values came back where a policy's log-probs do)
+        part["values"] = part.pop("logprobs")
+    keys = tuple(part)
     if ps.get_context_parallel_world_size() > 1:  # every CP rank computed its own occurrences
         parts = [None] * ps.get_context_parallel_world_size()
         dist.all_gather_object(parts, part, group=ps.get_context_parallel_group())
@@ -419,6 +478,19 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
                                    group=ps.get_pipeline_model_parallel_group())
         part = box[0]
     return RolloutOutputs(microbatches.batch, microbatches.rollout_ids, part, reports)
+
+
+def _value_loss_fn(batch: RolloutBatch, clip: Optional[float]):
+    """``loss_fn`` of ``loss="value"``: `tree.loss.value_loss` of each occurrence's value against its return (and
+    old value, clipped)."""
+    from ..tree.loss import value_loss
+
+    def value_fn(values, entropy, loss_map):
+        returns = batch.per_occurrence("returns", loss_map).to(values.device)
+        old = None if clip is None else batch.per_occurrence("old_values", loss_map).to(values.device)
+        return value_loss(values, returns, old, clip)
+
+    return value_fn
 
 
 # --------------------------------------------------------------------------------------------- outputs

@@ -130,6 +130,20 @@ def policy_loss(logprobs: torch.Tensor, loss_map: LossMap, *, clip_eps: float | 
     return loss, metrics
 
 
+def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: Optional[torch.Tensor] = None,
+               clip: Optional[float] = None) -> torch.Tensor:
+    """[M] PPO's value loss per occurrence: ``0.5 (V - R)^2``, or with ``clip`` and ``old_values`` the clipped form
+    ``0.5 max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)`` (values kept near the rollout's)."""
+    r = returns.to(values)
+    loss = (values - r) ** 2
+    if clip is not None:
+        if old_values is None:
+            raise ValueError("a clipped value loss needs the rollout's old values")
+        old = old_values.to(values)
+        loss = torch.maximum(loss, (old + torch.clamp(values - old, -clip, clip) - r) ** 2)
+    return 0.5 * loss
+
+
 LOSS_TYPES = ("sft", "grpo", "ppo", "gspo")
 
 

@@ -1,11 +1,15 @@
-"""Value models (PPO critics) on a tree: `megatron.value_head` through `megatron_tree.rl`, against **stock**
-Megatron-Core per rollout.
+"""Value models (PPO critics) and reward models on a tree: `megatron.value_head` through `megatron_tree.rl`,
+against **stock** Megatron-Core per rollout.
 
 The rollouts of tests/test_rl.py (a GRPO group sharing more than its prompt, a duplicate, a rollout longer than
 the budget, an unrelated one), each with per-token returns and old values. Oracle: stock ``GPTModel`` (float64,
 the same weights) on each rollout alone, its final hidden states (the decoder's output) read through the same
 head ``V = h . w + b`` at each target's source row, PPO's clipped value loss written out here, averaged over
 every target of the batch, and its gradients (the transformer's, the head's; the LM head gets none).
+
+The reward model (``loss="rm"``): the same head read at each rollout's last row (`RolloutBatch.reward_positions`),
+Bradley-Terry over tests/test_rl_objectives.py's preference pairs (a pair's rollouts on different ranks or cut by
+carry), against stock's rewards per rollout.
 
 One spawn of 2 gloo ranks: DP 2 with the API sharding the batch, carry at 8 rows (rollouts cut over
 microbatches), then CP 2, then TP 2 with sequence parallelism (the stock weights split over TP, the head
@@ -27,6 +31,7 @@ except ImportError:  # run from the repository root as tests.*
     from tests.dist import init_megatron, run_distributed
 
 from test_rl import _grads, _rollouts, _stock_model, _tree_model
+from test_rl_objectives import PAIRS, _pair_fields
 
 GRAD = dict(rtol=1e-9, atol=1e-11)
 VCLIP = 0.2
@@ -73,10 +78,32 @@ def _oracle():
     grads = {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in stock.named_parameters()}
     grads.update({k: p.grad.clone() for k, p in head.items()})
     state.update({k: v.detach().clone() for k, v in head.items()})
-    return {"state": state, "grads": grads, "values": values, "clipped": clipped}
+    return {"state": state, "grads": grads, "values": values, "clipped": clipped, "rm": _rm_oracle(stock, head)}
 
 
-def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False):
+def _rm_oracle(stock, head) -> dict:
+    """Stock per rollout as a reward model: each of the first six rollouts' reward at its last row, Bradley-Terry
+    over tests/test_rl_objectives.py's pairs, the mean over pairs; its gradients."""
+    toks, *_ = _value_fields()
+    seen = {}
+    hook = stock.decoder.register_forward_hook(lambda mod, args, out: seen.__setitem__("h", out))
+    stock.zero_grad()
+    for p in head.values():
+        p.grad = None
+    rewards = []
+    for t in toks[:6]:
+        x = torch.tensor(t)
+        stock(x[None], torch.arange(len(x))[None], None)
+        rewards.append(seen["h"][len(t) - 1, 0] @ head["value_head.weight"] + head["value_head.bias"][0])
+    hook.remove()
+    loss = torch.stack([-torch.nn.functional.logsigmoid(rewards[c] - rewards[r]) for c, r in PAIRS]).mean()
+    loss.backward()
+    grads = {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in stock.named_parameters()}
+    grads.update({k: p.grad.clone() for k, p in head.items()})
+    return {"grads": grads, "values": [np.array([float(r)]) for r in rewards]}
+
+
+def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False, loss="value"):
     from megatron_tree import rl
     from megatron_tree.megatron.value_head import add_value_head
     from megatron_tree.training.models import wrap_ddp
@@ -96,16 +123,22 @@ def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False):
         vh.occurrence_values, restore = late, vh.occurrence_values
     try:
         ddp = wrap_ddp(tree, cfg)
-        batch = rl.RolloutBatch.from_lists(toks, loss_mask=masks, returns=returns, old_values=old)
+        if loss == "rm":
+            ids, chosen = _pair_fields()
+            batch = rl.RolloutBatch.from_lists(toks[:6], pair_ids=ids, chosen=chosen).reward_positions()
+        else:
+            batch = rl.RolloutBatch.from_lists(toks, loss_mask=masks, returns=returns, old_values=old)
         mbs = rl.build_microbatches(batch, budget, dp_rank=rank if dp > 1 else 0, dp_size=dp, carry=carry)
         values = rl.forward_backward(ddp, mbs, forward_only=True).per_rollout("values")
         ddp.zero_grad_buffer()
-        rl.forward_backward(ddp, mbs, loss="value", value_clip=VCLIP)
+        rl.forward_backward(ddp, mbs, loss=loss, **({"value_clip": VCLIP} if loss == "value" else {}))
     finally:
         if fault:
             vh.occurrence_values = restore
     got = _grads(ddp)
-    want = oracle["grads"]
+    want = oracle["rm"]["grads"] if loss == "rm" else oracle["grads"]
+    if loss == "rm":
+        oracle = oracle["rm"]
     err = max(float((got[k] - g).abs().max() / max(float(g.abs().max()), 1e-30)) for k, g in want.items())
     ok = sorted(got) == sorted(want) and all(torch.allclose(got[k], g, **GRAD) for k, g in want.items())
     verr = max(float(np.abs(values[i] - oracle["values"][i]).max()) for i in mbs.rollout_ids.tolist())
@@ -167,7 +200,8 @@ def _body():
     oracle = _oracle()
     res = {"clipped": oracle["clipped"]}
     for key, kw in (("dp2", dict(dp=2, budget=32)), ("carry", dict(dp=2, budget=8, carry=True)),
-                    ("fault", dict(dp=2, budget=32, fault=True))):
+                    ("fault", dict(dp=2, budget=32, fault=True)), ("rm_dp2", dict(dp=2, budget=32, loss="rm")),
+                    ("rm_carry", dict(dp=2, budget=8, carry=True, loss="rm"))):
         try:
             res[key] = _run(oracle, rank=rank, **kw)
         except Exception:  # noqa: BLE001 - reported by the test of that run
@@ -175,10 +209,11 @@ def _body():
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=2)
     model_parallel_cuda_manual_seed(1234)
-    try:
-        res["cp2"] = _run(oracle, rank=rank, dp=1, budget=32, cp=2)
-    except Exception:  # noqa: BLE001
-        res["cp2"] = {"error": traceback.format_exc()}
+    for key, loss in (("cp2", "value"), ("rm_cp2", "rm")):
+        try:
+            res[key] = _run(oracle, rank=rank, dp=1, budget=32, cp=2, loss=loss)
+        except Exception:  # noqa: BLE001
+            res[key] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     model_parallel_cuda_manual_seed(1234)
@@ -201,7 +236,7 @@ def _get(results, rank, key):
     return r
 
 
-@pytest.mark.parametrize("key", ["dp2", "carry", "cp2", "tp2_sp"])
+@pytest.mark.parametrize("key", ["dp2", "carry", "cp2", "tp2_sp", "rm_dp2", "rm_carry", "rm_cp2"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_value_model_gradients_and_values_equal_stock_per_rollout(results, key, rank):
     r = _get(results, rank, key)
@@ -209,10 +244,10 @@ def test_value_model_gradients_and_values_equal_stock_per_rollout(results, key, 
           f"error {r['value_err']:.1e}")
     assert r["ok"], r["err"]
     assert r["value_err"] < 1e-12 and r["head_grad"] > 1e-3, r
-    if key in ("dp2", "carry"):  # the batch was split over the two DP ranks
+    if key in ("dp2", "carry", "rm_dp2", "rm_carry"):  # the batch was split over the two DP ranks
         other = _get(results, 1 - rank, key)
         assert r["ids"] and other["ids"] and not set(r["ids"]) & set(other["ids"])
-    if key == "carry":
+    if key.endswith("carry"):
         assert r["cut"] + _get(results, 1 - rank, key)["cut"] > 0
 
 

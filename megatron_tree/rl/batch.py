@@ -89,6 +89,17 @@ class RolloutBatch:
                     raise ValueError(f"rollout {i}: {name} is not finite at a target")
             setattr(self, name, rows)
 
+    def reward_positions(self, pad_token: int = 0) -> "RolloutBatch":
+        """The batch a reward model scores (``loss="rm"``): each rollout followed by ``pad_token`` as its one target,
+        so its one occurrence's source row is the rollout's last row (the state a reward model reads); pairs kept,
+        per-token fields dropped. The extra token is a leaf row per rollout: it changes no other row."""
+        samples = []
+        for s in self.samples:
+            mask = np.zeros(len(s) + 1, dtype=bool)
+            mask[-1] = True
+            samples.append(Sample(tokens=np.append(s.tokens, pad_token), loss_mask=mask))
+        return RolloutBatch(samples, pair_ids=self.pair_ids, chosen=self.chosen)
+
     def per_occurrence(self, name: str, loss_map) -> torch.Tensor:
         """[M] float64 ``returns`` / ``old_values`` of ``loss_map``'s occurrences (rollout ``sample_index``, token
         ``positions``), read from the flattened field (no per-occurrence Python loop)."""
@@ -407,7 +418,9 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     Value models (`megatron.value_head.add_value_head`: the model returns each occurrence's value ``V(s_t)``
     where a policy returns its log-prob): ``loss="value"`` trains PPO's value loss against the batch's
     ``returns`` (`tree.loss.value_loss`; clipped around its ``old_values`` with ``value_clip``), and the
-    outputs hold ``"values"`` (``per_rollout("values")``) in place of ``"logprobs"``.
+    outputs hold ``"values"`` (``per_rollout("values")``) in place of ``"logprobs"``. ``loss="rm"`` trains a
+    reward model (the same head) with Bradley-Terry over the batch's preference pairs, on microbatches built from
+    `RolloutBatch.reward_positions` (each rollout's reward is its value at its last row).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -434,8 +447,11 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
             raise ValueError("loss='value' needs a value model: megatron_tree.megatron.value_head.add_value_head(model) "
                              "before wrapping it")
         loss, loss_fn = None, _value_loss_fn(microbatches.batch, value_clip)
-    elif value_model and loss not in ("sft",) and not forward_only:
-        raise ValueError(f"a value model trains with loss='value', not {loss!r}")
+    elif value_model and loss not in ("sft", "rm") and not forward_only:
+        raise ValueError(f"a value model trains with loss='value' (a critic) or 'rm' (a reward model), not {loss!r}")
+    elif loss == "rm" and ps.is_pipeline_last_stage() and not value_model:
+        raise ValueError("loss='rm' needs a reward model: megatron_tree.megatron.value_head.add_value_head(model) "
+                         "before wrapping it")
     if loss in PAIR_LOSSES and loss_agg != "token-mean":
         raise ValueError(f"loss {loss!r} is the mean over preference pairs; loss_agg={loss_agg!r} does not apply")
     agg = None

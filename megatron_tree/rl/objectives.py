@@ -22,6 +22,9 @@ by N, is the objective.
   (value ``s_i``, gradient ``s_i dlogp_it``), plus the k3 KL and entropy terms, then aggregated by
   ``loss_agg`` (GSPO's paper: ``seq-mean-token-mean``, i.e. the mean over rollouts of
   ``-min(s_i A_i, clip(s_i) A_i)``).
+* ``rm`` (a reward model: `megatron.value_head` on the model, the batch's `RolloutBatch.reward_positions`):
+  Bradley-Terry over preference pairs, ``-log sigmoid(r_c - r_r)`` with ``r`` a rollout's value at its last row,
+  the mean over pairs (DPO's form with ``beta = 1`` and no reference).
 * ``dpo`` / ``ipo`` / ``simpo`` over preference pairs (``RolloutBatch.pair_ids`` and ``chosen``: a prompt
   with two completions is a two-leaf tree): ``h = (pi_c - ref_c) - (pi_r - ref_r)``, ``pi`` a rollout's summed
   target log-probs, ``ref`` its summed ``ref_logprobs``; DPO ``-log sigmoid(beta h)``, IPO
@@ -38,7 +41,7 @@ from ..tree.pair_loss import PAIR_LOSSES, pair_loss_factors, pair_members, pair_
 
 __all__ = ["SEQUENCE_LOSSES", "PAIR_LOSSES", "agg_factors", "step_totals", "sequence_loss_fn", "validate_pairs"]
 
-SEQUENCE_LOSSES = ("gspo",) + PAIR_LOSSES
+SEQUENCE_LOSSES = ("gspo",) + PAIR_LOSSES + ("rm",)
 
 # Test-only fault switch (None in normal use): "one_microbatch" takes each rollout's statistic from its
 # occurrences in the first microbatch holding it only; "wrong_partner" pairs each chosen rollout with the
@@ -83,7 +86,7 @@ def _rollout_sums(microbatches, outputs, group) -> dict:
     batch = microbatches.batch
     B = len(batch)
     pi, d, ref = np.zeros(B), np.zeros(B), np.zeros(B)
-    per = outputs.per_rollout("logprobs")
+    per = outputs.per_rollout("values" if "values" in outputs.values else "logprobs")  # a value model's values
     for i in microbatches.rollout_ids.tolist():
         s = batch.samples[i]
         lp = np.asarray(per[i], dtype=np.float64)
@@ -116,7 +119,15 @@ def sequence_loss_fn(loss: str, microbatches, outputs, group, *, clip_eps=0.2, c
         return _gspo_fn(seq_ratio, clip_eps, clip_eps_high, kl_coef, entropy_coef)
     if kl_coef or entropy_coef:
         raise ValueError(f"loss {loss!r} is a function of preference pairs: kl_coef / entropy_coef do not apply")
-    coef, share = _pair_factors(loss, microbatches, sums, counts, group, beta=beta, gamma=simpo_gamma)
+    if loss == "rm":  # Bradley-Terry: -log sigmoid(r_c - r_r), each reward the value at the rollout's last row
+        bad = np.flatnonzero(counts[microbatches.rollout_ids] != 1)
+        if len(bad):
+            raise ValueError(f"rollout {int(microbatches.rollout_ids[bad[0]])}: a reward model scores one position per "
+                             "rollout (its last row): build the microbatches from batch.reward_positions()")
+        sums = dict(sums, ref=np.zeros_like(sums["pi"]))
+        coef, share = _pair_factors("dpo", microbatches, sums, counts, group, beta=1.0, gamma=0.0)
+    else:
+        coef, share = _pair_factors(loss, microbatches, sums, counts, group, beta=beta, gamma=simpo_gamma)
     coef, share = torch.as_tensor(coef), torch.as_tensor(share)
 
     def pair_fn(lp, ent, loss_map):

@@ -147,32 +147,44 @@ def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False, loss="valu
                 head_grad=float(got["value_head.weight"].abs().max()))
 
 
-def _run_tp2_sp(oracle):
-    """TP 2 with sequence parallelism (the world's two ranks): the stock weights split over TP (GPT without a gated
-    MLP: every split parameter is a plain chunk on its partition dim), the head replicated; values and every
-    gradient (each rank's shard) equal stock's."""
-    from megatron_tree import rl
+def tp2_sp_model(state: dict, value_head: bool = False):
+    """(model, config, mine) under TP 2 with sequence parallelism (the world's two ranks): test_rl's GPT with the
+    world-size-1 weights ``state`` split over TP (no gated MLP: every split parameter is a plain chunk on its
+    partition dim; a value head replicated); ``mine(name, full)`` is this rank's part of a full tensor."""
+    from megatron.core import parallel_state as ps
+
     from megatron_tree.megatron.model import TreeGPTModel
     from megatron_tree.megatron.specs import get_tree_gpt_decoder_block_spec
     from megatron_tree.megatron.value_head import add_value_head
-    from megatron_tree.training.models import ModelArgs, make_config, wrap_ddp
-    from megatron.core import parallel_state as ps
+    from megatron_tree.training.models import ModelArgs, make_config
     from test_rl import V
 
-    toks, masks, returns, old = _value_fields()
     cfg = make_config(ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                 ffn_hidden_size=48, vocab_size=V), tp=2, sp=True, dtype=torch.float64)
     tree = TreeGPTModel(cfg, get_tree_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"),
                         vocab_size=V, max_sequence_length=64, position_embedding_type="rope")
-    add_value_head(tree)
+    if value_head:
+        add_value_head(tree)
     rank = ps.get_tensor_model_parallel_rank()
+    params = dict(tree.named_parameters())
 
-    def mine(p, full):
+    def mine(name, full):
+        p = params[name]
         return full.chunk(2, dim=p.partition_dim)[rank] if getattr(p, "tensor_model_parallel", False) else full
 
     with torch.no_grad():
-        for name, p in tree.named_parameters():
-            p.copy_(mine(p, oracle["state"][name]))
+        for name, p in params.items():
+            p.copy_(mine(name, state[name]))
+    return tree, cfg, mine
+
+
+def _run_tp2_sp(oracle):
+    """TP 2 with sequence parallelism: values and every gradient (each rank's shard) equal stock's."""
+    from megatron_tree import rl
+    from megatron_tree.training.models import wrap_ddp
+
+    toks, masks, returns, old = _value_fields()
+    tree, cfg, mine = tp2_sp_model(oracle["state"], value_head=True)
     ddp = wrap_ddp(tree, cfg)
     batch = rl.RolloutBatch.from_lists(toks, loss_mask=masks, returns=returns, old_values=old)
     mbs = rl.build_microbatches(batch, 32)
@@ -180,8 +192,7 @@ def _run_tp2_sp(oracle):
     ddp.zero_grad_buffer()
     rl.forward_backward(ddp, mbs, loss="value", value_clip=VCLIP)
     got = _grads(ddp)
-    params = dict(tree.named_parameters())
-    want = {k: mine(params[k], g) for k, g in oracle["grads"].items()}
+    want = {k: mine(k, g) for k, g in oracle["grads"].items()}
     err = max(float((got[k] - g).abs().max() / max(float(g.abs().max()), 1e-30)) for k, g in want.items())
     ok = sorted(got) == sorted(want) and all(torch.allclose(got[k], g, **GRAD) for k, g in want.items())
     verr = max(float(np.abs(values[i] - oracle["values"][i]).max()) for i in range(len(toks)))

@@ -244,18 +244,19 @@ def carry_cp(model, layout, strategy: str = "balanced"):
 
 
 def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool = False, logits: bool = False,
-                  cp_strategy: str = "balanced"):
+                  cp_strategy: str = "balanced", occurrence_ids=None):
     """One carry item (`megatron.carry`) through ``model``: fill (forward without autograd, state
     into the store; the schedule backpropagates a zero), or run / restore (forward with autograd and
     ``make_loss(loss_map)`` as the loss function). ``logits``: the model returns its own rows' logits
     (this CP rank's, under CP; no loss map) and ``make_loss`` gets the view's packed-seq params (its
     rows are ``local_rows``). Under tree CP ``cp_strategy`` plans each microbatch (`carry_cp`).
+    ``occurrence_ids``: see `TreePackedSeqParams` (the view's own occurrences).
     Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
     refuse_aux_losses_under_carry(config)
     item.store.advance(item.position - pending_backwards(model))  # the items whose backward is done
     dev = device if device is not None else next(model.parameters()).device
-    psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy)
+    psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy, occurrence_ids=occurrence_ids)
     psp = carry_view(psp, item.mb, item.phase, item.store, cp=carry_cp(model, item.mb.layout, cp_strategy))
     loss_map = psp.loss_map
     if logits:

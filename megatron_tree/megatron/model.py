@@ -271,7 +271,7 @@ class TreeLanguageModelMixin:
                 hidden_states = tree_mtp_postprocess(self, hidden_states, psp, input_ids=input_ids,
                                                      position_ids=position_ids)
             return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy,
-                                      return_topk=psp.return_topk)
+                                      return_topk=psp.return_topk, occurrence_ids=psp.occurrence_ids)
         if getattr(self, "mtp_process", False) and labels is not None:
             raise ValueError(f"{type(self).__name__} with MTP layers on a tree: give the targets as the packed-seq "
                              "params' loss map, not labels (the MTP targets follow the tree, not a rolled label tensor)")
@@ -290,10 +290,12 @@ class TreeLanguageModelMixin:
                 and labels is None)
 
     def tree_logprobs(self, hidden_states: torch.Tensor, loss_map, *, return_entropy: bool = False,
-                      return_topk: int = 0):
+                      return_topk: int = 0, occurrence_ids=None):
         """[M] log-probs of every loss occurrence from final hidden states [s(/tp), 1, h]; with
         ``return_entropy`` the pair ``(logprobs, entropy)`` (both [M], differentiable); with
-        ``return_topk`` k > 0 also ``topk_ids [M, k]`` and ``topk_logprobs [M, k]`` (no gradient).
+        ``return_topk`` k > 0 also ``topk_ids [M, k]`` and ``topk_logprobs [M, k]`` (no gradient); with
+        ``occurrence_ids`` (``fn(loss_map) -> [M, k]`` ids) ``(logprobs, entropy, logprobs_at_ids [M, k])``, the
+        last differentiable (the closed-form vocab-parallel backward, one target per (occurrence, id)).
 
         float64 for a float64 model, float32 otherwise (bf16 / fp16 / fp32 logits are upcast).
 
@@ -303,8 +305,8 @@ class TreeLanguageModelMixin:
         if getattr(self, "value_head", None) is not None:
             from .value_head import occurrence_values
 
-            if return_topk:
-                raise ValueError("a value model returns values, not top-k log-probs")
+            if return_topk or occurrence_ids is not None:
+                raise ValueError("a value model returns values, not top-k log-probs or log-probs at given ids")
             values = occurrence_values(self, hidden_states, loss_map)
             return (values, torch.zeros_like(values)) if return_entropy else values
         tp_group = self.pg_collection.tp
@@ -323,6 +325,16 @@ class TreeLanguageModelMixin:
         fn = vocab_parallel_logprobs_entropy if return_entropy or return_topk else vocab_parallel_logprobs
         group = tp_group if tp_group.size() > 1 else None
         out = fn(logits, inverse, loss_map.targets, vocab_start=tp_group.rank() * v_local, group=group)
+        if occurrence_ids is not None:
+            if return_topk:
+                raise ValueError("occurrence_ids and return_topk go to different callers: ask for one")
+            ids = occurrence_ids(loss_map).to(device=logits.device, dtype=torch.int64)  # [M, k]
+            k = ids.shape[1] if ids.dim() == 2 else -1
+            if ids.shape != (len(inverse), k):
+                raise ValueError(f"occurrence_ids gave ids of shape {tuple(ids.shape)} for {len(inverse)} occurrences")
+            at = vocab_parallel_logprobs(logits, inverse[:, None].expand(-1, k).reshape(-1), ids.reshape(-1),
+                                         vocab_start=tp_group.rank() * v_local, group=group).view(-1, k)
+            return (*(out if isinstance(out, tuple) else (out,)), at)
         if not return_topk:
             return out
         ids, logp = vocab_parallel_topk(logits, return_topk, vocab_start=tp_group.rank() * v_local, group=group)
@@ -371,7 +383,7 @@ class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
             return logits_without_mtp(self, hidden_states, kwargs.get("runtime_gather_output"))
         if self.wants_tree_logprobs(psp, kwargs.get("labels")) and not kwargs.get("mtp_in_postprocess"):
             return self.tree_logprobs(hidden_states, psp.loss_map, return_entropy=psp.return_entropy,
-                                      return_topk=psp.return_topk)
+                                      return_topk=psp.return_topk, occurrence_ids=psp.occurrence_ids)
         return super()._postprocess(hidden_states=hidden_states, **kwargs)
 
 

@@ -60,6 +60,10 @@ class TreePackedSeqParams(PackedSeqParams):
     return_topk        k > 0 (with ``return_entropy``): the last stage returns ``(logprobs, entropy,
                        topk_ids [M, k], topk_logprobs [M, k])``, the k most likely next tokens of every
                        occurrence under the full-vocabulary softmax (`vocab_parallel_topk`; scoring)
+    occurrence_ids     ``fn(loss_map) -> [M, k]`` int64 (or None): vocabulary ids to read the log-probs of at every
+                       occurrence of the (local) loss map, e.g. a teacher's top-k for distillation; the last
+                       stage then also returns ``logprobs_at_ids [M, k]`` (differentiable, vocab-parallel) after
+                       ``(logprobs, entropy)``. A function of the loss map, so CP and carry views read their own
     carry              `cp.execution.carry.CarryView` of a carry microbatch (`megatron.carry.carry_view`):
                        the modules run on its own rows (``local_rows``) and read carried rows' state
                        from the step's store; None otherwise
@@ -90,6 +94,7 @@ class TreePackedSeqParams(PackedSeqParams):
     in_island: bool = False
     return_entropy: bool = False
     return_topk: int = 0
+    occurrence_ids: Any = dataclasses.field(default=None, repr=False, compare=False)
     routes: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     attention_view: Any = dataclasses.field(default=None, repr=False, compare=False)
     carry: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -195,11 +200,13 @@ def local_loss_map(loss_map: LossMap, owner: torch.Tensor, local_rows: torch.Ten
 
 def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
                            pad_to_multiple_of: int = 1, gdn_plan=None,
-                           return_entropy: bool = False, return_topk: int = 0) -> TreePackedSeqParams:
+                           return_entropy: bool = False, return_topk: int = 0,
+                           occurrence_ids=None) -> TreePackedSeqParams:
     """`TreePackedSeqParams` for a `TreeMicrobatch`, moved to ``device``; with a ``cp_plan`` of more
     than one rank, CP rank ``cp_rank``'s view of it (`context_parallel_view`, with the GDN island
     ownership ``gdn_plan`` when given). ``return_entropy``: the model returns ``(logprobs, entropy)``;
-    ``return_topk`` k > 0: also each occurrence's top-k ids and log-probs."""
+    ``return_topk`` k > 0: also each occurrence's top-k ids and log-probs; ``occurrence_ids``: see
+    `TreePackedSeqParams`."""
     layout, loss_map = mb.layout, mb.loss_map
     if device is not None:
         layout, loss_map = layout.to(device), loss_map.to(device)
@@ -210,8 +217,8 @@ def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
     paths = mb.sample_paths() if hasattr(mb, "sample_paths") else None
     psp = TreePackedSeqParams(layout=layout, loss_map=loss_map, cp_plan=cp_plan, row_samples=to(count),
                               row_inv_length=to(inv), sample_paths=to(paths),
-                              return_entropy=return_entropy or return_topk > 0, return_topk=return_topk,
-                              routes=to(routes),
+                              return_entropy=return_entropy or return_topk > 0 or occurrence_ids is not None,
+                              return_topk=return_topk, occurrence_ids=occurrence_ids, routes=to(routes),
                               mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv))
     if cp_plan is None or cp_plan.cp_size == 1:
         return psp
@@ -260,7 +267,8 @@ def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
                               num_local_padding=pad, gdn_plan=gdn_plan, gdn_local_rows=g_rows,
                               gdn_num_local_padding=g_pad, row_samples=psp.row_samples,
                               row_inv_length=psp.row_inv_length, sample_paths=psp.sample_paths,
-                              return_entropy=psp.return_entropy, return_topk=psp.return_topk, routes=psp.routes,
+                              return_entropy=psp.return_entropy, return_topk=psp.return_topk,
+                              occurrence_ids=psp.occurrence_ids, routes=psp.routes,
                               mtp_tail_index=psp.mtp_tail_index, mtp_tail_inv_length=psp.mtp_tail_inv_length,
                               step_weight_by_depth=psp.step_weight_by_depth)
     # Megatron's GPTModel builds (and TreeGPTModel then replaces) a rotary table of max_seqlen_q rows,

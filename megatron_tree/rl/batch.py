@@ -70,6 +70,10 @@ class RolloutBatch:
     #: value models (``loss="value"``): per rollout, one return (and old value) per token, aligned with its tokens
     returns: Optional[list] = None
     old_values: Optional[list] = None
+    #: distillation (``loss="distill"``): per rollout, a teacher's top-k next-token ids and log-probs per token,
+    #: ``[L, k]`` each (row t: the teacher's distribution for target t, predicted from token t-1)
+    teacher_topk_ids: Optional[list] = None
+    teacher_topk_logprobs: Optional[list] = None
 
     def __post_init__(self):
         from .objectives import validate_pairs
@@ -88,6 +92,27 @@ class RolloutBatch:
                 if not np.isfinite(r[s.target_mask()]).all():
                     raise ValueError(f"rollout {i}: {name} is not finite at a target")
             setattr(self, name, rows)
+        self._check_teacher()
+
+    def _check_teacher(self) -> None:
+        ids, logp = self.teacher_topk_ids, self.teacher_topk_logprobs
+        if ids is None and logp is None:
+            return
+        if ids is None or logp is None or len(ids) != len(self.samples) or len(logp) != len(self.samples):
+            raise ValueError("teacher_topk_ids and teacher_topk_logprobs go together, one [L, k] entry per rollout")
+        ids = [np.asarray(_np(x)) for x in ids]
+        logp = [np.asarray(_np(x), dtype=np.float64) for x in logp]
+        k = ids[0].shape[-1] if ids and ids[0].ndim == 2 else None
+        for i, (a, b, s) in enumerate(zip(ids, logp, self.samples)):
+            if a.shape != (len(s), k) or b.shape != a.shape:
+                raise ValueError(f"rollout {i}: teacher_topk_ids / teacher_topk_logprobs must be [tokens, k] = "
+                                 f"[{len(s)}, {k}] (k as rollout 0's), got {a.shape} / {b.shape}")
+            if a.dtype.kind not in "iu" or (a < 0).any():
+                raise ValueError(f"rollout {i}: teacher_topk_ids must be non-negative integer token ids")
+            t = s.target_mask()
+            if not (np.isfinite(b[t]).all() and (b[t] <= 0).all()):
+                raise ValueError(f"rollout {i}: teacher_topk_logprobs must be finite log-probs (<= 0) at every target")
+        self.teacher_topk_ids, self.teacher_topk_logprobs = [a.astype(np.int64) for a in ids], logp
 
     def reward_positions(self, pad_token: int = 0) -> "RolloutBatch":
         """The batch a reward model scores (``loss="rm"``): each rollout followed by ``pad_token`` as its one target,
@@ -101,8 +126,9 @@ class RolloutBatch:
         return RolloutBatch(samples, pair_ids=self.pair_ids, chosen=self.chosen)
 
     def per_occurrence(self, name: str, loss_map) -> torch.Tensor:
-        """[M] float64 ``returns`` / ``old_values`` of ``loss_map``'s occurrences (rollout ``sample_index``, token
-        ``positions``), read from the flattened field (no per-occurrence Python loop)."""
+        """[M] (``returns`` / ``old_values``) or [M, k] (``teacher_topk_ids`` / ``teacher_topk_logprobs``) of
+        ``loss_map``'s occurrences (rollout ``sample_index``, token ``positions``), read from the flattened field
+        (no per-occurrence Python loop)."""
         flat, offsets = self._flat(name)
         idx = offsets[loss_map.sample_index.cpu().numpy()] + loss_map.positions.cpu().numpy()
         return torch.as_tensor(flat[idx])
@@ -138,14 +164,15 @@ class RolloutBatch:
     @classmethod
     def from_lists(cls, tokens: Sequence, *, loss_mask=None, advantages=None, old_logprobs=None, ref_logprobs=None,
                    weights=None, routed_experts=None, pair_ids=None, chosen=None, returns=None,
-                   old_values=None) -> "RolloutBatch":
+                   old_values=None, teacher_topk_ids=None, teacher_topk_logprobs=None) -> "RolloutBatch":
         """Per-rollout token lists (lists, arrays or tensors); every other field is per rollout too:
         ``loss_mask`` / ``old_logprobs`` / ``ref_logprobs`` one value per token, ``advantages`` /
         ``weights`` a scalar or one value per token (or a ``[B]`` array of scalars),
         ``routed_experts`` ``[L, moe_layers, topk]`` expert ids per token (routing replay: what the
         rollout engine returned), ``pair_ids`` / ``chosen`` ``[B]`` (preference pairs: one chosen and one
         rejected rollout per pair id), ``returns`` / ``old_values`` one value per token (value models:
-        ``loss="value"``). A bad rollout is a ValueError naming it (``rollout i``) and the rule it breaks."""
+        ``loss="value"``), ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[L, k]`` per rollout (``loss="distill"``).
+        A bad rollout is a ValueError naming it (``rollout i``) and the rule it breaks."""
         samples = []
         for i in range(len(tokens)):
             s = Sample(tokens=_np(tokens[i]), loss_mask=_row(loss_mask, i), advantage=_row(advantages, i),
@@ -155,7 +182,11 @@ class RolloutBatch:
             samples.append(s)
         return cls(samples, pair_ids=_np(pair_ids), chosen=_np(chosen),
                    returns=None if returns is None else [_row(returns, i) for i in range(len(tokens))],
-                   old_values=None if old_values is None else [_row(old_values, i) for i in range(len(tokens))])
+                   old_values=None if old_values is None else [_row(old_values, i) for i in range(len(tokens))],
+                   teacher_topk_ids=None if teacher_topk_ids is None else [_row(teacher_topk_ids, i)
+                                                                           for i in range(len(tokens))],
+                   teacher_topk_logprobs=None if teacher_topk_logprobs is None else [
+                       _row(teacher_topk_logprobs, i) for i in range(len(tokens))])
 
     @classmethod
     def from_padded(cls, input_ids, attention_mask, *, loss_mask=None, advantages=None, old_logprobs=None,
@@ -349,9 +380,9 @@ def per_occurrence_loss(logprobs: torch.Tensor, entropy: torch.Tensor, loss_map,
 
 
 def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs, agg=None):
-    lp, ent = output
+    lp, ent, *at_ids = output  # (a distillation step also has the log-probs at the teacher's ids)
     if loss_fn is not None:
-        per = loss_fn(lp, ent, loss_map)
+        per = loss_fn(lp, ent, loss_map, *at_ids)
         if not torch.is_tensor(per) or per.shape != lp.shape:
             raise ValueError(f"loss_fn must return one loss per occurrence, shape {tuple(lp.shape)}, got "
                              f"{getattr(per, 'shape', type(per))}")
@@ -370,7 +401,8 @@ def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs, agg=None):
     return loss_sum, num, report
 
 
-def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss_kwargs, agg=None):
+def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss_kwargs, agg=None,
+                  occurrence_ids=None):
     from ..megatron.carry import CarryItem
     from ..megatron.forward_step import carry_forward, context_parallel_params
     from ..megatron.packed_seq import tree_packed_seq_params
@@ -380,10 +412,11 @@ def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss
         if mb.mb.carry is not None:
             return carry_forward(mb, model, lambda lm: partial(_loss_func, lm, loss=loss, loss_fn=loss_fn,
                                                                loss_kwargs=loss_kwargs, agg=agg), return_entropy=True,
-                                 cp_strategy=cp_strategy)
+                                 cp_strategy=cp_strategy, occurrence_ids=occurrence_ids)
         mb = mb.mb  # a padding microbatch
     dev = next(model.parameters()).device
-    psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True), model, strategy=cp_strategy)
+    psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True, occurrence_ids=occurrence_ids),
+                                  model, strategy=cp_strategy)
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
     return out, partial(_loss_func, psp.loss_map, loss=loss, loss_fn=loss_fn, loss_kwargs=loss_kwargs, agg=agg)
 
@@ -392,7 +425,8 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
                      forward_only: bool = False, entropy_coef: float = 0.0, clip_eps: float = 0.2, clip_eps_high=None,
                      kl_coef: float = 0.0, cp_strategy: str = "balanced", loss_agg: str = "token-mean",
                      loss_agg_norm: Optional[float] = None, beta: float = 0.1,
-                     simpo_gamma: float = 0.5, value_clip: Optional[float] = None) -> "RolloutOutputs":
+                     simpo_gamma: float = 0.5, value_clip: Optional[float] = None,
+                     distill_kl: str = "forward") -> "RolloutOutputs":
     """One forward(-backward) of this rank's microbatches through Megatron-Core's schedule.
 
     ``model``: this rank's model chunk (a `TreeGPTModel` / `TreeMambaModel`, possibly wrapped in DDP /
@@ -421,6 +455,11 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     outputs hold ``"values"`` (``per_rollout("values")``) in place of ``"logprobs"``. ``loss="rm"`` trains a
     reward model (the same head) with Bradley-Terry over the batch's preference pairs, on microbatches built from
     `RolloutBatch.reward_positions` (each rollout's reward is its value at its last row).
+
+    Distillation (``loss="distill"``): the batch's ``teacher_topk_ids`` / ``teacher_topk_logprobs`` per target;
+    the model returns its log-probs at those ids (vocab-parallel, `TreePackedSeqParams.occurrence_ids`) and
+    trains `tree.loss.distill_loss` (``distill_kl`` "forward" or "reverse", over the teacher's top-k), the mean
+    over every target of the step.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -440,7 +479,16 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     from ..megatron.value_head import value_head_of
 
     value_model = value_head_of(chunks[-1]) is not None
-    if loss == "value":
+    occurrence_ids = None
+    if loss == "distill":
+        if kl_coef or entropy_coef:
+            raise ValueError("loss='distill' trains toward a teacher's top-k: kl_coef / entropy_coef do not apply")
+        batch = microbatches.batch
+        if batch.teacher_topk_ids is None:
+            raise ValueError("loss='distill' needs RolloutBatch teacher_topk_ids and teacher_topk_logprobs")
+        occurrence_ids = partial(batch.per_occurrence, "teacher_topk_ids")
+        loss, loss_fn = None, _distill_loss_fn(batch, distill_kl)
+    elif loss == "value":
         if kl_coef or entropy_coef:
             raise ValueError("loss='value' trains a value model: kl_coef / entropy_coef do not apply")
         if ps.is_pipeline_last_stage() and not value_model:
@@ -462,7 +510,8 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
         stats = forward_backward(model, microbatches, forward_only=True, cp_strategy=cp_strategy)
         loss_fn = sequence_loss_fn(loss, microbatches, stats, _dp_group(), beta=beta, simpo_gamma=simpo_gamma, **kw)
         loss = None
-    step = partial(_forward_step, cp_strategy=cp_strategy, loss=loss, loss_fn=loss_fn, loss_kwargs=kw, agg=agg)
+    step = partial(_forward_step, cp_strategy=cp_strategy, loss=loss, loss_fn=loss_fn, loss_kwargs=kw, agg=agg,
+                   occurrence_ids=occurrence_ids)
     mbs = microbatches.microbatches
     if any(getattr(mb, "routes", None) is not None for mb in mbs):
         from ..megatron.routing_replay import reset_routing_replay
@@ -494,6 +543,21 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
                                    group=ps.get_pipeline_model_parallel_group())
         part = box[0]
     return RolloutOutputs(microbatches.batch, microbatches.rollout_ids, part, reports)
+
+
+def _distill_loss_fn(batch: RolloutBatch, kind: str):
+    """``loss_fn`` of ``loss="distill"``: `tree.loss.distill_loss` of the student's log-probs at the teacher's top-k
+    ids (the model's third output) against the teacher's."""
+    from ..tree.loss import distill_loss
+
+    distill_loss(torch.zeros(1, 1), torch.zeros(1, 1), kind)  # an unknown kind is refused before any forward
+
+    def distill_fn(logprobs, entropy, loss_map, at_ids=None):
+        if at_ids is None:
+            raise RuntimeError("loss='distill': the model returned no log-probs at the teacher's ids")
+        return distill_loss(at_ids, batch.per_occurrence("teacher_topk_logprobs", loss_map).to(at_ids.device), kind)
+
+    return distill_fn
 
 
 def _value_loss_fn(batch: RolloutBatch, clip: Optional[float]):

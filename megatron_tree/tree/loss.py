@@ -144,6 +144,19 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: Optional
     return 0.5 * loss
 
 
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str = "forward") -> torch.Tensor:
+    """[M] a distillation loss per occurrence over the teacher's top-k ids: ``student`` / ``teacher`` ``[M, k]`` the
+    two models' log-probs of those ids (the student's under its full-vocabulary softmax). ``forward``:
+    ``KL(teacher || student)`` restricted to the top-k, ``sum_j p_T (log p_T - log p_S)``; ``reverse``:
+    ``sum_j p_S (log p_S - log p_T)``. Not renormalised over the k ids: the mass outside them contributes nothing."""
+    t = teacher.to(student)
+    if kind == "forward":
+        return (torch.exp(t) * (t - student)).sum(-1)
+    if kind == "reverse":
+        return (torch.exp(student) * (student - t)).sum(-1)
+    raise ValueError(f"distillation kind must be 'forward' or 'reverse', got {kind!r}")
+
+
 LOSS_TYPES = ("sft", "grpo", "ppo", "gspo")
 
 

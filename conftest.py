@@ -99,10 +99,12 @@ MAIN_TIER_ONLY = {
                                                "--tree-carry run in latest",
     "test_concurrent_runs.py::*": "our launcher's and the single-process runs' rendezvous (stores, not Megatron-Core); "
                                   "the Megatron-LM launches of the latest tier bind through torchrun's port-0 store",
-    "test_verify_objectives.py::*": "verify's loss-agg weights and GSPO passes (ours); test_rl_objectives.py runs "
-                                    "the same objectives against stock per rollout in latest",
+    "test_verify_objectives.py::*": "verify's loss-agg weights, GSPO and pair-loss passes (ours); "
+                                    "test_rl_objectives.py runs the same objectives against stock per rollout in latest",
     "test_trainer.py::test_dp2_gspo*": "megatron-tree train's GSPO passes; test_rl_objectives.py runs the trainer's "
                                        "two passes against stock per rollout in latest",
+    "test_trainer.py::test_dp2_preference_pairs*": "megatron-tree train's pair-loss passes; test_rl_objectives.py "
+                                                   "runs the trainer's two passes (trainer/dpo) against stock in latest",
     "test_activations.py::*": "the activation profile's fit against saved-tensor hooks (our meter and features; "
                               "a profile is per stack and model: tools/calibrate_activations.py on the one you run)",
 }

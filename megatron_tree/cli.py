@@ -232,9 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="float64 (default) is the exact check; float32 uses a float-noise tolerance; bfloat16 "
                          "passes iff the tree side's error against per-sample float64 training is at most 1.5x "
                          "that of flat-packed bf16 training (plus --tolerance, default 2^-16)")
-    vf.add_argument("--loss", choices=["sft", "grpo", "ppo", "gspo"], default="sft",
+    vf.add_argument("--loss", choices=["sft", "grpo", "ppo", "gspo", "dpo", "ipo", "simpo"], default="sft",
                     help="gspo: both sides run GSPO's two passes (each sample's sequence ratio from a forward-only "
-                         "pass); fault gspo_one_microbatch (with --carry or --cp > 1) takes it from one microbatch")
+                         "pass); fault gspo_one_microbatch (with --carry or --cp > 1) takes it from one microbatch. "
+                         "dpo / ipo / simpo: the same two passes over preference pairs (samples 2p and 2p + 1, the "
+                         "even one chosen, the samples' old log-probs as the reference, beta 0.5, SimPO gamma 0.3); "
+                         "fault wrong_partner pairs each chosen sample with another pair's rejected one")
     vf.add_argument("--loss-agg", choices=LOSS_AGGS, default="token-mean",
                     help="the step's loss aggregation (as train --loss-agg): each sample's exact factor over the "
                          "whole batch on both sides; fault loss_agg_per_microbatch takes it per microbatch instead")

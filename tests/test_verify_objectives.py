@@ -1,7 +1,8 @@
 """``megatron-tree verify`` with the objectives that are not plain token-level losses: ``--loss-agg`` (each
-sample's exact factor over the batch) and ``--loss gspo`` (each sample's sequence ratio from a forward-only
-stats pass, then the graded pass), tree training against per-sample training in float64, each with its
-planted fault: factors taken per microbatch; a sample's GSPO statistic taken from one microbatch only."""
+sample's exact factor over the batch), ``--loss gspo`` (each sample's sequence ratio from a forward-only
+stats pass, then the graded pass) and ``--loss dpo / ipo / simpo`` (each sample's summed log-prob, then each
+preference pair's factors), tree training against per-sample training in float64, each with its planted fault:
+factors taken per microbatch; a sample's statistic taken from one microbatch only; the wrong pair partner."""
 from __future__ import annotations
 
 
@@ -20,3 +21,21 @@ def test_verify_loss_agg_and_gspo_against_per_sample_training_and_their_planted_
     for cfg, out in zip(cfgs, good):
         assert out["passed"], (cfg, out)
     assert not agg_fault["passed"] and not gspo_fault["passed"], (agg_fault, gspo_fault)
+
+
+def test_verify_preference_pairs_against_per_sample_training_and_their_planted_faults():
+    """``--loss dpo / ipo / simpo``: both sides run the pair losses' two passes (each sample's summed log-prob over
+    DP x CP, then each pair's factors); DP 2 under carry at 16 rows (pairs cut over microbatches and ranks), CP 2,
+    a hybrid ``MG*E`` stack under PP 2 with Adam steps; faults: a chosen sample paired with another pair's
+    rejected one, a sample's sum taken from one microbatch."""
+    from megatron_tree.training.verify import VerifyConfig, run_verify_many
+
+    cfgs = [VerifyConfig(model="gpt", loss="dpo", dp=2, carry=True, budget=16),
+            VerifyConfig(model="gpt", loss="simpo", cp=2),
+            VerifyConfig(model="hybrid", pattern="MG*E", loss="ipo", pp=2, steps=2),
+            VerifyConfig(model="gpt", loss="dpo", dp=2, fault="wrong_partner"),
+            VerifyConfig(model="gpt", loss="dpo", dp=2, carry=True, budget=16, fault="gspo_one_microbatch")]
+    *good, partner, one_mb = run_verify_many(cfgs)
+    for cfg, out in zip(cfgs, good):
+        assert out["passed"], (cfg, out)
+    assert not partner["passed"] and not one_mb["passed"], (partner, one_mb)

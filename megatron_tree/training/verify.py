@@ -61,6 +61,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..tree.pair_loss import PAIR_LOSSES
 from .verify_mtp import FAULTS as MTP_FAULTS  # (light: torch only at import)
 
 FAULTS = ("sibling_mask", "rope_physical", "drop_occurrence", "duplicate_occurrence", "zero_state", "nan",
@@ -79,7 +80,10 @@ CARRY_FAULTS = ("carry_detach", "carry_stale", "carry_twice")
 BALANCE_FAULTS = ("multiplicity_ones",)
 # faults of runs with a loss aggregation other than token-mean: the tree side's per-sample factors computed
 # over each microbatch's samples instead of the whole step's (a sequence-level normaliser taken locally)
-LOSS_AGG_FAULTS = ("loss_agg_per_microbatch", "gspo_one_microbatch")
+LOSS_AGG_FAULTS = ("loss_agg_per_microbatch", "gspo_one_microbatch", "wrong_partner")
+#: --loss dpo / ipo / simpo: beta and SimPO's gamma (pairs: the batch's samples 2p and 2p + 1, the even one chosen;
+#: DPO / IPO's reference log-probs: the samples' old_logprobs)
+PAIR_BETA, PAIR_GAMMA = 0.5, 0.3
 ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS + LOSS_AGG_FAULTS
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS
@@ -262,11 +266,13 @@ def _with_sample_ids(mb, ids: list):
     return dataclasses.replace(mb, loss_map=dataclasses.replace(lm, sample_index=idx))
 
 
-def _gspo_extras(ddp, batch, cfg, side: str, carry_again, wrap) -> dict:
-    """``--loss gspo``: each sample's sequence ratio from a forward-only stats pass over ``batch`` (the
-    trainer's two passes, `trainer._gspo_stats_pass`); {} for the other losses. Fault ``gspo_one_microbatch``
-    (tree side): each sample's statistic from the first microbatch holding it."""
-    if cfg.loss != "gspo":
+def _sequence_extras(ddp, batch, cfg, side: str, carry_again, wrap, samples) -> dict:
+    """``--loss gspo`` / ``dpo`` / ``ipo`` / ``simpo``: the trainer's stats pass over ``batch`` (forward only, every
+    occurrence reported, gathered per sample over DP x CP and sent from the last PP stage), then GSPO's sequence
+    ratios (`trainer._gspo_stats_pass`) or each sample's pair factors (`_pair_factors`); {} for the other losses.
+    Faults (tree side): ``gspo_one_microbatch``, each sample's statistic from the first microbatch holding it;
+    ``wrong_partner``, each chosen sample against the next pair's rejected one."""
+    if cfg.loss not in ("gspo",) + PAIR_LOSSES:
         return {}
     from megatron.core import parallel_state as ps
 
@@ -278,14 +284,37 @@ def _gspo_extras(ddp, batch, cfg, side: str, carry_again, wrap) -> dict:
         reports = forward_backward(ddp, items, forward_only=True, loss_type="sft", cp_strategy=cfg.cp_strategy,
                                    wrap_step=wrap, report_occurrences=True)
     pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    groups = [ps.get_data_parallel_group(with_context_parallel=True)]
     before = tree_loss_mod._FAULT
     tree_loss_mod._FAULT = "gspo_one_microbatch" if side == "tree" and cfg.fault == "gspo_one_microbatch" else None
     try:
-        ratios = tree_loss_mod.gspo_sequence_ratios(reports, [ps.get_data_parallel_group(with_context_parallel=True)],
-                                                    src_group=pp, src_rank=ps.get_pipeline_model_parallel_last_rank())
+        if cfg.loss == "gspo":
+            return {"sequence_ratios": tree_loss_mod.gspo_sequence_ratios(
+                reports, groups, src_group=pp, src_rank=ps.get_pipeline_model_parallel_last_rank())}
+        ids, sums, counts = tree_loss_mod.gather_sample_sums(reports, "logprobs", groups, src_group=pp,
+                                                             src_rank=ps.get_pipeline_model_parallel_last_rank())
     finally:
         tree_loss_mod._FAULT = before
-    return {"sequence_ratios": ratios}
+    return {"pair_factors": _pair_factors(cfg.loss, ids, sums, counts, samples,
+                                          wrong_partner=side == "tree" and cfg.fault == "wrong_partner")}
+
+
+def _pair_factors(loss: str, ids, sums, counts, samples: list, wrong_partner: bool = False) -> tuple:
+    """(coef, share) `tree.loss.SampleValues` of verify's preference pairs (samples 2p and 2p + 1, the even one
+    chosen; an odd last sample is in no pair) from the stats pass's per-sample sums."""
+    from ..tree.loss import SampleValues
+    from ..tree.pair_loss import pair_loss_factors
+
+    n = len(samples)
+    pi, cnt = np.zeros(n), np.zeros(n)
+    pi[ids], cnt[ids] = sums, counts
+    ref = np.array([float(s.old_logprobs[s.target_mask()].sum()) for s in samples])
+    c = np.arange(0, n - 1, 2)
+    r = np.roll(c + 1, 1) if wrong_partner else c + 1
+    coef, share = pair_loss_factors(loss, pi, ref, cnt, c, r, n_targets=float(cnt.sum()), n_pairs=float(len(c)),
+                                    beta=PAIR_BETA, gamma=PAIR_GAMMA)
+    every = np.arange(n)
+    return SampleValues(every, torch.as_tensor(coef)), SampleValues(every, torch.as_tensor(share))
 
 
 def _agg_per_microbatch(mb, samples: list, cfg) -> "object":
@@ -769,7 +798,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     flat_budget = max(cfg.budget, -(-max(len(s) for s in samples) // 8) * 8) if cfg.carry else cfg.budget
     flat_mbs = [pack([samples[i]], flat_budget, pad_to_multiple_of=pad, mtp_tail=tail if cfg.cp > 1 else 0)[0]
                 for mb in mine for i in mb.sample_ids]
-    if cfg.loss == "gspo":  # GSPO's per-sample statistics are keyed by sample: the batch's ids on every side
+    if cfg.loss in ("gspo",) + PAIR_LOSSES:  # per-sample statistics are keyed by sample: the batch's ids, every side
         flat_mbs = [_with_sample_ids(fm, [i]) for fm, i in zip(flat_mbs, [i for mb in mine for i in mb.sample_ids])]
     # Every DP rank runs the same number of microbatches (MoE all-to-alls run once per microbatch
     # on every expert-parallel rank): top up with zero-loss padding microbatches.
@@ -787,7 +816,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # samples flat (stock's statistic on the same microbatch), padding weighing nothing
     packed_mbs = ([_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay, mtp_tail=tail if balance else 0)
                    for mb in mine] if bf16 or balance else None)
-    if packed_mbs is not None and cfg.loss == "gspo":
+    if packed_mbs is not None and cfg.loss in ("gspo",) + PAIR_LOSSES:
         packed_mbs = [_with_sample_ids(pm, list(mb.sample_ids)) for pm, mb in zip(packed_mbs, mine)]
     if cfg.carry:  # the same number of schedule items on every DP rank (an exporting microbatch is two)
         count = lambda rank_mbs: sum(1 + (len(mbs[i].carry.exported) > 0) for i in rank_mbs)
@@ -938,7 +967,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                 selected = stack.enter_context(dsa_oracle.capture_stock_selected() if stock else capture_selected())
             if cfg.carry and side == "tree":
                 batch = carry_again(batch)
-            extra = _gspo_extras(ddp, batch, cfg, side, carry_again if cfg.carry and side == "tree" else None, wrap)
+            extra = _sequence_extras(ddp, batch, cfg, side, carry_again if cfg.carry and side == "tree" else None, wrap,
+                                     samples)
             if cfg.carry and side == "tree" and extra:
                 batch = carry_again(batch)
             reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap,
@@ -958,8 +988,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                 opt.zero_grad()
                 if cfg.carry and side == "tree":
                     batch = carry_again(batch)
-                extra = _gspo_extras(ddp, batch, cfg, side, carry_again if cfg.carry and side == "tree" else None,
-                                     wrap)
+                extra = _sequence_extras(ddp, batch, cfg, side, carry_again if cfg.carry and side == "tree" else None,
+                                         wrap, samples)
                 if cfg.carry and side == "tree" and extra:
                     batch = carry_again(batch)
                 forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap, **extra)
@@ -1201,9 +1231,14 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.fault in DSA_FAULTS and cfg.model != "dsa":
             raise ValueError(f"fault {cfg.fault} plants a bug in DeepSeek sparse attention: it needs model='dsa' "
                              "(--model dsa)")
-        if cfg.fault == "gspo_one_microbatch" and (cfg.loss != "gspo" or not (cfg.carry or cfg.cp > 1)):
-            raise ValueError("fault gspo_one_microbatch takes a sample's GSPO statistic from one microbatch: it needs "
-                             "--loss gspo and a sample cut over microbatches or ranks (--carry or --cp > 1)")
+        if cfg.fault == "gspo_one_microbatch" and (cfg.loss not in ("gspo",) + PAIR_LOSSES
+                                                    or not (cfg.carry or cfg.cp > 1)):
+            raise ValueError("fault gspo_one_microbatch takes a sample's statistic from one microbatch: it needs "
+                             "--loss gspo / dpo / ipo / simpo and a sample cut over microbatches or ranks (--carry or "
+                             "--cp > 1)")
+        if cfg.fault == "wrong_partner" and cfg.loss not in PAIR_LOSSES:
+            raise ValueError("fault wrong_partner pairs each chosen sample with another pair's rejected one: it needs "
+                             "--loss dpo / ipo / simpo")
         if cfg.fault == "loss_agg_per_microbatch" and cfg.loss_agg == "token-mean":
             raise ValueError(f"fault {cfg.fault} plants a bug in a loss aggregation's per-sample factors: it needs "
                              "--loss-agg other than token-mean (whose factors are all 1)")

@@ -23,9 +23,10 @@ computation stay the framework's. (Note the alignment: our per-token tensors are
 with column c holding token c *as a target*, so a response-only tensor is padded on the left by P
 columns and read back with ``[:, P:]``; no ``-1`` shift.)
 
-Run on CPU (a tiny GPT, 2 DP ranks on gloo, three GRPO steps on synthetic rollouts):
+Run on CPU (a tiny GPT, 2 DP ranks on gloo, three GRPO steps on synthetic rollouts; ``--loss gspo`` for
+GSPO's actor step, whose sequence ratios take one more forward-only pass):
 
-    .venv/bin/python examples/rl_actor_step.py
+    .venv/bin/python examples/rl_actor_step.py [--loss gspo]
 """
 from __future__ import annotations
 
@@ -57,8 +58,11 @@ def compute_log_prob(model, data: dict, *, dp_rank: int, dp_size: int) -> torch.
 
 
 def update_policy(model, optimizer, data: dict, *, dp_rank: int, dp_size: int, clip_ratio: float = 0.2,
-                  kl_coef: float = 0.01, entropy_coeff: float = 0.001) -> dict:
-    """One optimizer step of GRPO (clipped surrogate, k3 KL to the reference, entropy bonus)."""
+                  kl_coef: float = 0.01, entropy_coeff: float = 0.001, loss: str = "grpo") -> dict:
+    """One optimizer step of GRPO (clipped surrogate, k3 KL to the reference, entropy bonus), or with
+    ``loss="gspo"`` of GSPO (one clipped ratio per rollout, exp of its mean log-ratio, from a forward-only pass
+    first; the clip range as the paper's, 3e-4 / 4e-4, and its seq-mean-token-mean aggregation)."""
+    gspo = dict(clip_eps=3e-4, clip_eps_high=4e-4, loss_agg="seq-mean-token-mean") if loss == "gspo" else {}
     P = data["prompts"].shape[1]
     batch = RolloutBatch.from_padded(  # tree:
         data["input_ids"], data["attention_mask"], loss_mask=_full(data["response_mask"], P),  # tree:
@@ -67,7 +71,7 @@ def update_policy(model, optimizer, data: dict, *, dp_rank: int, dp_size: int, c
     mbs = build_microbatches(batch, MAX_TOKENS_PER_MB, dp_rank=dp_rank, dp_size=dp_size)  # tree:
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    out = forward_backward(model, mbs, loss="grpo", clip_eps=clip_ratio, kl_coef=kl_coef,  # tree:
+    out = forward_backward(model, mbs, loss=loss, **({"clip_eps": clip_ratio} | gspo), kl_coef=kl_coef,  # tree:
                            entropy_coef=entropy_coeff)  # tree:
     ok, grad_norm, _ = optimizer.step()
     lm = sum(r["lm loss"] for r in out.reports)  # [loss sum, targets] of this rank
@@ -98,7 +102,7 @@ def _synthetic_rollouts(seed: int, B: int = 16, P: int = 24, R: int = 12, vocab:
                 advantages=adv.double(), ref_log_prob=torch.full((B, R), -4.8, dtype=torch.float64) * resp_mask)
 
 
-def _demo_rank() -> list:
+def _demo_rank(loss: str = "grpo") -> list:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -122,7 +126,7 @@ def _demo_rank() -> list:
         old = compute_log_prob(model, data, dp_rank=dp_rank, dp_size=dp_size)
         dist.all_reduce(old)  # each DP rank filled its own rollouts' rows: the whole batch on every rank
         data["old_log_probs"] = old.double()
-        m = update_policy(model, opt, data, dp_rank=dp_rank, dp_size=dp_size)
+        m = update_policy(model, opt, data, dp_rank=dp_rank, dp_size=dp_size, loss=loss)
         lines.append(f"step {step + 1}: rank {dist.get_rank()} pg_loss {m['pg_loss']:+.4f} entropy {m['entropy']:.4f} "
                      f"grad_norm {m['grad_norm']:.4f} rows {m['tree_rows']} for {m['flat_tokens']} tokens")
     return lines
@@ -131,5 +135,6 @@ def _demo_rank() -> list:
 if __name__ == "__main__":
     from megatron_tree.training.launch import run_distributed
 
-    for rank_lines in run_distributed(_demo_rank, 2, timeout=600):
+    loss = "gspo" if "--loss=gspo" in sys.argv or sys.argv[-2:] == ["--loss", "gspo"] else "grpo"
+    for rank_lines in run_distributed(_demo_rank, 2, loss, timeout=600):
         print("\n".join(rank_lines))

@@ -12,7 +12,8 @@ Bradley-Terry over tests/test_rl_objectives.py's preference pairs (a pair's roll
 carry), against stock's rewards per rollout.
 
 One spawn of 2 gloo ranks: DP 2 with the API sharding the batch, carry at 8 rows (rollouts cut over
-microbatches), then CP 2, then TP 2 with sequence parallelism (the stock weights split over TP, the head
+microbatches), then CP 2, then PP 2 (the head on the last stage, the values sent to both), then TP 2 with
+sequence parallelism (the stock weights split over TP, the head
 replicated: every rank's gradient shard compared); forward-only values equal stock's per rollout. A planted fault (each occurrence's
 value read one row late) is caught.
 """
@@ -103,17 +104,27 @@ def _rm_oracle(stock, head) -> dict:
     return {"grads": grads, "values": [np.array([float(r)]) for r in rewards]}
 
 
-def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False, loss="value"):
+def pp2_stage_names(oracle_keys, first: bool, last: bool) -> dict:
+    """{this PP 2 stage's parameter name: the world-size-1 name} for test_rl's 2-layer GPT, one layer per stage
+    (the stage's layer is its local layer 0; a value head on the last stage)."""
+    keep = "decoder.layers.0." if first else "decoder.layers.1."
+    return {k.replace(keep, "decoder.layers.0."): k for k in oracle_keys
+            if k.startswith(keep) or (first and k.startswith("embedding."))
+            or (last and k.startswith(("decoder.final_layernorm.", "output_layer.", "value_head.")))}
+
+
+def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False, loss="value", pp=1):
     from megatron_tree import rl
     from megatron_tree.megatron.value_head import add_value_head
     from megatron_tree.training.models import wrap_ddp
 
     toks, masks, returns, old = _value_fields()
     state = {k: v for k, v in oracle["state"].items() if not k.startswith("value_head.")}
-    tree, cfg = _tree_model(cp, state)
+    tree, cfg = _tree_model(cp, state, pp=pp)
     add_value_head(tree)
-    tree.value_head.load_state_dict({k.removeprefix("value_head."): v for k, v in oracle["state"].items()
-                                     if k.startswith("value_head.")})
+    if getattr(tree, "value_head", None) is not None:  # (the last pipeline stage)
+        tree.value_head.load_state_dict({k.removeprefix("value_head."): v for k, v in oracle["state"].items()
+                                         if k.startswith("value_head.")})
     if fault:  # planted: each occurrence reads the value of the row after its source row
         from megatron_tree.megatron import value_head as vh
 
@@ -137,14 +148,18 @@ def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False, loss="valu
             vh.occurrence_values = restore
     got = _grads(ddp)
     want = oracle["rm"]["grads"] if loss == "rm" else oracle["grads"]
+    if pp > 1:
+        names = pp2_stage_names(want, tree.pre_process, tree.post_process)
+        want = {local: want[full] for local, full in names.items()}
     if loss == "rm":
         oracle = oracle["rm"]
     err = max(float((got[k] - g).abs().max() / max(float(g.abs().max()), 1e-30)) for k, g in want.items())
     ok = sorted(got) == sorted(want) and all(torch.allclose(got[k], g, **GRAD) for k, g in want.items())
     verr = max(float(np.abs(values[i] - oracle["values"][i]).max()) for i in mbs.rollout_ids.tolist())
     cut = sum(1 for mb in mbs.microbatches if mb.carry is not None and len(mb.carry.carried)) if carry else 0
+    head = got.get("value_head.weight", got.get("decoder.layers.0.self_attention.linear_qkv.weight"))
     return dict(ok=ok, err=err, value_err=verr, ids=mbs.rollout_ids.tolist(), cut=cut,
-                head_grad=float(got["value_head.weight"].abs().max()))
+                head_grad=float(head.abs().max()))
 
 
 def tp2_sp_model(state: dict, value_head: bool = False):
@@ -226,6 +241,14 @@ def _body():
         except Exception:  # noqa: BLE001
             res[key] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(1234)
+    for key, loss in (("pp2", "value"), ("rm_pp2", "rm")):
+        try:
+            res[key] = _run(oracle, rank=rank, dp=1, budget=32, pp=2, loss=loss)
+        except Exception:  # noqa: BLE001
+            res[key] = {"error": traceback.format_exc()}
+    ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     model_parallel_cuda_manual_seed(1234)
     try:
@@ -247,7 +270,7 @@ def _get(results, rank, key):
     return r
 
 
-@pytest.mark.parametrize("key", ["dp2", "carry", "cp2", "tp2_sp", "rm_dp2", "rm_carry", "rm_cp2"])
+@pytest.mark.parametrize("key", ["dp2", "carry", "cp2", "tp2_sp", "pp2", "rm_dp2", "rm_carry", "rm_cp2", "rm_pp2"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_value_model_gradients_and_values_equal_stock_per_rollout(results, key, rank):
     r = _get(results, rank, key)

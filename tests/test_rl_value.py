@@ -9,7 +9,8 @@ every target of the batch, and its gradients (the transformer's, the head's; the
 
 The reward model (``loss="rm"``): the same head read at each rollout's last row (`RolloutBatch.reward_positions`),
 Bradley-Terry over tests/test_rl_objectives.py's preference pairs (a pair's rollouts on different ranks or cut by
-carry), against stock's rewards per rollout.
+carry), and over ranked groups (every two rollouts of a group with different scores: 7 pairs from groups of 5 with
+a tie and of 2), against stock's rewards per rollout.
 
 One spawn of 2 gloo ranks: DP 2 with the API sharding the batch, carry at 8 rows (rollouts cut over
 microbatches), then CP 2, then PP 2 (the head on the last stage, the values sent to both), then TP 2 with
@@ -36,6 +37,14 @@ from test_rl_objectives import PAIRS, _pair_fields
 
 GRAD = dict(rtol=1e-9, atol=1e-11)
 VCLIP = 0.2
+
+
+def rel_err(got: dict, want: dict) -> float:
+    """Max over parameters of |got - want| / max(|want|, 1e-3 x the largest gradient): relative, except that a
+    gradient far below the others' is measured against that floor (a reward bias under Bradley-Terry: zero in exact
+    arithmetic, 3e-17 of rounding noise here, which would otherwise dominate). The pass criterion is allclose."""
+    scale = 1e-3 * max(float(g.abs().max()) for g in want.values())
+    return max(float((got[k] - g).abs().max()) / max(float(g.abs().max()), scale) for k, g in want.items())
 
 
 def _value_fields():
@@ -79,25 +88,37 @@ def _oracle():
     grads = {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in stock.named_parameters()}
     grads.update({k: p.grad.clone() for k, p in head.items()})
     state.update({k: v.detach().clone() for k, v in head.items()})
-    return {"state": state, "grads": grads, "values": values, "clipped": clipped, "rm": _rm_oracle(stock, head)}
+    return {"state": state, "grads": grads, "values": values, "clipped": clipped, "rm": _rm_oracle(stock, head),
+            "rm_groups": _rm_oracle(stock, head, groups=True)}
 
 
-def _rm_oracle(stock, head) -> dict:
-    """Stock per rollout as a reward model: each of the first six rollouts' reward at its last row, Bradley-Terry
-    over tests/test_rl_objectives.py's pairs, the mean over pairs; its gradients."""
+# ranked groups over all seven rollouts: the five sharing a prompt (one tie: rollout 4 repeats rollout 1 and scores
+# the same) and the two unrelated ones
+GROUPS, SCORES = [0, 0, 0, 0, 0, 1, 1], [0.3, 1.2, -0.5, 2.0, 1.2, 0.1, -0.4]
+
+
+def _rm_oracle(stock, head, groups: bool = False) -> dict:
+    """Stock per rollout as a reward model: each rollout's reward at its last row, Bradley-Terry over
+    tests/test_rl_objectives.py's pairs (first six rollouts), or (``groups``) over every two rollouts of a ranked
+    group with different scores, the mean over pairs; its gradients."""
     toks, *_ = _value_fields()
+    if groups:
+        pairs = [(i, j) for i in range(len(toks)) for j in range(len(toks))
+                 if GROUPS[i] == GROUPS[j] and SCORES[i] > SCORES[j]]
+    else:
+        toks, pairs = toks[:6], PAIRS
     seen = {}
     hook = stock.decoder.register_forward_hook(lambda mod, args, out: seen.__setitem__("h", out))
     stock.zero_grad()
     for p in head.values():
         p.grad = None
     rewards = []
-    for t in toks[:6]:
+    for t in toks:
         x = torch.tensor(t)
         stock(x[None], torch.arange(len(x))[None], None)
         rewards.append(seen["h"][len(t) - 1, 0] @ head["value_head.weight"] + head["value_head.bias"][0])
     hook.remove()
-    loss = torch.stack([-torch.nn.functional.logsigmoid(rewards[c] - rewards[r]) for c, r in PAIRS]).mean()
+    loss = torch.stack([-torch.nn.functional.logsigmoid(rewards[c] - rewards[r]) for c, r in pairs]).mean()
     loss.backward()
     grads = {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in stock.named_parameters()}
     grads.update({k: p.grad.clone() for k, p in head.items()})
@@ -137,28 +158,32 @@ def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False, loss="valu
         if loss == "rm":
             ids, chosen = _pair_fields()
             batch = rl.RolloutBatch.from_lists(toks[:6], pair_ids=ids, chosen=chosen).reward_positions()
+        elif loss == "rm_groups":
+            batch = rl.RolloutBatch.from_lists(toks, group_ids=GROUPS, scores=SCORES).reward_positions()
         else:
             batch = rl.RolloutBatch.from_lists(toks, loss_mask=masks, returns=returns, old_values=old)
         mbs = rl.build_microbatches(batch, budget, dp_rank=rank if dp > 1 else 0, dp_size=dp, carry=carry)
         values = rl.forward_backward(ddp, mbs, forward_only=True).per_rollout("values")
         ddp.zero_grad_buffer()
-        rl.forward_backward(ddp, mbs, loss=loss, **({"value_clip": VCLIP} if loss == "value" else {}))
+        rl.forward_backward(ddp, mbs, loss="rm" if loss == "rm_groups" else loss,
+                            **({"value_clip": VCLIP} if loss == "value" else {}))
     finally:
         if fault:
             vh.occurrence_values = restore
     got = _grads(ddp)
-    want = oracle["rm"]["grads"] if loss == "rm" else oracle["grads"]
+    want = oracle[loss]["grads"] if loss.startswith("rm") else oracle["grads"]
     if pp > 1:
         names = pp2_stage_names(want, tree.pre_process, tree.post_process)
         want = {local: want[full] for local, full in names.items()}
-    if loss == "rm":
-        oracle = oracle["rm"]
-    err = max(float((got[k] - g).abs().max() / max(float(g.abs().max()), 1e-30)) for k, g in want.items())
+    if loss.startswith("rm"):
+        oracle = oracle[loss]
+    err = rel_err(got, want)
     ok = sorted(got) == sorted(want) and all(torch.allclose(got[k], g, **GRAD) for k, g in want.items())
     verr = max(float(np.abs(values[i] - oracle["values"][i]).max()) for i in mbs.rollout_ids.tolist())
     cut = sum(1 for mb in mbs.microbatches if mb.carry is not None and len(mb.carry.carried)) if carry else 0
     head = got.get("value_head.weight", got.get("decoder.layers.0.self_attention.linear_qkv.weight"))
-    return dict(ok=ok, err=err, value_err=verr, ids=mbs.rollout_ids.tolist(), cut=cut,
+    worst = max(want, key=lambda k: float((got[k] - want[k]).abs().max()) / max(float(want[k].abs().max()), 1e-300))
+    return dict(ok=ok, err=err, worst=(worst, float(want[worst].abs().max())), value_err=verr, ids=mbs.rollout_ids.tolist(), cut=cut,
                 head_grad=float(head.abs().max()))
 
 
@@ -208,7 +233,7 @@ def _run_tp2_sp(oracle):
     rl.forward_backward(ddp, mbs, loss="value", value_clip=VCLIP)
     got = _grads(ddp)
     want = {k: mine(k, g) for k, g in oracle["grads"].items()}
-    err = max(float((got[k] - g).abs().max() / max(float(g.abs().max()), 1e-30)) for k, g in want.items())
+    err = rel_err(got, want)
     ok = sorted(got) == sorted(want) and all(torch.allclose(got[k], g, **GRAD) for k, g in want.items())
     verr = max(float(np.abs(values[i] - oracle["values"][i]).max()) for i in range(len(toks)))
     return dict(ok=ok, err=err, value_err=verr, ids=list(range(len(toks))), cut=0,
@@ -227,7 +252,9 @@ def _body():
     res = {"clipped": oracle["clipped"]}
     for key, kw in (("dp2", dict(dp=2, budget=32)), ("carry", dict(dp=2, budget=8, carry=True)),
                     ("fault", dict(dp=2, budget=32, fault=True)), ("rm_dp2", dict(dp=2, budget=32, loss="rm")),
-                    ("rm_carry", dict(dp=2, budget=8, carry=True, loss="rm"))):
+                    ("rm_carry", dict(dp=2, budget=8, carry=True, loss="rm")),
+                    ("rm_groups_dp2", dict(dp=2, budget=32, loss="rm_groups")),
+                    ("rm_groups_carry", dict(dp=2, budget=8, carry=True, loss="rm_groups"))):
         try:
             res[key] = _run(oracle, rank=rank, **kw)
         except Exception:  # noqa: BLE001 - reported by the test of that run
@@ -270,15 +297,16 @@ def _get(results, rank, key):
     return r
 
 
-@pytest.mark.parametrize("key", ["dp2", "carry", "cp2", "tp2_sp", "pp2", "rm_dp2", "rm_carry", "rm_cp2", "rm_pp2"])
+@pytest.mark.parametrize("key", ["dp2", "carry", "cp2", "tp2_sp", "pp2", "rm_dp2", "rm_carry", "rm_cp2", "rm_pp2",
+                                 "rm_groups_dp2", "rm_groups_carry"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_value_model_gradients_and_values_equal_stock_per_rollout(results, key, rank):
     r = _get(results, rank, key)
     print(f"\nvalue model {key} rank {rank}: max rel grad error vs stock per rollout {r['err']:.1e}, max value "
-          f"error {r['value_err']:.1e}")
+          f"error {r['value_err']:.1e} {r.get('worst')}")
     assert r["ok"], r["err"]
     assert r["value_err"] < 1e-12 and r["head_grad"] > 1e-3, r
-    if key in ("dp2", "carry", "rm_dp2", "rm_carry"):  # the batch was split over the two DP ranks
+    if key in ("dp2", "carry", "rm_dp2", "rm_carry", "rm_groups_dp2", "rm_groups_carry"):  # split over 2 DP ranks
         other = _get(results, 1 - rank, key)
         assert r["ids"] and other["ids"] and not set(r["ids"]) & set(other["ids"])
     if key.endswith("carry"):

@@ -67,6 +67,10 @@ class RolloutBatch:
     #: preference pairs (``loss="dpo" / "ipo" / "simpo"``): each rollout's pair id, and whether it is the chosen one
     pair_ids: Optional[np.ndarray] = None
     chosen: Optional[np.ndarray] = None
+    #: ranked groups (``loss="rm"`` and the pair losses, in place of pairs): each rollout's group and score; every
+    #: two rollouts of a group with different scores are a pair (`tree.pair_loss.ranked_pairs`)
+    group_ids: Optional[np.ndarray] = None
+    scores: Optional[np.ndarray] = None
     #: value models (``loss="value"``): per rollout, one return (and old value) per token, aligned with its tokens
     returns: Optional[list] = None
     old_values: Optional[list] = None
@@ -79,6 +83,7 @@ class RolloutBatch:
         from .objectives import validate_pairs
 
         self.pair_ids, self.chosen = validate_pairs(self.pair_ids, self.chosen, len(self.samples))
+        self._check_groups()
         for name in ("returns", "old_values"):
             rows = getattr(self, name)
             if rows is None:
@@ -93,6 +98,31 @@ class RolloutBatch:
                     raise ValueError(f"rollout {i}: {name} is not finite at a target")
             setattr(self, name, rows)
         self._check_teacher()
+
+    def _check_groups(self) -> None:
+        if self.group_ids is None and self.scores is None:
+            return
+        if self.group_ids is None or self.scores is None:
+            raise ValueError("group_ids and scores go together: each rollout's ranked group and its score")
+        if self.pair_ids is not None:
+            raise ValueError("give preference pairs (pair_ids / chosen) or ranked groups (group_ids / scores), not both")
+        gid, sc = np.asarray(_np(self.group_ids)).reshape(-1), np.asarray(_np(self.scores), dtype=np.float64).reshape(-1)
+        if len(gid) != len(self.samples) or len(sc) != len(self.samples):
+            raise ValueError(f"group_ids / scores need one entry per rollout ({len(self.samples)}), got {len(gid)} / "
+                             f"{len(sc)}")
+        if not np.isfinite(sc).all():
+            raise ValueError(f"rollout {int(np.flatnonzero(~np.isfinite(sc))[0])}: its score is not finite")
+        uniq, inverse = np.unique(gid, return_inverse=True)
+        lo = np.full(len(uniq), np.inf)
+        hi = np.full(len(uniq), -np.inf)
+        np.minimum.at(lo, inverse, sc)
+        np.maximum.at(hi, inverse, sc)
+        flat = np.flatnonzero(lo == hi)
+        if len(flat):
+            members = np.flatnonzero(inverse == flat[0]).tolist()
+            raise ValueError(f"group {uniq[flat[0]]!r}: rollouts {members} all score {lo[flat[0]]}; a ranked group needs "
+                             "two different scores (it makes no pair otherwise)")
+        self.group_ids, self.scores = gid, sc
 
     def _check_teacher(self) -> None:
         ids, logp = self.teacher_topk_ids, self.teacher_topk_logprobs
@@ -116,14 +146,15 @@ class RolloutBatch:
 
     def reward_positions(self, pad_token: int = 0) -> "RolloutBatch":
         """The batch a reward model scores (``loss="rm"``): each rollout followed by ``pad_token`` as its one target,
-        so its one occurrence's source row is the rollout's last row (the state a reward model reads); pairs kept,
-        per-token fields dropped. The extra token is a leaf row per rollout: it changes no other row."""
+        so its one occurrence's source row is the rollout's last row (the state a reward model reads); pairs and
+        ranked groups kept, per-token fields dropped. The extra token is a leaf row per rollout: it changes no other row."""
         samples = []
         for s in self.samples:
             mask = np.zeros(len(s) + 1, dtype=bool)
             mask[-1] = True
             samples.append(Sample(tokens=np.append(s.tokens, pad_token), loss_mask=mask))
-        return RolloutBatch(samples, pair_ids=self.pair_ids, chosen=self.chosen)
+        return RolloutBatch(samples, pair_ids=self.pair_ids, chosen=self.chosen, group_ids=self.group_ids,
+                            scores=self.scores)
 
     def per_occurrence(self, name: str, loss_map) -> torch.Tensor:
         """[M] (``returns`` / ``old_values``) or [M, k] (``teacher_topk_ids`` / ``teacher_topk_logprobs``) of
@@ -164,14 +195,16 @@ class RolloutBatch:
     @classmethod
     def from_lists(cls, tokens: Sequence, *, loss_mask=None, advantages=None, old_logprobs=None, ref_logprobs=None,
                    weights=None, routed_experts=None, pair_ids=None, chosen=None, returns=None,
-                   old_values=None, teacher_topk_ids=None, teacher_topk_logprobs=None) -> "RolloutBatch":
+                   old_values=None, teacher_topk_ids=None, teacher_topk_logprobs=None, group_ids=None,
+                   scores=None) -> "RolloutBatch":
         """Per-rollout token lists (lists, arrays or tensors); every other field is per rollout too:
         ``loss_mask`` / ``old_logprobs`` / ``ref_logprobs`` one value per token, ``advantages`` /
         ``weights`` a scalar or one value per token (or a ``[B]`` array of scalars),
         ``routed_experts`` ``[L, moe_layers, topk]`` expert ids per token (routing replay: what the
         rollout engine returned), ``pair_ids`` / ``chosen`` ``[B]`` (preference pairs: one chosen and one
         rejected rollout per pair id), ``returns`` / ``old_values`` one value per token (value models:
-        ``loss="value"``), ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[L, k]`` per rollout (``loss="distill"``).
+        ``loss="value"``), ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[L, k]`` per rollout (``loss="distill"``),
+        ``group_ids`` / ``scores`` ``[B]`` (ranked groups: every two rollouts of a group with different scores a pair).
         A bad rollout is a ValueError naming it (``rollout i``) and the rule it breaks."""
         samples = []
         for i in range(len(tokens)):
@@ -180,7 +213,7 @@ class RolloutBatch:
                        routed_experts=_row(routed_experts, i))
             validate_sample(i, s, where=f"rollout {i}")
             samples.append(s)
-        return cls(samples, pair_ids=_np(pair_ids), chosen=_np(chosen),
+        return cls(samples, pair_ids=_np(pair_ids), chosen=_np(chosen), group_ids=_np(group_ids), scores=_np(scores),
                    returns=None if returns is None else [_row(returns, i) for i in range(len(tokens))],
                    old_values=None if old_values is None else [_row(old_values, i) for i in range(len(tokens))],
                    teacher_topk_ids=None if teacher_topk_ids is None else [_row(teacher_topk_ids, i)

@@ -24,7 +24,9 @@ by N, is the objective.
   ``-min(s_i A_i, clip(s_i) A_i)``).
 * ``rm`` (a reward model: `megatron.value_head` on the model, the batch's `RolloutBatch.reward_positions`):
   Bradley-Terry over preference pairs, ``-log sigmoid(r_c - r_r)`` with ``r`` a rollout's value at its last row,
-  the mean over pairs (DPO's form with ``beta = 1`` and no reference).
+  the mean over pairs (DPO's form with ``beta = 1`` and no reference). Pairs are the batch's ``pair_ids`` /
+  ``chosen``, or, for ranked groups (``group_ids`` / ``scores``), every two rollouts of a group whose scores
+  differ (the better one "chosen"); a rollout in several pairs gets the sum of its factors.
 * ``dpo`` / ``ipo`` / ``simpo`` over preference pairs (``RolloutBatch.pair_ids`` and ``chosen``: a prompt
   with two completions is a two-leaf tree): ``h = (pi_c - ref_c) - (pi_r - ref_r)``, ``pi`` a rollout's summed
   target log-probs, ``ref`` its summed ``ref_logprobs``; DPO ``-log sigmoid(beta h)``, IPO
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..tree.pair_loss import PAIR_LOSSES, pair_loss_factors, pair_members, pair_surrogate
+from ..tree.pair_loss import PAIR_LOSSES, pair_loss_factors, pair_members, pair_surrogate, ranked_pairs
 
 __all__ = ["SEQUENCE_LOSSES", "PAIR_LOSSES", "agg_factors", "step_totals", "sequence_loss_fn", "validate_pairs"]
 
@@ -151,11 +153,15 @@ def _gspo_fn(seq_ratio: torch.Tensor, clip_eps, clip_eps_high, kl_coef, entropy_
 
 
 def _pairs(batch):
-    """(chosen rollout, rejected rollout) per pair of ``batch``, [P] each (validated by `RolloutBatch`)."""
-    if batch.pair_ids is None or batch.chosen is None:
+    """(chosen rollout, rejected rollout) per pair of ``batch``, [P] each (validated by `RolloutBatch`): its
+    preference pairs, or every two rollouts of a ranked group with different scores (better, worse)."""
+    if batch.group_ids is not None:
+        c, r = ranked_pairs(batch.group_ids, batch.scores)
+    elif batch.pair_ids is None or batch.chosen is None:
         raise ValueError("a preference loss needs RolloutBatch pair_ids and chosen (one chosen and one rejected "
-                         "rollout per pair id)")
-    c, r = pair_members(batch.pair_ids, batch.chosen)
+                         "rollout per pair id) or ranked groups (group_ids and scores)")
+    else:
+        c, r = pair_members(batch.pair_ids, batch.chosen)
     if _FAULT == "wrong_partner":  # planted: each chosen rollout against the next pair's rejected one
         r = np.roll(r, 1)
     return c, r

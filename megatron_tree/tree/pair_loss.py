@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["PAIR_LOSSES", "pair_loss_factors", "pair_surrogate", "pair_members"]
+__all__ = ["PAIR_LOSSES", "pair_loss_factors", "pair_surrogate", "pair_members", "ranked_pairs"]
 
 PAIR_LOSSES = ("dpo", "ipo", "simpo")
 
@@ -34,12 +34,29 @@ def pair_members(pair_ids, chosen) -> tuple:
     return order[0::2], order[1::2]
 
 
+def ranked_pairs(group_ids, scores) -> tuple:
+    """(better positions [P], worse positions [P]): every ordered pair of one group whose scores differ (a group
+    of K responses with distinct scores gives K (K - 1) / 2 pairs; ties give none), groups in ascending id order.
+    Bradley-Terry over a ranked group trains on all of them."""
+    gid, sc = np.asarray(group_ids), np.asarray(scores, dtype=np.float64)
+    better, worse = [], []
+    order = np.argsort(gid, kind="stable")
+    bounds = np.flatnonzero(np.diff(gid[order])) + 1
+    for members in np.split(order, bounds):  # one group at a time: K x K, never B x B
+        i, j = np.nonzero(sc[members][:, None] > sc[members][None, :])
+        better.append(members[i])
+        worse.append(members[j])
+    cat = lambda parts: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return cat(better), cat(worse)
+
+
 def pair_loss_factors(loss: str, pi, ref, counts, chosen_pos, rejected_pos, *, n_targets: float, n_pairs: float,
                       beta: float, gamma: float = 0.0) -> tuple:
     """Per sample ([B] float64 each): ``coef_i = N dL/dpi_i`` and ``share_i = N L_p / n_p`` (its pair's loss
     over the pair's occurrences), 0 for a sample in no pair. ``pi`` / ``ref`` / ``counts`` [B]: summed target
     log-probs, summed reference log-probs, targets; ``chosen_pos`` / ``rejected_pos`` [P]: the pairs here;
-    ``n_targets`` N and ``n_pairs``: the whole step's (a pair set may be part of it)."""
+    ``n_targets`` N and ``n_pairs``: the whole step's (a pair set may be part of it). A sample may be in several
+    pairs (`ranked_pairs`): its factors are the sums over them."""
     if loss not in PAIR_LOSSES:
         raise ValueError(f"a pair loss is one of {PAIR_LOSSES}, got {loss!r}")
     pi, ref = np.asarray(pi, dtype=np.float64), np.asarray(ref, dtype=np.float64)
@@ -57,9 +74,13 @@ def pair_loss_factors(loss: str, pi, ref, counts, chosen_pos, rejected_pos, *, n
         else:  # ipo
             value, dh = (h - 1.0 / (2.0 * beta)) ** 2, 2.0 * (h - 1.0 / (2.0 * beta))
         d_c, d_r = dh, -dh
+    # a sample may be in several pairs (ranked groups): its factors add up over them
     coef, share = np.zeros(len(pi)), np.zeros(len(pi))
-    coef[c], coef[r] = n_targets * d_c / n_pairs, n_targets * d_r / n_pairs
-    share[c] = share[r] = n_targets * value / (n_pairs * np.maximum(counts[c] + counts[r], 1.0))
+    np.add.at(coef, c, n_targets * d_c / n_pairs)
+    np.add.at(coef, r, n_targets * d_r / n_pairs)
+    spread = n_targets * value / (n_pairs * np.maximum(counts[c] + counts[r], 1.0))
+    np.add.at(share, c, spread)
+    np.add.at(share, r, spread)
     return coef, share
 
 

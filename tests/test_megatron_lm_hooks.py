@@ -71,7 +71,7 @@ def test_add_tree_args_parses_every_flag():
     assert (a.tree_pad_to_multiple_of, a.tree_lookahead, a.tree_hybrid_pattern) == (16, 3, "MG*-|*E")
 
 
-@pytest.mark.parametrize("argv", [["--tree-loss", "dpo"], ["--tree-cp-planner", "ring"], ["--tree-bad-sample", "warn"],
+@pytest.mark.parametrize("argv", [["--tree-loss", "kto"], ["--tree-cp-planner", "ring"], ["--tree-bad-sample", "warn"],
                                   ["--tree-max-tokens-per-mb", "0"], ["--tree-lookahead", "-1"],
                                   ["--tree-pad-to-multiple-of", "-8"]])
 def test_add_tree_args_rejects_bad_values(argv, capsys):

@@ -55,10 +55,10 @@ def add_value_head(model, bias: bool = True):
 
 
 def value_head_of(model):
-    """The `TreeValueHead` of ``model`` (unwrapping DDP / Float16Module), or None."""
-    from .model import unwrap_model
-
-    return getattr(unwrap_model(model), "value_head", None)
+    """The `TreeValueHead` of ``model`` (unwrapping DDP / Float16Module: each holds it as ``.module``), or None."""
+    while hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "value_head", None)
 
 
 def occurrence_values(model, hidden_states: torch.Tensor, loss_map) -> torch.Tensor:

@@ -167,3 +167,20 @@ def test_teacher_fields_are_checked():
         rl.RolloutBatch.from_lists([[1, 2, 3]], teacher_topk_ids=ok_ids, teacher_topk_logprobs=[np.full((3, 2), 0.5)])
     with pytest.raises(ValueError, match="go together"):
         rl.RolloutBatch.from_lists([[1, 2, 3]], teacher_topk_ids=ok_ids)
+
+
+def test_padded_teacher_fields_and_ranked_groups_follow_each_rollouts_columns():
+    """``from_padded`` cuts [B, T, k] teacher fields and [B] groups / scores like every other field: rollout b's
+    tokens are its attention-mask run, and so are its teacher rows."""
+    from megatron_tree import rl
+
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 0, 0]])
+    am = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    topk = torch.arange(2 * 4 * 3).reshape(2, 4, 3)
+    logp = -torch.ones(2, 4, 3, dtype=torch.float64)
+    b = rl.RolloutBatch.from_padded(ids, am, teacher_topk_ids=topk, teacher_topk_logprobs=logp, group_ids=[0, 0],
+                                    scores=[1.0, 2.0])
+    assert b.teacher_topk_ids[0].tolist() == topk[0, 1:].tolist() and b.teacher_topk_ids[1].tolist() == topk[1, :2].tolist()
+    assert b.group_ids.tolist() == [0, 0] and b.scores.tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match="group 0: rollouts \\[0, 1\\] all score 1.0"):
+        rl.RolloutBatch.from_padded(ids, am, group_ids=[0, 0], scores=[1.0, 1.0])

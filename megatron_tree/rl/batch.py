@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..tree.loss import LOSS_TYPES as LOSSES, tree_loss
 from ..tree.sample import Sample, validate_sample
+from .fields import as_numpy as _np, check_ranked_groups, check_teacher_topk, check_token_values, validate_pairs
 
 __all__ = ["RolloutBatch", "RankMicrobatches", "RolloutOutputs", "build_microbatches", "forward_backward",
            "per_occurrence_loss"]
@@ -36,12 +37,6 @@ _FAULT = None
 _FLOAT_FIELDS = {"advantage": "advantages", "old_logprobs": "old_logprobs", "ref_logprobs": "ref_logprobs"}
 
 
-def _np(x):
-    if x is None:
-        return None
-    if torch.is_tensor(x):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
 
 
 def _row(x, i):
@@ -80,69 +75,14 @@ class RolloutBatch:
     teacher_topk_logprobs: Optional[list] = None
 
     def __post_init__(self):
-        from .objectives import validate_pairs
 
         self.pair_ids, self.chosen = validate_pairs(self.pair_ids, self.chosen, len(self.samples))
-        self._check_groups()
-        for name in ("returns", "old_values"):
-            rows = getattr(self, name)
-            if rows is None:
-                continue
-            if len(rows) != len(self.samples):
-                raise ValueError(f"{name} needs one entry per rollout ({len(self.samples)}), got {len(rows)}")
-            rows = [np.asarray(_np(r), dtype=np.float64) for r in rows]
-            for i, (r, s) in enumerate(zip(rows, self.samples)):
-                if r.shape != (len(s),):
-                    raise ValueError(f"rollout {i}: {name} needs one value per token ({len(s)}), got shape {r.shape}")
-                if not np.isfinite(r[s.target_mask()]).all():
-                    raise ValueError(f"rollout {i}: {name} is not finite at a target")
-            setattr(self, name, rows)
-        self._check_teacher()
-
-    def _check_groups(self) -> None:
-        if self.group_ids is None and self.scores is None:
-            return
-        if self.group_ids is None or self.scores is None:
-            raise ValueError("group_ids and scores go together: each rollout's ranked group and its score")
-        if self.pair_ids is not None:
-            raise ValueError("give preference pairs (pair_ids / chosen) or ranked groups (group_ids / scores), not both")
-        gid, sc = np.asarray(_np(self.group_ids)).reshape(-1), np.asarray(_np(self.scores), dtype=np.float64).reshape(-1)
-        if len(gid) != len(self.samples) or len(sc) != len(self.samples):
-            raise ValueError(f"group_ids / scores need one entry per rollout ({len(self.samples)}), got {len(gid)} / "
-                             f"{len(sc)}")
-        if not np.isfinite(sc).all():
-            raise ValueError(f"rollout {int(np.flatnonzero(~np.isfinite(sc))[0])}: its score is not finite")
-        uniq, inverse = np.unique(gid, return_inverse=True)
-        lo = np.full(len(uniq), np.inf)
-        hi = np.full(len(uniq), -np.inf)
-        np.minimum.at(lo, inverse, sc)
-        np.maximum.at(hi, inverse, sc)
-        flat = np.flatnonzero(lo == hi)
-        if len(flat):
-            members = np.flatnonzero(inverse == flat[0]).tolist()
-            raise ValueError(f"group {uniq[flat[0]]!r}: rollouts {members} all score {lo[flat[0]]}; a ranked group needs "
-                             "two different scores (it makes no pair otherwise)")
-        self.group_ids, self.scores = gid, sc
-
-    def _check_teacher(self) -> None:
-        ids, logp = self.teacher_topk_ids, self.teacher_topk_logprobs
-        if ids is None and logp is None:
-            return
-        if ids is None or logp is None or len(ids) != len(self.samples) or len(logp) != len(self.samples):
-            raise ValueError("teacher_topk_ids and teacher_topk_logprobs go together, one [L, k] entry per rollout")
-        ids = [np.asarray(_np(x)) for x in ids]
-        logp = [np.asarray(_np(x), dtype=np.float64) for x in logp]
-        k = ids[0].shape[-1] if ids and ids[0].ndim == 2 else None
-        for i, (a, b, s) in enumerate(zip(ids, logp, self.samples)):
-            if a.shape != (len(s), k) or b.shape != a.shape:
-                raise ValueError(f"rollout {i}: teacher_topk_ids / teacher_topk_logprobs must be [tokens, k] = "
-                                 f"[{len(s)}, {k}] (k as rollout 0's), got {a.shape} / {b.shape}")
-            if a.dtype.kind not in "iu" or (a < 0).any():
-                raise ValueError(f"rollout {i}: teacher_topk_ids must be non-negative integer token ids")
-            t = s.target_mask()
-            if not (np.isfinite(b[t]).all() and (b[t] <= 0).all()):
-                raise ValueError(f"rollout {i}: teacher_topk_logprobs must be finite log-probs (<= 0) at every target")
-        self.teacher_topk_ids, self.teacher_topk_logprobs = [a.astype(np.int64) for a in ids], logp
+        self.group_ids, self.scores = check_ranked_groups(self.group_ids, self.scores, len(self.samples),
+                                                          has_pairs=self.pair_ids is not None)
+        self.returns = check_token_values("returns", self.returns, self.samples)
+        self.old_values = check_token_values("old_values", self.old_values, self.samples)
+        self.teacher_topk_ids, self.teacher_topk_logprobs = check_teacher_topk(
+            self.teacher_topk_ids, self.teacher_topk_logprobs, self.samples)
 
     def reward_positions(self, pad_token: int = 0) -> "RolloutBatch":
         """The batch a reward model scores (``loss="rm"``): each rollout followed by ``pad_token`` as its one target,
@@ -224,12 +164,14 @@ class RolloutBatch:
     @classmethod
     def from_padded(cls, input_ids, attention_mask, *, loss_mask=None, advantages=None, old_logprobs=None,
                     ref_logprobs=None, weights=None, routed_experts=None, pair_ids=None,
-                    chosen=None, returns=None, old_values=None) -> "RolloutBatch":
+                    chosen=None, returns=None, old_values=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
+                    group_ids=None, scores=None) -> "RolloutBatch":
         """Padded ``[B, T]`` tensors: ``attention_mask`` marks each row's real tokens (one contiguous
         run: left and/or right padding); ``loss_mask``, ``old_logprobs``, ``ref_logprobs`` are
         ``[B, T]`` aligned with ``input_ids`` (a response-only tensor is padded on the left by the
         prompt columns first); ``advantages`` / ``weights`` ``[B]`` or ``[B, T]``; ``routed_experts``
-        ``[B, T, moe_layers, topk]``; ``pair_ids`` / ``chosen`` ``[B]``; ``returns`` / ``old_values`` ``[B, T]``."""
+        ``[B, T, moe_layers, topk]``; ``pair_ids`` / ``chosen`` / ``group_ids`` / ``scores`` ``[B]``; ``returns`` /
+        ``old_values`` ``[B, T]``; ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[B, T, k]``."""
         ids, am = _np(input_ids), _np(attention_mask).astype(bool)
         if ids.ndim != 2 or am.shape != ids.shape:
             raise ValueError(f"input_ids and attention_mask must both be [B, T], got {ids.shape} and {am.shape}")
@@ -263,8 +205,12 @@ class RolloutBatch:
             validate_sample(b, s, where=f"rollout {b}")
             samples.append(s)
         return cls(samples, starts=start.astype(np.int64), width=int(T), pair_ids=_np(pair_ids), chosen=_np(chosen),
+                   group_ids=_np(group_ids), scores=_np(scores),
                    returns=None if returns is None else [cut(returns, b) for b in range(B)],
-                   old_values=None if old_values is None else [cut(old_values, b) for b in range(B)])
+                   old_values=None if old_values is None else [cut(old_values, b) for b in range(B)],
+                   teacher_topk_ids=None if teacher_topk_ids is None else [cut(teacher_topk_ids, b) for b in range(B)],
+                   teacher_topk_logprobs=None if teacher_topk_logprobs is None else [
+                       cut(teacher_topk_logprobs, b) for b in range(B)])
 
 
 @dataclass

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..tree.pair_loss import PAIR_LOSSES, pair_loss_factors, pair_members, pair_surrogate, ranked_pairs
+from .fields import validate_pairs
 
 __all__ = ["SEQUENCE_LOSSES", "PAIR_LOSSES", "agg_factors", "step_totals", "sequence_loss_fn", "validate_pairs"]
 
@@ -176,26 +177,3 @@ def _pair_factors(loss, microbatches, sums, counts, group, *, beta, gamma):
         _dp_all_reduce([len(c)], group)[0])  # a framework-sharded batch holds its own pairs only
     return pair_loss_factors(loss, sums["pi"], sums["ref"], counts, c, r, n_targets=n, n_pairs=pairs, beta=beta,
                              gamma=gamma)
-
-
-def validate_pairs(pair_ids, chosen, size: int):
-    """``(pair_ids [B] int64, chosen [B] bool)`` checked: both or neither, one entry per rollout, and every
-    pair id held by exactly one chosen and one rejected rollout. A ValueError names the rule and the pair."""
-    if pair_ids is None and chosen is None:
-        return None, None
-    if pair_ids is None or chosen is None:
-        raise ValueError("pair_ids and chosen go together: the pair each rollout belongs to, and whether it is the "
-                         "chosen one")
-    ids, ch = np.asarray(pair_ids).reshape(-1), np.asarray(chosen).reshape(-1)
-    if len(ids) != size or len(ch) != size:
-        raise ValueError(f"pair_ids / chosen need one entry per rollout ({size}), got {len(ids)} / {len(ch)}")
-    ids, ch = ids.astype(np.int64), ch.astype(bool)
-    uniq, count = np.unique(ids, return_counts=True)
-    n_chosen = np.bincount(np.searchsorted(uniq, ids), weights=ch, minlength=len(uniq))
-    bad = np.flatnonzero((count != 2) | (n_chosen != 1))
-    if len(bad):
-        p = int(uniq[bad[0]])
-        members = np.flatnonzero(ids == p).tolist()
-        raise ValueError(f"pair {p}: rollouts {members} (chosen: {ch[members].tolist()}); a preference pair is "
-                         "exactly one chosen and one rejected rollout")
-    return ids, ch

@@ -69,7 +69,8 @@ def check_ranked_groups(group_ids, scores, size: int, *, has_pairs: bool = False
     flat = np.flatnonzero(lo == hi)
     if len(flat):
         members = np.flatnonzero(inverse == flat[0]).tolist()
-        raise ValueError(f"group {uniq[flat[0]]!r}: rollouts {members} all score {lo[flat[0]]}; a ranked group needs "
+        group = uniq[flat[0]].item()  # (a plain int / str in the message, not numpy's repr)
+        raise ValueError(f"group {group!r}: rollouts {members} all score {lo[flat[0]]}; a ranked group needs "
                          "two different scores (it makes no pair otherwise)")
     return gid, sc
 

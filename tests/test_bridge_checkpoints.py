@@ -92,8 +92,9 @@ def test_save_hf_saves_weights_then_copies_the_sources_files(tmp_path):
     sentencepiece tokenizer (which the Bridge's own save re-instantiates, and where sentencepiece is not
     installed lost the trained weights), on gpt-oss (YaRN, sinks, windows, biased MoE) and Gemma 3 (local /
     global layers, post-norms, tied embeddings): each saves; the tokenizer files are the source's bytes; the saved
-    directory is a model transformers loads, equal to the tree model scoring it; the step moved it; the
-    quiet run prints no library tracebacks."""
+    directory is a model transformers loads, equal to the tree model scoring it (the sentencepiece source, the same
+    Llama weights' path as the plain one, is not scored again); the step moved it; the quiet run prints no library
+    tracebacks."""
     data = _records(tmp_path)
     for name in ("plain", "sentencepiece", "gpt_oss", "gemma3"):
         src = tmp_path / f"src_{name}"
@@ -109,8 +110,13 @@ def test_save_hf_saves_weights_then_copies_the_sources_files(tmp_path):
             assert (out / fname).read_bytes() == blob, fname
         hf_saved = hf_tiny.hf_logprobs(out, SAMPLES)
         before = hf_tiny.hf_logprobs(src, SAMPLES)
+        moved = max(abs(hf_saved[k] - before[k]) for k in before)
+        if name == "sentencepiece":  # the same Llama weights' path as "plain": its point is the tokenizer files
+            print(f"\n--save-hf (sentencepiece source): saved and reloaded; the step moved log-probs by up to {moved:.2e}")
+            assert moved > 1e-3, moved
+            continue
         ours = _score(out, data, tmp_path / f"scores_{name}.parquet")
-        moved, err = max(abs(hf_saved[k] - before[k]) for k in before), _max_rel(ours, hf_saved)
+        err = _max_rel(ours, hf_saved)
         print(f"\n--save-hf ({name} source): the step moved log-probs by up to {moved:.2e}; score --hf-model of the "
               f"saved directory vs transformers' reload max rel {err:.1e}")
         assert moved > 1e-3 and err <= 1e-5, (moved, err)

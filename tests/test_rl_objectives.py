@@ -274,9 +274,9 @@ def test_bad_pairs_are_named():
     from megatron_tree import rl
 
     toks = [[1, 2, 3], [1, 2, 4], [1, 5, 6]]
-    with pytest.raises(ValueError, match=r"pair 7: rollouts \[0, 1\] \(chosen: \[True, True\]\)"):
+    with pytest.raises(ValueError, match=r"pair 7: rollout 0, rollout 1 \(chosen: \[True, True\]\)"):
         rl.RolloutBatch.from_lists(toks, pair_ids=[7, 7, 8], chosen=[True, True, False])
-    with pytest.raises(ValueError, match="pair 8: rollouts \\[2\\]"):
+    with pytest.raises(ValueError, match=r"pair 8: rollout 2 \(chosen: \[False\]\)"):
         rl.RolloutBatch.from_lists(toks, pair_ids=[7, 7, 8], chosen=[True, False, False])
     with pytest.raises(ValueError, match="pair_ids and chosen go together"):
         rl.RolloutBatch.from_lists(toks, pair_ids=[7, 7, 8])

@@ -393,8 +393,8 @@ def test_preference_records_are_checked_by_file_and_line():
 
     src = [f"p.jsonl:{i + 1}" for i in range(4)]
     _check_loss_fields("dpo", [rec(0, True), rec(0, False), rec(1, False), rec(1, True)], src)
-    cases = [([rec(0, True), rec(0, True)], "pair 0: records p.jsonl:1, p.jsonl:2 (chosen: [True, True])"),
-             ([rec(0, True), rec(0, False), rec(1, True)], "pair 1: records p.jsonl:3"),
+    cases = [([rec(0, True), rec(0, True)], "pair 0: p.jsonl:1, p.jsonl:2 (chosen: [True, True])"),
+             ([rec(0, True), rec(0, False), rec(1, True)], "pair 1: p.jsonl:3"),
              ([rec(0, True), rec("a", False)], "p.jsonl:2: pair_id must be an integer"),
              ([rec(0, True), rec(0, 1)], "p.jsonl:2: chosen must be true or false"),
              ([rec(0, True), Sample(tokens=[1, 2], meta={"pair_id": 0, "chosen": False})],

@@ -236,6 +236,17 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
     return loss_sum, num_tokens, report
 
 
+def sample_sum_groups() -> dict:
+    """The groups `gather_sample_sums` (and `gspo_sequence_ratios`) gather a step's per-sample sums over, from
+    Megatron's parallel state: ``groups`` (DP x CP), ``src_group`` / ``src_rank`` (the PP group and its last stage,
+    or None without PP)."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    return dict(groups=[ps.get_data_parallel_group(with_context_parallel=True)], src_group=pp,
+                src_rank=ps.get_pipeline_model_parallel_last_rank())
+
+
 def gather_sample_sums(reports: list, field: str, groups: list, src_group=None, src_rank: int = 0) -> tuple:
     """(ids [S], sums [S] float64, counts [S]) per sample of the step: the stats pass's per-occurrence ``field``
     ("logprobs" or "log_ratio") of this rank's reports (made with ``report_occurrences``), gathered over

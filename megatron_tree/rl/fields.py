@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..tree.pair_loss import check_pairs
+
 __all__ = ["validate_pairs", "check_ranked_groups", "check_token_values", "check_teacher_topk", "as_numpy"]
 
 
@@ -37,14 +39,7 @@ def validate_pairs(pair_ids, chosen, size: int):
     if len(ids) != size or len(ch) != size:
         raise ValueError(f"pair_ids / chosen need one entry per rollout ({size}), got {len(ids)} / {len(ch)}")
     ids, ch = ids.astype(np.int64), ch.astype(bool)
-    uniq, count = np.unique(ids, return_counts=True)
-    n_chosen = np.bincount(np.searchsorted(uniq, ids), weights=ch, minlength=len(uniq))
-    bad = np.flatnonzero((count != 2) | (n_chosen != 1))
-    if len(bad):
-        p = int(uniq[bad[0]])
-        members = np.flatnonzero(ids == p).tolist()
-        raise ValueError(f"pair {p}: rollouts {members} (chosen: {ch[members].tolist()}); a preference pair is "
-                         "exactly one chosen and one rejected rollout")
+    check_pairs(ids, ch)
     return ids, ch
 
 

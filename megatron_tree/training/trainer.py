@@ -82,7 +82,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..tree.pair_loss import PAIR_LOSSES
+from ..tree.pair_loss import PAIR_LOSSES, check_pairs
 from .arguments import add_moe_balancing_args, add_tree_args, moe_balancing_fields, validate_tree_args
 from .checkpoint_errors import dir_bytes as _dir_bytes, iteration_dir as _iter_dir
 from .files import write_atomically
@@ -548,13 +548,7 @@ def _check_pair_fields(loss: str, samples, sources=None) -> None:
         if not s.target_mask().any():
             raise ValueError(f"{_where(sources, i)}: has no target; a preference pair's completions need one")
         ids[i], chosen[i] = int(pid), bool(ch)
-    uniq, inverse, count = np.unique(ids, return_inverse=True, return_counts=True)
-    n_chosen = np.bincount(inverse, weights=chosen, minlength=len(uniq))
-    bad = np.flatnonzero((count != 2) | (n_chosen != 1))
-    if len(bad):
-        members = np.flatnonzero(ids == uniq[bad[0]]).tolist()
-        raise ValueError(f"pair {int(uniq[bad[0]])}: records {', '.join(_where(sources, i) for i in members)} (chosen: "
-                         f"{chosen[members].tolist()}); a preference pair is exactly one chosen and one rejected record")
+    check_pairs(ids, chosen, names=[_where(sources, i) for i in range(len(samples))])
 
 
 def _pair_grouped(samples) -> list:
@@ -1086,46 +1080,37 @@ def exit_status(result: dict) -> int:
 
 
 # --------------------------------------------------------------------------------------------- training
-def _gspo_stats_pass(ddp, step, items, args, loss_kwargs):
-    """GSPO's stats pass: the step's microbatches forward only (no gradient, no MoE statistics), every
-    occurrence's ``logp - old``, gathered into each sample's ratio ``exp(mean)`` over DP x CP and sent from the
-    last pipeline stage (`megatron.loss.gspo_sequence_ratios`). One forward of the step, no backward."""
-    from megatron.core import parallel_state as ps
-
+def _stats_reports(ddp, step, items, args, loss_kwargs) -> list:
+    """A stats pass: the step's microbatches forward only (no gradient, no MoE statistics), every occurrence
+    reported (``report_occurrences``). One forward of the step, no backward."""
     from ..megatron.carry import carry_items
-    from ..megatron.loss import gspo_sequence_ratios
     from .models import forward_backward
 
     stats_items = carry_items(step.microbatches) if getattr(args, "tree_carry", False) else items
     kw = dict(loss_kwargs, loss_type="sft", entropy_coef=0.0, report_occurrences=True)
     with torch.no_grad():
-        reports = forward_backward(ddp, stats_items, forward_only=True, **kw)
-    pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
-    return gspo_sequence_ratios(reports, [ps.get_data_parallel_group(with_context_parallel=True)], src_group=pp,
-                                src_rank=ps.get_pipeline_model_parallel_last_rank())
+        return forward_backward(ddp, stats_items, forward_only=True, **kw)
+
+
+def _gspo_stats_pass(ddp, step, items, args, loss_kwargs):
+    """GSPO's stats pass (`_stats_reports`): every occurrence's ``logp - old``, gathered into each sample's ratio
+    ``exp(mean)`` over DP x CP and sent from the last pipeline stage (`megatron.loss.gspo_sequence_ratios`)."""
+    from ..megatron.loss import gspo_sequence_ratios, sample_sum_groups
+
+    return gspo_sequence_ratios(_stats_reports(ddp, step, items, args, loss_kwargs), **sample_sum_groups())
 
 
 def _pair_stats_pass(ddp, step, items, args, loss_kwargs, samples):
-    """Preference pairs' stats pass (dpo / ipo / simpo): the step's microbatches forward only (no gradient), every
-    occurrence's log-prob summed per sample over DP x CP and sent from the last pipeline stage
-    (`megatron.loss.gather_sample_sums`), then each sample's factors (`tree.pair_loss.pair_loss_factors`) from its
-    pair in the step's window (``step.sample_ids``, every rank's). Returns the (coef, share)
-    `tree.loss.SampleValues` the graded pass trains with. One forward of the step, no backward."""
-    from megatron.core import parallel_state as ps
-
-    from ..megatron.carry import carry_items
-    from ..megatron.loss import gather_sample_sums
+    """Preference pairs' stats pass (dpo / ipo / simpo; `_stats_reports`): every occurrence's log-prob summed per
+    sample over DP x CP and sent from the last pipeline stage (`megatron.loss.gather_sample_sums`), then each
+    sample's factors (`tree.pair_loss.pair_loss_factors`) from its pair in the step's window (``step.sample_ids``,
+    every rank's). Returns the (coef, share) `tree.loss.SampleValues` the graded pass trains with."""
+    from ..megatron.loss import gather_sample_sums, sample_sum_groups
     from ..tree.loss import SampleValues
     from ..tree.pair_loss import pair_loss_factors, pair_members
-    from .models import forward_backward
 
-    stats_items = carry_items(step.microbatches) if getattr(args, "tree_carry", False) else items
-    kw = dict(loss_kwargs, loss_type="sft", entropy_coef=0.0, report_occurrences=True)
-    with torch.no_grad():
-        reports = forward_backward(ddp, stats_items, forward_only=True, **kw)
-    pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
-    ids, sums, counts = gather_sample_sums(reports, "logprobs", [ps.get_data_parallel_group(with_context_parallel=True)],
-                                           src_group=pp, src_rank=ps.get_pipeline_model_parallel_last_rank())
+    ids, sums, counts = gather_sample_sums(_stats_reports(ddp, step, items, args, loss_kwargs), "logprobs",
+                                           **sample_sum_groups())
     window = np.asarray(step.sample_ids, dtype=np.int64)
     at = np.searchsorted(window, ids)
     pi, n = np.zeros(len(window)), np.zeros(len(window))

@@ -274,8 +274,6 @@ def _sequence_extras(ddp, batch, cfg, side: str, carry_again, wrap, samples) -> 
     ``wrong_partner``, each chosen sample against the next pair's rejected one."""
     if cfg.loss not in ("gspo",) + PAIR_LOSSES:
         return {}
-    from megatron.core import parallel_state as ps
-
     from ..megatron import loss as tree_loss_mod
     from .models import forward_backward
 
@@ -283,16 +281,12 @@ def _sequence_extras(ddp, batch, cfg, side: str, carry_again, wrap, samples) -> 
     with torch.no_grad():
         reports = forward_backward(ddp, items, forward_only=True, loss_type="sft", cp_strategy=cfg.cp_strategy,
                                    wrap_step=wrap, report_occurrences=True)
-    pp = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
-    groups = [ps.get_data_parallel_group(with_context_parallel=True)]
     before = tree_loss_mod._FAULT
     tree_loss_mod._FAULT = "gspo_one_microbatch" if side == "tree" and cfg.fault == "gspo_one_microbatch" else None
     try:
         if cfg.loss == "gspo":
-            return {"sequence_ratios": tree_loss_mod.gspo_sequence_ratios(
-                reports, groups, src_group=pp, src_rank=ps.get_pipeline_model_parallel_last_rank())}
-        ids, sums, counts = tree_loss_mod.gather_sample_sums(reports, "logprobs", groups, src_group=pp,
-                                                             src_rank=ps.get_pipeline_model_parallel_last_rank())
+            return {"sequence_ratios": tree_loss_mod.gspo_sequence_ratios(reports, **tree_loss_mod.sample_sum_groups())}
+        ids, sums, counts = tree_loss_mod.gather_sample_sums(reports, "logprobs", **tree_loss_mod.sample_sum_groups())
     finally:
         tree_loss_mod._FAULT = before
     return {"pair_factors": _pair_factors(cfg.loss, ids, sums, counts, samples,

@@ -21,9 +21,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["PAIR_LOSSES", "pair_loss_factors", "pair_surrogate", "pair_members", "ranked_pairs"]
+__all__ = ["PAIR_LOSSES", "check_pairs", "pair_loss_factors", "pair_surrogate", "pair_members", "ranked_pairs"]
 
 PAIR_LOSSES = ("dpo", "ipo", "simpo")
+
+
+def check_pairs(pair_ids, chosen, names=None) -> None:
+    """Raise a ValueError unless every pair id of ``pair_ids`` [B] is held by exactly one chosen and one rejected
+    entry of ``chosen`` [B]; it names the pair and its members (``names[i]``, default ``rollout i``)."""
+    ids, ch = np.asarray(pair_ids, dtype=np.int64), np.asarray(chosen, dtype=bool)
+    uniq, inverse, count = np.unique(ids, return_inverse=True, return_counts=True)
+    n_chosen = np.bincount(inverse, weights=ch, minlength=len(uniq))
+    bad = np.flatnonzero((count != 2) | (n_chosen != 1))
+    if len(bad):
+        members = np.flatnonzero(inverse == bad[0]).tolist()
+        who = ", ".join(names[i] if names is not None else f"rollout {i}" for i in members)
+        raise ValueError(f"pair {int(uniq[bad[0]])}: {who} (chosen: {ch[members].tolist()}); a preference pair is "
+                         "exactly one chosen and one rejected entry")
 
 
 def pair_members(pair_ids, chosen) -> tuple:

@@ -105,6 +105,9 @@ MAIN_TIER_ONLY = {
                                        "two passes against stock per rollout in latest",
     "test_trainer.py::test_dp2_preference_pairs*": "megatron-tree train's pair-loss passes; test_rl_objectives.py "
                                                    "runs the trainer's two passes (trainer/dpo) against stock in latest",
+    "test_trainer.py::test_dp2_value_reward*": "megatron-tree train's value / reward / distillation runs; "
+                                               "test_rl_value.py and test_rl_distill.py run the trainer's path "
+                                               "(trainer/*) against stock in latest",
     "test_examples_rl.py::*": "the rl examples as users run them; their calls run against stock per rollout in "
                               "latest (test_rl.py, test_rl_objectives.py)",
     "test_activations.py::*": "the activation profile's fit against saved-tensor hooks (our meter and features; "

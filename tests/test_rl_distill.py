@@ -5,6 +5,9 @@ teacher's, so that every id of the vocabulary can appear). Oracle: stock ``GPTMo
 on each rollout alone, its full-vocabulary log-probs read at the teacher's ids, forward and reverse KL over the
 top-k written out here, the mean over every target of the batch, and its gradients.
 
+The trainer's path (`train --tree-loss distill`: the teacher's fields as JSONL keys, `training.objectives`,
+`tree_forward_step(occurrence_ids=)`) against the same oracle, DP 2 with carry at 8 rows.
+
 One spawn of 2 gloo ranks: DP 2 (the API sharding the batch), carry at 8 rows, CP 2, then TP 2 with sequence
 parallelism (the ids spread over both vocabulary shards). A planted fault (the teacher's ids of the next target)
 is caught.
@@ -93,6 +96,33 @@ def _run(oracle, *, rank, dp, budget, kind="forward", carry=False, cp=1, fault=F
     return dict(ok=ok, err=err, ids=mbs.rollout_ids.tolist(), cut=cut)
 
 
+def _run_trainer(oracle, *, rank, kind):
+    """`train --tree-loss distill`'s path: records with ``teacher_topk_ids`` / ``teacher_topk_logprobs`` as JSONL keys
+    (``Sample.meta``), checked by `training.objectives`, DP 2 with carry at 8 rows, the student's log-probs at the
+    teacher's ids through `tree_forward_step(occurrence_ids=)` and `tree_loss_func(token_fields=)`."""
+    from megatron_tree.megatron.carry import carry_items
+    from megatron_tree.tree import Sample
+    from megatron_tree.training.models import forward_backward, wrap_ddp
+    from megatron_tree.training.objectives import check_loss_fields, objective_samples, token_fields
+    from test_rl_value import trainer_dp2_carry
+
+    toks, masks, ids, logp = _teacher()
+    records = [Sample(tokens=t, loss_mask=m, meta={"teacher_topk_ids": i.tolist(), "teacher_topk_logprobs": lp.tolist()})
+               for t, m, i, lp in zip(toks, masks, ids, logp)]
+    check_loss_fields("distill", records, vocab_size=V)
+    samples = objective_samples("distill", records)
+    mine = trainer_dp2_carry(samples, rank)
+    tree, cfg = _tree_model(1, oracle["state"])
+    ddp = wrap_ddp(tree, cfg)
+    ddp.zero_grad_buffer()
+    tables = token_fields("distill", samples)
+    forward_backward(ddp, carry_items(mine), loss_type="distill", return_entropy=True, token_fields=tables,
+                     distill_kl=kind, occurrence_ids=tables["teacher_topk_ids"].at)
+    ok, err = _compare(_grads(ddp), oracle[kind])
+    cut = sum(1 for mb in mine if mb.carry is not None and len(mb.carry.carried))
+    return dict(ok=ok, err=err, ids=sorted(i for mb in mine for i in mb.sample_ids), cut=cut)
+
+
 def _body():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -110,6 +140,11 @@ def _body():
             res[key] = _run(oracle, rank=rank, **kw)
         except Exception:  # noqa: BLE001 - reported by the test of that run
             res[key] = {"error": traceback.format_exc()}
+    for kind in ("forward", "reverse"):
+        try:
+            res[f"trainer/{kind}"] = _run_trainer(oracle, rank=rank, kind=kind)
+        except Exception:  # noqa: BLE001
+            res[f"trainer/{kind}"] = {"error": traceback.format_exc()}
     for layout, sizes, kw in (("cp2", dict(context_parallel_size=2), dict(cp=2)),
                               ("tp2_sp", dict(tensor_model_parallel_size=2), dict(tp=2))):
         ps.destroy_model_parallel()
@@ -136,16 +171,16 @@ def _get(results, rank, key):
 
 
 @pytest.mark.parametrize("key", ["dp2/forward", "dp2/reverse", "carry/forward", "cp2/forward", "cp2/reverse",
-                                 "tp2_sp/forward", "tp2_sp/reverse"])
+                                 "tp2_sp/forward", "tp2_sp/reverse", "trainer/forward", "trainer/reverse"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_distillation_gradients_equal_stock_per_rollout(results, key, rank):
     r = _get(results, rank, key)
     print(f"\ndistill {key} rank {rank}: max rel grad error vs stock per rollout {r['err']:.1e}")
     assert r["ok"], r["err"]
-    if key.startswith(("dp2", "carry")):
+    if key.startswith(("dp2", "carry", "trainer")):
         other = _get(results, 1 - rank, key)
         assert r["ids"] and other["ids"] and not set(r["ids"]) & set(other["ids"])
-    if key.startswith("carry"):
+    if key.startswith(("carry", "trainer")):
         assert r["cut"] + _get(results, 1 - rank, key)["cut"] > 0
 
 

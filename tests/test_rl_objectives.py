@@ -142,8 +142,8 @@ def _run(name, oracle, *, rank, dp, budget, carry=False, fault=None, cp=1):
 
 def _run_trainer(oracle, *, rank, carry: bool, loss: str = "gspo"):
     """The trainer's two passes, DP 2: GSPO (`train --tree-loss gspo --loss-agg seq-mean-token-mean`: the data
-    pipeline's exact per-sample weights, `trainer._gspo_stats_pass`, then the graded pass with each sample's
-    ratio) or DPO (`train --tree-loss dpo`: records with pair_id / chosen, `trainer._pair_stats_pass`, then the
+    pipeline's exact per-sample weights, `training.objectives.gspo_stats_pass`, then the graded pass with each sample's
+    ratio) or DPO (`train --tree-loss dpo`: records with pair_id / chosen, `training.objectives.pair_stats_pass`, then the
     graded pass with each sample's pair factors)."""
     from types import SimpleNamespace
 
@@ -152,14 +152,14 @@ def _run_trainer(oracle, *, rank, carry: bool, loss: str = "gspo"):
     from megatron_tree.tree.carry import assign_carry_groups
     from megatron_tree.tree.loss_agg import with_loss_agg
     from megatron_tree.training.models import forward_backward, wrap_ddp
-    from megatron_tree.training.trainer import _check_loss_fields, _gspo_stats_pass, _pair_stats_pass
+    from megatron_tree.training.objectives import check_loss_fields, gspo_stats_pass, pair_stats_pass
 
     toks, masks, adv, old, ref = _rollouts_here()
     if loss == "dpo":
         ids, chosen = _pair_fields()
         samples = [Sample(tokens=t, loss_mask=m, ref_logprobs=r, meta={"pair_id": int(p), "chosen": bool(c)})
                    for t, m, r, p, c in zip(toks[:6], masks[:6], ref[:6], ids, chosen)]
-        _check_loss_fields("dpo", samples)
+        check_loss_fields("dpo", samples)
     else:
         samples = with_loss_agg([Sample(tokens=t, loss_mask=m, advantage=float(a), old_logprobs=o, ref_logprobs=r)
                                  for t, m, a, o, r in zip(toks, masks, adv, old, ref)], "seq-mean-token-mean")
@@ -176,11 +176,11 @@ def _run_trainer(oracle, *, rank, carry: bool, loss: str = "gspo"):
     if loss == "dpo":
         kw = dict(loss_type="dpo", return_entropy=True)
         args = SimpleNamespace(tree_carry=carry, tree_loss="dpo", tree_dpo_beta=BETA, tree_simpo_gamma=GAMMA)
-        extra = {"pair_factors": _pair_stats_pass(ddp, step, items, args, kw, samples)}
+        extra = {"pair_factors": pair_stats_pass(ddp, step, items, args, kw, samples)}
         name = "dpo"
     else:
         kw = dict(loss_type="gspo", clip_eps=CLIP, kl_coef=KL, entropy_coef=ENT, return_entropy=True)
-        extra = {"sequence_ratios": _gspo_stats_pass(ddp, step, items, SimpleNamespace(tree_carry=carry), kw)}
+        extra = {"sequence_ratios": gspo_stats_pass(ddp, step, items, SimpleNamespace(tree_carry=carry), kw)}
         name = "gspo:seq-mean-token-mean"
     forward_backward(ddp, carry_items(mine) if carry else mine, **extra, **kw)
     got = _grads(ddp)

@@ -12,6 +12,10 @@ Bradley-Terry over tests/test_rl_objectives.py's preference pairs (a pair's roll
 carry), and over ranked groups (every two rollouts of a group with different scores: 7 pairs from groups of 5 with
 a tie and of 2), against stock's rewards per rollout.
 
+The trainer's path (`train --tree-loss value|rm`: records with ``returns`` / ``old_values``, ``pair_id`` / ``chosen``
+or ``group`` / ``score`` as JSONL keys, `training.objectives`, `megatron.loss.tree_loss_func`) against the same
+oracle, DP 2 with carry at 8 rows.
+
 One spawn of 2 gloo ranks: DP 2 with the API sharding the batch, carry at 8 rows (rollouts cut over
 microbatches), then CP 2, then PP 2 (the head on the last stage, the values sent to both), then TP 2 with
 sequence parallelism (the stock weights split over TP, the head
@@ -187,6 +191,64 @@ def _run(oracle, *, rank, dp, budget, carry=False, cp=1, fault=False, loss="valu
                 head_grad=float(head.abs().max()))
 
 
+def trainer_dp2_carry(samples, rank: int, budget: int = 8) -> list:
+    """This DP rank's share of ``samples`` packed as `train --tree-carry` packs a step at ``budget`` rows (every
+    record cut over microbatches, carry groups spread over 2 DP ranks)."""
+    from megatron_tree.tree import pack
+    from megatron_tree.tree.carry import assign_carry_groups
+
+    mbs = pack(samples, budget, pad_to_multiple_of=8, carry=True)
+    return [mbs[i] for i in assign_carry_groups(mbs, 2)[rank]]
+
+
+def _run_trainer(oracle, *, rank, loss):
+    """`train --tree-loss value|rm`'s path: records with their fields as JSONL keys (``Sample.meta``), checked and
+    made into what trains by `training.objectives`, DP 2 with carry at 8 rows; the value loss through
+    `tree_loss_func(token_fields=)` per occurrence, Bradley-Terry (pairs or ranked groups) through the trainer's stats
+    pass (`pair_stats_pass`) and `tree_loss_func(pair_factors=)`."""
+    from types import SimpleNamespace
+
+    from megatron_tree.megatron.carry import carry_items
+    from megatron_tree.megatron.value_head import add_value_head
+    from megatron_tree.tree import Sample
+    from megatron_tree.training.models import forward_backward, wrap_ddp
+    from megatron_tree.training.objectives import check_loss_fields, objective_samples, pair_stats_pass, token_fields
+
+    toks, masks, returns, old = _value_fields()
+    name = "rm" if loss.startswith("rm") else "value"
+    if loss == "value":
+        records = [Sample(tokens=t, loss_mask=m, meta={"returns": r.tolist(), "old_values": o.tolist()})
+                   for t, m, r, o in zip(toks, masks, returns, old)]
+    elif loss == "rm":
+        ids, chosen = _pair_fields()
+        records = [Sample(tokens=t, meta={"pair_id": int(p), "chosen": bool(c)}) for t, p, c in zip(toks[:6], ids, chosen)]
+    else:
+        records = [Sample(tokens=t, group=g, meta={"score": sc}) for t, g, sc in zip(toks, GROUPS, SCORES)]
+    clip = VCLIP if name == "value" else None
+    check_loss_fields(name, records, value_clip=clip)
+    samples = objective_samples(name, records)
+    mine = trainer_dp2_carry(samples, rank)
+    tree, cfg = _tree_model(1, {k: v for k, v in oracle["state"].items() if not k.startswith("value_head.")})
+    add_value_head(tree)
+    tree.value_head.load_state_dict({k.removeprefix("value_head."): v for k, v in oracle["state"].items()
+                                     if k.startswith("value_head.")})
+    ddp = wrap_ddp(tree, cfg)
+    ddp.zero_grad_buffer()
+    kw = dict(loss_type=name, return_entropy=True, token_fields=token_fields(name, samples), value_clip=clip)
+    extra = {}
+    if name == "rm":
+        step = SimpleNamespace(microbatches=mine, sample_ids=tuple(range(len(samples))))
+        args = SimpleNamespace(tree_carry=True, tree_loss="rm")
+        extra["pair_factors"] = pair_stats_pass(ddp, step, carry_items(mine), args, kw, samples)
+    forward_backward(ddp, carry_items(mine), **kw, **extra)
+    got = _grads(ddp)
+    want = oracle[loss]["grads"] if name == "rm" else oracle["grads"]
+    ok = sorted(got) == sorted(want) and all(torch.allclose(got[k], g, **GRAD) for k, g in want.items())
+    cut = sum(1 for mb in mine if mb.carry is not None and len(mb.carry.carried))
+    return dict(ok=ok, err=rel_err(got, want), value_err=0.0, ids=sorted(i for mb in mine for i in mb.sample_ids),
+                cut=cut, head_grad=float(got["value_head.weight"].abs().max()))
+
+
 def tp2_sp_model(state: dict, value_head: bool = False):
     """(model, config, mine) under TP 2 with sequence parallelism (the world's two ranks): test_rl's GPT with the
     world-size-1 weights ``state`` split over TP (no gated MLP: every split parameter is a plain chunk on its
@@ -259,6 +321,11 @@ def _body():
             res[key] = _run(oracle, rank=rank, **kw)
         except Exception:  # noqa: BLE001 - reported by the test of that run
             res[key] = {"error": traceback.format_exc()}
+    for loss in ("value", "rm", "rm_groups"):
+        try:
+            res[f"trainer/{loss}"] = _run_trainer(oracle, rank=rank, loss=loss)
+        except Exception:  # noqa: BLE001
+            res[f"trainer/{loss}"] = {"error": traceback.format_exc()}
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=2)
     model_parallel_cuda_manual_seed(1234)
@@ -298,7 +365,8 @@ def _get(results, rank, key):
 
 
 @pytest.mark.parametrize("key", ["dp2", "carry", "cp2", "tp2_sp", "pp2", "rm_dp2", "rm_carry", "rm_cp2", "rm_pp2",
-                                 "rm_groups_dp2", "rm_groups_carry"])
+                                 "rm_groups_dp2", "rm_groups_carry", "trainer/value", "trainer/rm",
+                                 "trainer/rm_groups"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_value_model_gradients_and_values_equal_stock_per_rollout(results, key, rank):
     r = _get(results, rank, key)
@@ -306,10 +374,10 @@ def test_value_model_gradients_and_values_equal_stock_per_rollout(results, key, 
           f"error {r['value_err']:.1e} {r.get('worst')}")
     assert r["ok"], r["err"]
     assert r["value_err"] < 1e-12 and r["head_grad"] > 1e-3, r
-    if key in ("dp2", "carry", "rm_dp2", "rm_carry", "rm_groups_dp2", "rm_groups_carry"):  # split over 2 DP ranks
-        other = _get(results, 1 - rank, key)
+    if key in ("dp2", "carry", "rm_dp2", "rm_carry", "rm_groups_dp2", "rm_groups_carry") or key.startswith("trainer"):
+        other = _get(results, 1 - rank, key)  # split over 2 DP ranks
         assert r["ids"] and other["ids"] and not set(r["ids"]) & set(other["ids"])
-    if key.endswith("carry"):
+    if key.endswith("carry") or key.startswith("trainer"):
         assert r["cut"] + _get(results, 1 - rank, key)["cut"] > 0
 
 

@@ -381,18 +381,126 @@ def test_dp2_preference_pairs_train_as_flat_packing(tmp_path):
               f"{[round(m['loss'], 5) for m in fh]} (flat), {[round(m['loss'], 5) for m in ch]} (carry at 16 rows)")
 
 
+def _write_value_data(path, vocab=128, k=4):
+    """`_write_data`'s families with the fields of a value model and a distillation step as JSONL keys: per token a
+    return and an old value, a random teacher's top-k ids and log-probs; and a ranked group's score per record."""
+    from megatron_tree.data.io import write_jsonl
+
+    samples = _write_data(path, seed=9)
+    rng = np.random.default_rng(11)
+    for i, s in enumerate(samples):
+        L = len(s)
+        lp = np.log(rng.dirichlet(np.ones(vocab), L))
+        top = np.argsort(-lp, axis=1)[:, :k]
+        s.meta = {"returns": rng.normal(0, 1, L).tolist(), "old_values": rng.normal(0, .3, L).tolist(),
+                  "teacher_topk_ids": top.tolist(), "teacher_topk_logprobs": np.take_along_axis(lp, top, 1).tolist(),
+                  "score": float(i % 3)}
+    write_jsonl(samples, path)
+    return samples
+
+
+def _value_body(values, pairs):
+    """DP2 GPT: `train --tree-loss value` (clipped), `rm` over preference pairs and over ranked groups, `distill`,
+    each with tree packing, flat packing and tree packing with --tree-carry at 16 rows (records cut over microbatches
+    and ranks); the value model saved, then resumed from its checkpoint."""
+    import tempfile
+
+    from megatron_tree.training.trainer import train
+
+    out = {}
+    for key, data, extra in (("value", values, ("--tree-loss", "value", "--tree-value-clip", "0.2")),
+                             # (a reward model's rewards are one row per record: a gentler rate keeps float32 rounding
+                             # of tree vs flat from growing over Adam's steps)
+                             ("rm pairs", pairs, ("--tree-loss", "rm", "--lr", "2e-3")),
+                             ("rm groups", values, ("--tree-loss", "rm", "--lr", "2e-3")),
+                             ("distill", values, ("--tree-loss", "distill", "--tree-distill-kl", "reverse"))):
+        common = ("--num-layers", "2", "--train-iters", "3", *extra)
+        out[key] = (train(_args(data, *common)), train(_args(data, *common, "--packing", "flat")),
+                    train(_args(data, *common, "--tree-carry", "--tree-max-tokens-per-mb", "16")))
+    with tempfile.TemporaryDirectory() as ckpt:  # (the same path on both ranks: rank 0's name, broadcast)
+        import torch.distributed as dist
+
+        box = [ckpt]
+        dist.broadcast_object_list(box, src=0)
+        common = ("--num-layers", "2", "--train-iters", "3", "--tree-loss", "value", "--tree-value-clip", "0.2")
+        train(_args(values, *common, "--save", box[0], "--exit-interval", "2"))
+        out["value resumed"] = train(_args(values, *common, "--load", box[0]))
+        dist.barrier()
+    return out
+
+
+def test_dp2_value_reward_and_distillation_models_train_as_flat_packing(tmp_path):
+    """Value models, reward models (pairs and ranked groups) and distillation in the trainer: tree packing and carry
+    equal flat packing (per-sample training) step by step, the loss moves, a value model's checkpoint (its scalar
+    head included) resumes exactly. (Their gradients equal stock per rollout in tests/test_rl_value.py and
+    tests/test_rl_distill.py, trainer/*.)"""
+    values, pairs = tmp_path / "values.jsonl", tmp_path / "pairs.jsonl"
+    samples = _write_value_data(values)
+    _write_pairs(pairs)
+    res = run_distributed(_value_body, 2, values, pairs, timeout=900)[0]
+    for key in ("value", "rm pairs", "rm groups", "distill"):
+        th, fh, ch = (r["history"] for r in res[key])
+        assert len(th) == len(fh) == len(ch) == 3
+        assert th[0]["loss"] != th[-1]["loss"], key
+        for a, b, c in zip(th, fh, ch):
+            assert a["sample_ids"] == b["sample_ids"] == c["sample_ids"]
+            assert a["loss"] == pytest.approx(b["loss"], rel=2e-5) and c["loss"] == pytest.approx(b["loss"], rel=2e-5)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4), key
+            assert c["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4), key
+            if key.startswith("rm"):  # one target per record: its reward position
+                assert a["num_targets"] == len(a["sample_ids"])
+            if key == "rm groups":  # whole ranked groups in every step
+                groups = [samples[i].group for i in a["sample_ids"]]
+                assert all(groups.count(g) == 3 for g in groups), groups
+        print(f"\n{key}: step losses {[round(m['loss'], 5) for m in th]} (tree), "
+              f"{[round(m['loss'], 5) for m in ch]} (carry at 16 rows)")
+    resumed = res["value resumed"]
+    assert resumed["resumed_from"] == 2
+    assert resumed["history"][-1]["loss"] == pytest.approx(res["value"][0]["history"][-1]["loss"], rel=1e-9)
+
+
+def test_value_reward_and_distillation_records_are_checked_by_file_and_line():
+    """value / distill / rm read their fields from every record's JSONL keys: a missing one, a wrong length, a
+    teacher id outside the vocabulary, a ranked group whose records all score the same are named by file:line."""
+    from megatron_tree.tree import Sample
+    from megatron_tree.training.objectives import check_loss_fields
+
+    src = ["v.jsonl:1", "v.jsonl:2"]
+    good = {"returns": [0.0, 1.0, 2.0], "teacher_topk_ids": [[1, 2]] * 3, "teacher_topk_logprobs": [[-1.0, -2.0]] * 3}
+    recs = [Sample(tokens=[1, 2, 3], meta=dict(good)), Sample(tokens=[1, 2, 4], meta=dict(good))]
+    check_loss_fields("value", recs, src)
+    check_loss_fields("distill", recs, src, vocab_size=8)
+    cases = [("value", {"returns": [0.0, 1.0]}, {}, r"v.jsonl:2: returns needs one value per token \(3\)"),
+             ("value", {}, dict(value_clip=0.2), "v.jsonl:1: has no old_values, which --tree-loss value --tree-value-clip"),
+             ("distill", {"teacher_topk_ids": [[1, 9]] * 3}, dict(vocab_size=8), "v.jsonl:2: teacher_topk_ids holds id 9"),
+             ("distill", {"teacher_topk_logprobs": [[-1.0]] * 3}, {}, r"v.jsonl:2: teacher_topk_ids / teacher_topk_logprobs must be"),
+             ("distill", {"teacher_topk_logprobs": None}, {}, "v.jsonl:2: has no teacher_topk_logprobs")]
+    for loss, change, kw, message in cases:
+        meta = {k: v for k, v in dict(good, **change).items() if v is not None}
+        with pytest.raises(ValueError, match=message):
+            check_loss_fields(loss, [recs[0], Sample(tokens=[1, 2, 4], meta=meta)], src, **kw)
+    ranked = [Sample(tokens=[1, 2], group=0, meta={"score": 1.0}), Sample(tokens=[1, 3], group=0, meta={"score": 1.0})]
+    with pytest.raises(ValueError, match="group '0': v.jsonl:1, v.jsonl:2 all score 1.0"):
+        check_loss_fields("rm", ranked, src)
+    with pytest.raises(ValueError, match="v.jsonl:1: --tree-loss rm needs preference pairs"):
+        check_loss_fields("rm", [Sample(tokens=[1, 2])], src)
+    with pytest.raises(ValueError, match="--save-hf writes a causal LM"):
+        check_train_args(build_train_parser().parse_args(["--tree-data-path", "x.jsonl", "--train-iters", "1",
+                                                          "--tree-loss", "value", "--save-hf", "o"]))
+
+
 def test_preference_records_are_checked_by_file_and_line():
     """dpo / ipo / simpo read pair_id, chosen (and ref_logprobs for dpo / ipo) from every record: a missing or
     mistyped field, a pair without exactly one chosen and one rejected record, a record without a target or
     with a weight are named by file:line before any rank starts; an odd global batch is refused."""
     from megatron_tree.tree import Sample
-    from megatron_tree.training.trainer import _check_loss_fields
+    from megatron_tree.training.objectives import check_loss_fields
 
     def rec(pid, chosen, **kw):
         return Sample(tokens=[1, 2, 3], ref_logprobs=[0.0, -1.0, -1.0], meta={"pair_id": pid, "chosen": chosen}, **kw)
 
     src = [f"p.jsonl:{i + 1}" for i in range(4)]
-    _check_loss_fields("dpo", [rec(0, True), rec(0, False), rec(1, False), rec(1, True)], src)
+    check_loss_fields("dpo", [rec(0, True), rec(0, False), rec(1, False), rec(1, True)], src)
     cases = [([rec(0, True), rec(0, True)], "pair 0: p.jsonl:1, p.jsonl:2 (chosen: [True, True])"),
              ([rec(0, True), rec(0, False), rec(1, True)], "pair 1: p.jsonl:3"),
              ([rec(0, True), rec("a", False)], "p.jsonl:2: pair_id must be an integer"),
@@ -403,8 +511,8 @@ def test_preference_records_are_checked_by_file_and_line():
              ([rec(0, True), rec(0, False, loss_mask=[False, False, False])], "p.jsonl:2: has no target")]
     for samples, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
-            _check_loss_fields("dpo", samples, src)
-    _check_loss_fields("simpo", [rec(0, True), Sample(tokens=[1, 2], meta={"pair_id": 0, "chosen": False})], src)
+            check_loss_fields("dpo", samples, src)
+    check_loss_fields("simpo", [rec(0, True), Sample(tokens=[1, 2], meta={"pair_id": 0, "chosen": False})], src)
     args = build_train_parser().parse_args(["--synthetic-preset", "fixed_5k_16x100", "--train-iters", "1",
                                             "--tree-loss", "dpo", "--tree-global-batch-samples", "5"])
     with pytest.raises(ValueError, match="--tree-global-batch-samples 5 is odd"):
@@ -415,12 +523,12 @@ def test_policy_losses_name_the_first_record_without_their_fields():
     """grpo / ppo / gspo read an advantage (gspo also old log-probs) from every record: a record without one is
     named by file:line before any rank starts, not found inside a rank's loss."""
     from megatron_tree.tree import Sample
-    from megatron_tree.training.trainer import _check_loss_fields
+    from megatron_tree.training.objectives import check_loss_fields
 
     good = Sample(tokens=[1, 2, 3], advantage=1.0, old_logprobs=[0.0, -1.0, -1.0])
     no_old = Sample(tokens=[1, 2, 4], advantage=1.0)
-    _check_loss_fields("grpo", [good, no_old], ["a.jsonl:1", "a.jsonl:2"])
+    check_loss_fields("grpo", [good, no_old], ["a.jsonl:1", "a.jsonl:2"])
     with pytest.raises(ValueError, match="a.jsonl:2: has no old_logprobs, which --tree-loss gspo needs"):
-        _check_loss_fields("gspo", [good, no_old], ["a.jsonl:1", "a.jsonl:2"])
+        check_loss_fields("gspo", [good, no_old], ["a.jsonl:1", "a.jsonl:2"])
     with pytest.raises(ValueError, match="sample 0: has no advantage, which --tree-loss ppo needs"):
-        _check_loss_fields("ppo", [Sample(tokens=[1, 2])])
+        check_loss_fields("ppo", [Sample(tokens=[1, 2])])

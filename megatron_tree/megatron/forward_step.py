@@ -170,24 +170,27 @@ def context_parallel_params(psp, model, *, plan=None, strategy: str = "balanced"
 
 def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps: float = 0.2, clip_eps_high=None,
                       kl_coef: float = 0.0, device=None, cp_strategy: str = "balanced", return_entropy: bool = False,
-                      entropy_coef: float = 0.0, **loss_extras):
+                      entropy_coef: float = 0.0, occurrence_ids=None, **loss_extras):
     """Megatron ``forward_step_func`` for `TreeMicrobatch` iterators (every stage reads the batch).
 
     ``return_entropy`` (implied by a nonzero ``entropy_coef``): the model also returns per-occurrence
     entropies; the loss then reports their mean (``report["entropy"]``) and adds the bonus
     ``-entropy_coef * H`` per target (`tree_loss_func`). ``loss_extras`` go to `tree_loss_func`
-    (``sequence_ratios``, ``report_occurrences``: GSPO's two passes)."""
+    (``sequence_ratios``, ``report_occurrences``: GSPO's two passes). ``occurrence_ids``: see `TreePackedSeqParams`
+    (a distillation step's teacher top-k ids)."""
     item = next(data_iterator)
     if isinstance(item, CarryItem) and item.mb.carry is None:
         item = item.mb  # a padding microbatch of a carry step runs as usual
     if isinstance(item, CarryItem):
         return _carry_forward_step(item, model, device=device, loss_type=loss_type, clip_eps=clip_eps,
                                    clip_eps_high=clip_eps_high, kl_coef=kl_coef, return_entropy=return_entropy,
-                                   entropy_coef=entropy_coef, cp_strategy=cp_strategy, **loss_extras)
+                                   entropy_coef=entropy_coef, cp_strategy=cp_strategy, occurrence_ids=occurrence_ids,
+                                   **loss_extras)
     # (mb, plan), (mb, (plan, gdn_plan)), (mb, plan, gdn_plan) or a bare microbatch
     mb, plan = (item[0], item[1] if len(item) == 2 else tuple(item[1:])) if isinstance(item, tuple) else (item, None)
     dev = device if device is not None else next(model.parameters()).device
-    psp = tree_packed_seq_params(mb, dev, return_entropy=bool(return_entropy or entropy_coef))
+    psp = tree_packed_seq_params(mb, dev, return_entropy=bool(return_entropy or entropy_coef),
+                                 occurrence_ids=occurrence_ids)
     psp = context_parallel_params(psp, model, plan=plan, strategy=cp_strategy)
     out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
     loss_func = partial(tree_loss_func, psp.loss_map, loss_type=loss_type, clip_eps=clip_eps,
@@ -200,12 +203,12 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
 
 
 def _carry_forward_step(item, model, *, device, loss_type, clip_eps, clip_eps_high, kl_coef, return_entropy,
-                        entropy_coef, cp_strategy, **loss_extras):
+                        entropy_coef, cp_strategy, occurrence_ids=None, **loss_extras):
     make_loss = lambda loss_map: partial(tree_loss_func, loss_map, loss_type=loss_type, clip_eps=clip_eps,
                                          clip_eps_high=clip_eps_high, kl_coef=kl_coef, entropy_coef=entropy_coef,
                                          **loss_extras)
     return carry_forward(item, model, make_loss, device=device, return_entropy=bool(return_entropy or entropy_coef),
-                         cp_strategy=cp_strategy)
+                         cp_strategy=cp_strategy, occurrence_ids=occurrence_ids)
 
 
 def pending_backwards(model) -> int:

@@ -182,7 +182,8 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, *, vocab_start: int = 0,
 
 def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_eps: float = 0.2,
                    clip_eps_high=None, kl_coef: float = 0.0, entropy_coef: float = 0.0, sequence_ratios=None,
-                   pair_factors=None, report_occurrences: bool = False):
+                   pair_factors=None, token_fields=None, value_clip=None, distill_kl: str = "forward",
+                   report_occurrences: bool = False):
     """Megatron ``loss_func`` body: returns ``(loss_sum, num_tokens, report)``.
 
     ``logprobs``: the model's output, ``[M]`` per-occurrence log-probs or ``(logprobs, entropy)``
@@ -200,21 +201,32 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
     pass, `gspo_sequence_ratios`). A pair loss (``"dpo"``, ``"ipo"``, ``"simpo"``) takes ``pair_factors``, the
     (coef, share) `tree.loss.SampleValues` of `tree.pair_loss.pair_loss_factors` from a stats pass, and
     trains `tree.pair_loss.pair_surrogate` (unweighted: a pair's loss is a function of its sums).
+    A value model (`megatron.value_head`: its output is each occurrence's value where a policy's is its log-prob):
+    ``loss_type="value"`` trains `tree.loss.value_loss` against ``token_fields["returns"]`` (clipped around
+    ``token_fields["old_values"]`` with ``value_clip``), weighted; ``"rm"`` (a reward model, one occurrence per sample at
+    its last row) trains Bradley-Terry through ``pair_factors`` as the pair losses do. ``loss_type="distill"``: the
+    output's third entry is the student's log-probs at the teacher's top-k ids (`TreePackedSeqParams.occurrence_ids`),
+    trained by `tree.loss.distill_loss` (``distill_kl``) against ``token_fields["teacher_topk_logprobs"]``, weighted.
+    ``token_fields``: name -> `tree.token_fields.TokenTable` of the step's samples.
     ``report_occurrences``: ``report["occurrences"]`` holds every occurrence's ``sample_index``, ``logprobs``
     and, where the data has old log-probs, ``logprobs - old_logprobs`` (``log_ratio``): what a stats pass reads.
     """
-    entropy = None
+    entropy, at_ids = None, None
     if isinstance(logprobs, (tuple, list)):
-        logprobs, entropy = logprobs
+        logprobs, entropy, *rest = logprobs
+        at_ids = rest[0] if rest else None
     if entropy_coef and entropy is None:
         raise ValueError("entropy_coef needs the per-occurrence entropy: run the model with "
                          "TreePackedSeqParams(return_entropy=True) (tree_forward_step(..., return_entropy=True))")
-    if loss_type in PAIR_LOSSES:
+    if loss_type in PAIR_LOSSES + ("rm",):
         if pair_factors is None or kl_coef or entropy_coef:
             raise ValueError(f"loss_type {loss_type!r} needs the pair factors of a stats pass and takes no KL or "
                              "entropy term")
         coef, share = (v.at(loss_map.sample_index).to(logprobs.device) for v in pair_factors)
         loss_sum, metrics = pair_surrogate(logprobs, coef, share).sum(), {}
+    elif loss_type in TOKEN_FIELD_LOSSES:
+        loss_sum, metrics = (_token_field_loss(loss_type, loss_map, logprobs, at_ids, token_fields, value_clip,
+                                               distill_kl) * loss_map.weights.to(logprobs)).sum(), {}
     else:
         seq = None if sequence_ratios is None else sequence_ratios.at(loss_map.sample_index).to(logprobs.device)
         loss_sum, metrics = tree_loss(logprobs, loss_map, loss_type=loss_type, clip_eps=clip_eps,
@@ -234,6 +246,27 @@ def tree_loss_func(loss_map: LossMap, logprobs, *, loss_type: str = "sft", clip_
             occ["log_ratio"] = (logprobs.detach() - loss_map.old_logprobs.to(logprobs)).double().cpu()
         report["occurrences"] = occ
     return loss_sum, num_tokens, report
+
+
+#: losses of per-token record fields (`tree.token_fields`) rather than of the targets' log-probs
+TOKEN_FIELD_LOSSES = ("value", "distill")
+
+
+def _token_field_loss(loss_type, loss_map, output, at_ids, token_fields, value_clip, distill_kl) -> torch.Tensor:
+    """[M] unweighted per-occurrence loss of a value model (``output`` = values) or a distillation step (``at_ids``:
+    the student's log-probs at the teacher's ids)."""
+    from ..tree.loss import distill_loss, value_loss
+
+    if token_fields is None:
+        raise ValueError(f"loss_type {loss_type!r} reads per-token record fields: pass token_fields")
+    if loss_type == "value":
+        old = token_fields["old_values"].at(loss_map) if value_clip is not None else None
+        return value_loss(output, token_fields["returns"].at(loss_map).to(output.device),
+                          None if old is None else old.to(output.device), value_clip)
+    if at_ids is None:
+        raise RuntimeError("loss_type 'distill': the model returned no log-probs at the teacher's ids (run it with "
+                           "TreePackedSeqParams.occurrence_ids)")
+    return distill_loss(at_ids, token_fields["teacher_topk_logprobs"].at(loss_map).to(at_ids.device), distill_kl)
 
 
 def sample_sum_groups() -> dict:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..tree.loss import LOSS_TYPES as LOSSES, tree_loss
 from ..tree.sample import Sample, validate_sample
+from ..tree.token_fields import TokenTable
 from .fields import as_numpy as _np, check_ranked_groups, check_teacher_topk, check_token_values, validate_pairs
 
 __all__ = ["RolloutBatch", "RankMicrobatches", "RolloutOutputs", "build_microbatches", "forward_backward",
@@ -98,22 +99,15 @@ class RolloutBatch:
 
     def per_occurrence(self, name: str, loss_map) -> torch.Tensor:
         """[M] (``returns`` / ``old_values``) or [M, k] (``teacher_topk_ids`` / ``teacher_topk_logprobs``) of
-        ``loss_map``'s occurrences (rollout ``sample_index``, token ``positions``), read from the flattened field
-        (no per-occurrence Python loop)."""
-        flat, offsets = self._flat(name)
-        idx = offsets[loss_map.sample_index.cpu().numpy()] + loss_map.positions.cpu().numpy()
-        return torch.as_tensor(flat[idx])
-
-    def _flat(self, name: str) -> tuple:
-        cache = self.__dict__.setdefault("_flat_fields", {})
+        ``loss_map``'s occurrences (rollout ``sample_index``, token ``positions``; `tree.token_fields.TokenTable`)."""
+        cache = self.__dict__.setdefault("_token_tables", {})
         if name not in cache:
             rows = getattr(self, name)
             if rows is None:
                 raise ValueError(f"this RolloutBatch has no {name}: give {name}= to RolloutBatch.from_lists / "
                                  "from_padded")
-            offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])[:-1]]).astype(np.int64)
-            cache[name] = (np.concatenate(rows) if rows else np.zeros(0), offsets)
-        return cache[name]
+            cache[name] = TokenTable(name, rows)
+        return cache[name].at(loss_map)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -12,9 +12,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..tree.pair_loss import check_pairs
+from ..tree.pair_loss import check_pairs, check_ranked_groups
+from ..tree.token_fields import check_teacher_topk, check_token_values
 
 __all__ = ["validate_pairs", "check_ranked_groups", "check_token_values", "check_teacher_topk", "as_numpy"]
+# (the checks of ranked groups and per-token fields live in `tree.pair_loss` / `tree.token_fields`: the trainer
+# runs them on its records too, naming file:line)
 
 
 def as_numpy(x):
@@ -41,67 +44,3 @@ def validate_pairs(pair_ids, chosen, size: int):
     ids, ch = ids.astype(np.int64), ch.astype(bool)
     check_pairs(ids, ch)
     return ids, ch
-
-
-def check_ranked_groups(group_ids, scores, size: int, *, has_pairs: bool = False):
-    """``(group_ids [B], scores [B] float64)`` checked (or ``(None, None)``): both or neither, not with pairs, one
-    entry per rollout, finite scores, and two different scores in every group (a group makes no pair otherwise)."""
-    if group_ids is None and scores is None:
-        return None, None
-    if group_ids is None or scores is None:
-        raise ValueError("group_ids and scores go together: each rollout's ranked group and its score")
-    if has_pairs:
-        raise ValueError("give preference pairs (pair_ids / chosen) or ranked groups (group_ids / scores), not both")
-    gid, sc = _np(group_ids).reshape(-1), _np(scores).astype(np.float64).reshape(-1)
-    if len(gid) != size or len(sc) != size:
-        raise ValueError(f"group_ids / scores need one entry per rollout ({size}), got {len(gid)} / {len(sc)}")
-    if not np.isfinite(sc).all():
-        raise ValueError(f"rollout {int(np.flatnonzero(~np.isfinite(sc))[0])}: its score is not finite")
-    uniq, inverse = np.unique(gid, return_inverse=True)
-    lo, hi = np.full(len(uniq), np.inf), np.full(len(uniq), -np.inf)
-    np.minimum.at(lo, inverse, sc)
-    np.maximum.at(hi, inverse, sc)
-    flat = np.flatnonzero(lo == hi)
-    if len(flat):
-        members = np.flatnonzero(inverse == flat[0]).tolist()
-        group = uniq[flat[0]].item()  # (a plain int / str in the message, not numpy's repr)
-        raise ValueError(f"group {group!r}: rollouts {members} all score {lo[flat[0]]}; a ranked group needs "
-                         "two different scores (it makes no pair otherwise)")
-    return gid, sc
-
-
-def check_token_values(name: str, rows, samples) -> list | None:
-    """``rows`` (one per rollout) as float64 arrays of one value per token, finite at every target (or None)."""
-    if rows is None:
-        return None
-    if len(rows) != len(samples):
-        raise ValueError(f"{name} needs one entry per rollout ({len(samples)}), got {len(rows)}")
-    rows = [_np(r).astype(np.float64) for r in rows]
-    for i, (r, s) in enumerate(zip(rows, samples)):
-        if r.shape != (len(s),):
-            raise ValueError(f"rollout {i}: {name} needs one value per token ({len(s)}), got shape {r.shape}")
-        if not np.isfinite(r[s.target_mask()]).all():
-            raise ValueError(f"rollout {i}: {name} is not finite at a target")
-    return rows
-
-
-def check_teacher_topk(ids, logprobs, samples):
-    """``(ids, logprobs)``: per rollout ``[L, k]`` int64 token ids and float64 log-probs (the same k for every
-    rollout, finite and <= 0 at every target), or ``(None, None)``."""
-    if ids is None and logprobs is None:
-        return None, None
-    if ids is None or logprobs is None or len(ids) != len(samples) or len(logprobs) != len(samples):
-        raise ValueError("teacher_topk_ids and teacher_topk_logprobs go together, one [L, k] entry per rollout")
-    ids = [_np(x) for x in ids]
-    logprobs = [_np(x).astype(np.float64) for x in logprobs]
-    k = ids[0].shape[-1] if ids and ids[0].ndim == 2 else None
-    for i, (a, b, s) in enumerate(zip(ids, logprobs, samples)):
-        if a.shape != (len(s), k) or b.shape != a.shape:
-            raise ValueError(f"rollout {i}: teacher_topk_ids / teacher_topk_logprobs must be [tokens, k] = "
-                             f"[{len(s)}, {k}] (k as rollout 0's), got {a.shape} / {b.shape}")
-        if a.dtype.kind not in "iu" or (a < 0).any():
-            raise ValueError(f"rollout {i}: teacher_topk_ids must be non-negative integer token ids")
-        t = s.target_mask()
-        if not (np.isfinite(b[t]).all() and (b[t] <= 0).all()):
-            raise ValueError(f"rollout {i}: teacher_topk_logprobs must be finite log-probs (<= 0) at every target")
-    return [a.astype(np.int64) for a in ids], logprobs

@@ -19,10 +19,12 @@ import math
 from ..tree.loss_agg import LOSS_AGGS
 
 __all__ = ["add_tree_args", "validate_tree_args", "add_moe_balancing_args", "add_seq_aux_per_sample_arg",
-           "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
+           "moe_balancing_fields", "BALANCING_TYPES", "TREE_LOSSES", "VALUE_HEAD_LOSSES", "CP_PLANNERS", "BAD_SAMPLE_POLICIES",
            "DEFAULT_PAD_MULTIPLE"]
 
-TREE_LOSSES = ("sft", "grpo", "ppo", "gspo", "dpo", "ipo", "simpo")
+TREE_LOSSES = ("sft", "grpo", "ppo", "gspo", "dpo", "ipo", "simpo", "rm", "value", "distill")
+#: the losses of a scalar head (`megatron.value_head`): a reward model, a value model (critic)
+VALUE_HEAD_LOSSES = ("rm", "value")
 CP_PLANNERS = ("contiguous", "zigzag", "balanced")
 BAD_SAMPLE_POLICIES = ("error", "skip")
 # Rows are padded to a multiple of this unless --tree-pad-to-multiple-of says otherwise: GEMM tiles
@@ -113,7 +115,19 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "old_logprobs; megatron-tree train; pair it with --loss-agg seq-mean-token-mean as GSPO's "
                         "paper); dpo / ipo / simpo: preference pairs (records with pair_id and chosen, dpo / ipo "
                         "also ref_logprobs), the loss of each pair's summed log-probs averaged over the step's "
-                        "pairs, from a forward-only stats pass first (megatron-tree train). Default: sft.")
+                        "pairs, from a forward-only stats pass first (megatron-tree train); rm: a reward model "
+                        "(a scalar head read at each record's last row) trained with Bradley-Terry over preference "
+                        "pairs (pair_id / chosen) or ranked groups (group / score), a stats pass first; value: a "
+                        "value model (critic: the scalar head at every target's source row) trained with PPO's "
+                        "value loss against the records' returns (old_values with --tree-value-clip); distill: KL to "
+                        "a teacher's top-k per token (teacher_topk_ids / teacher_topk_logprobs, [tokens][k]; "
+                        "--tree-distill-kl). Default: sft.")
+    g.add_argument("--tree-value-clip", type=float, default=None, metavar="EPS",
+                   help="--tree-loss value: clip each value to within EPS of the record's old_values (PPO's "
+                        "clipped value loss). Default: unclipped.")
+    g.add_argument("--tree-distill-kl", choices=("forward", "reverse"), default="forward",
+                   help="--tree-loss distill: KL(teacher || student) (forward, default) or KL(student || teacher) "
+                        "over the teacher's top-k ids.")
     g.add_argument("--tree-dpo-beta", type=float, default=0.1,
                    help="beta of --tree-loss dpo / ipo / simpo (default 0.1).")
     g.add_argument("--tree-simpo-gamma", type=float, default=0.5,
@@ -218,15 +232,23 @@ def validate_tree_args(args) -> argparse.Namespace:
         high = _get(args, "tree_clip_eps_high")
         if high is not None and not high > 0:
             errors.append(f"--tree-clip-eps-high must be > 0, got {high}")
-    if _get(args, "tree_loss", "sft") in ("dpo", "ipo", "simpo"):
+    loss = _get(args, "tree_loss", "sft")
+    if loss in ("dpo", "ipo", "simpo", "rm"):
         if _get(args, "loss_agg", "token-mean") != "token-mean":
             errors.append(f"--loss-agg {args.loss_agg} does not apply to --tree-loss {args.tree_loss}: its loss is the "
                           "mean over preference pairs of a function of each pair's sums")
-        if _get(args, "tree_kl_coef", 0.0) or _get(args, "tree_entropy_coef", 0.0):
-            errors.append(f"--tree-kl-coef / --tree-entropy-coef do not apply to --tree-loss {args.tree_loss} (a "
-                          "function of preference pairs)")
         if not _get(args, "tree_dpo_beta", 0.1) > 0:
             errors.append(f"--tree-dpo-beta must be > 0, got {args.tree_dpo_beta}")
+    if loss in ("dpo", "ipo", "simpo", "rm", "value", "distill"):
+        if _get(args, "tree_kl_coef", 0.0) or _get(args, "tree_entropy_coef", 0.0):
+            errors.append(f"--tree-kl-coef / --tree-entropy-coef do not apply to --tree-loss {args.tree_loss} (not a "
+                          "policy-gradient loss)")
+    if _get(args, "tree_value_clip", None) is not None and (loss != "value" or not args.tree_value_clip > 0):
+        errors.append(f"--tree-value-clip {args.tree_value_clip} needs --tree-loss value and a value > 0")
+    if loss in VALUE_HEAD_LOSSES and int(_get(args, "mtp_num_layers", None) or 0):
+        errors.append(f"--mtp-num-layers does not apply to --tree-loss {loss}: a reward / value model predicts no "
+                      "tokens")
+    if loss in ("dpo", "ipo", "simpo"):
         if (_get(args, "tree_global_batch_samples", None) or 0) % 2:
             errors.append(f"--tree-global-batch-samples {args.tree_global_batch_samples} is odd: a step of "
                           f"--tree-loss {args.tree_loss} holds whole preference pairs")

@@ -97,9 +97,14 @@ def _tree_config(args, config):
     if not getattr(config, "calculate_per_token_loss", False):
         raise ValueError("tree training needs calculate_per_token_loss=True (--calculate-per-token-loss)")
     loss = getattr(args, "tree_loss", "sft")
-    if loss in ("gspo", "dpo", "ipo", "simpo"):
+    if loss in ("gspo", "dpo", "ipo", "simpo", "rm"):
         raise ValueError(f"--tree-loss {loss} needs a forward-only stats pass before each step's forward-backward, "
                          "which Megatron-LM's train_step does not run: use megatron-tree train or "
+                         f"megatron_tree.rl.forward_backward(loss={loss!r})")
+    if loss in ("value", "distill"):
+        raise ValueError(f"--tree-loss {loss} reads per-token record fields ("
+                         f"{'returns' if loss == 'value' else 'teacher_topk_ids / teacher_topk_logprobs'}) that the "
+                         "hooks' get_batch does not carry yet: use megatron-tree train or "
                          f"megatron_tree.rl.forward_backward(loss={loss!r})")
     return config
 

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import io
 import json
 import math
@@ -82,10 +81,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..tree.pair_loss import PAIR_LOSSES, check_pairs
-from .arguments import add_moe_balancing_args, add_tree_args, moe_balancing_fields, validate_tree_args
+from ..tree.pair_loss import PAIR_LOSSES
+from .arguments import VALUE_HEAD_LOSSES, add_moe_balancing_args, add_tree_args, moe_balancing_fields, validate_tree_args
 from .checkpoint_errors import dir_bytes as _dir_bytes, iteration_dir as _iter_dir
 from .files import write_atomically
+from .objectives import check_loss_fields, gspo_stats_pass, objective_samples, pair_stats_pass, token_fields
 
 __all__ = ["add_train_args", "build_train_parser", "check_train_args", "load_train_samples", "train", "main",
            "latest_checkpoint", "format_progress", "format_skipped", "exit_status", "PREEMPTED_EXIT_CODE",
@@ -353,6 +353,9 @@ def check_train_args(args, samples=None) -> argparse.Namespace:
             args.hybrid_override_pattern != args.tree_hybrid_pattern:
         errors.append("--hybrid-override-pattern and --tree-hybrid-pattern disagree; pass one of them")
     errors += _family_errors(args) + hf_model_errors(args)
+    if args.save_hf and args.tree_loss in VALUE_HEAD_LOSSES:
+        errors.append(f"--save-hf writes a causal LM: the scalar head of --tree-loss {args.tree_loss} has no Hugging "
+                      "Face mapping here (save a Megatron checkpoint with --save)")
     if args.save_hf and not args.hf_model:
         errors.append("--save-hf DIR needs --hf-model PATH (the Hugging Face config and mapping it saves with)")
     elif args.save_hf:
@@ -507,55 +510,6 @@ def load_train_samples(args, report=None) -> list:
         route_spec = read_time_route_spec(args)
     return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample,
                         report=report, route_spec=route_spec, require_routes=replay)
-
-
-def _check_loss_fields(loss: str, samples, sources=None) -> None:
-    """The record fields ``--tree-loss`` reads, present on every sample (named by file:line) before any rank
-    starts: an advantage for grpo / ppo / gspo, old log-probs for gspo (its sequence ratio); for dpo / ipo /
-    simpo `_check_pair_fields`."""
-    need = {"grpo": ("advantage",), "ppo": ("advantage",), "gspo": ("advantage", "old_logprobs"),
-            "dpo": ("ref_logprobs",), "ipo": ("ref_logprobs",)}.get(loss, ())
-    for field in need:
-        bad = next((i for i, s in enumerate(samples) if getattr(s, field) is None), None)
-        if bad is not None:
-            raise ValueError(f"{_where(sources, bad)}: has no {field}, which --tree-loss {loss} needs on every record")
-    if loss in PAIR_LOSSES:
-        _check_pair_fields(loss, samples, sources)
-
-
-def _where(sources, i: int) -> str:
-    return sources[i] if sources and i < len(sources) else f"sample {i}"
-
-
-def _check_pair_fields(loss: str, samples, sources=None) -> None:
-    """Preference-pair records: ``pair_id`` (an integer) and ``chosen`` (true / false) on every record (JSONL keys
-    beside the sample's fields, read from ``Sample.meta``), every pair id held by one chosen and one rejected
-    record, each with a target and no ``weight`` (a pair's loss is a function of its sums). A ValueError names
-    the record by file:line."""
-    ids = np.zeros(len(samples), np.int64)
-    chosen = np.zeros(len(samples), bool)
-    for i, s in enumerate(samples):
-        pid, ch = s.meta.get("pair_id"), s.meta.get("chosen")
-        if isinstance(pid, bool) or not isinstance(pid, (int, np.integer)):
-            raise ValueError(f"{_where(sources, i)}: pair_id must be an integer on every record of --tree-loss {loss}, "
-                             f"got {pid!r}")
-        if not isinstance(ch, (bool, np.bool_)):
-            raise ValueError(f"{_where(sources, i)}: chosen must be true or false on every record of --tree-loss "
-                             f"{loss}, got {ch!r}")
-        if s.weight is not None:
-            raise ValueError(f"{_where(sources, i)}: a weight does not apply to --tree-loss {loss} (the loss of a pair "
-                             "is a function of its summed log-probs)")
-        if not s.target_mask().any():
-            raise ValueError(f"{_where(sources, i)}: has no target; a preference pair's completions need one")
-        ids[i], chosen[i] = int(pid), bool(ch)
-    check_pairs(ids, chosen, names=[_where(sources, i) for i in range(len(samples))])
-
-
-def _pair_grouped(samples) -> list:
-    """The samples with each preference pair as a group (``group = ("pair", pair_id)`` where a record has no group
-    of its own): the data pipeline keeps a group's members in one step."""
-    return [s if s.group is not None else dataclasses.replace(s, group=("pair", int(s.meta["pair_id"])))
-            for s in samples]
 
 
 # --------------------------------------------------------------------------------------------- process group
@@ -1080,57 +1034,6 @@ def exit_status(result: dict) -> int:
 
 
 # --------------------------------------------------------------------------------------------- training
-def _stats_reports(ddp, step, items, args, loss_kwargs) -> list:
-    """A stats pass: the step's microbatches forward only (no gradient, no MoE statistics), every occurrence
-    reported (``report_occurrences``). One forward of the step, no backward."""
-    from ..megatron.carry import carry_items
-    from .models import forward_backward
-
-    stats_items = carry_items(step.microbatches) if getattr(args, "tree_carry", False) else items
-    kw = dict(loss_kwargs, loss_type="sft", entropy_coef=0.0, report_occurrences=True)
-    with torch.no_grad():
-        return forward_backward(ddp, stats_items, forward_only=True, **kw)
-
-
-def _gspo_stats_pass(ddp, step, items, args, loss_kwargs):
-    """GSPO's stats pass (`_stats_reports`): every occurrence's ``logp - old``, gathered into each sample's ratio
-    ``exp(mean)`` over DP x CP and sent from the last pipeline stage (`megatron.loss.gspo_sequence_ratios`)."""
-    from ..megatron.loss import gspo_sequence_ratios, sample_sum_groups
-
-    return gspo_sequence_ratios(_stats_reports(ddp, step, items, args, loss_kwargs), **sample_sum_groups())
-
-
-def _pair_stats_pass(ddp, step, items, args, loss_kwargs, samples):
-    """Preference pairs' stats pass (dpo / ipo / simpo; `_stats_reports`): every occurrence's log-prob summed per
-    sample over DP x CP and sent from the last pipeline stage (`megatron.loss.gather_sample_sums`), then each
-    sample's factors (`tree.pair_loss.pair_loss_factors`) from its pair in the step's window (``step.sample_ids``,
-    every rank's). Returns the (coef, share) `tree.loss.SampleValues` the graded pass trains with."""
-    from ..megatron.loss import gather_sample_sums, sample_sum_groups
-    from ..tree.loss import SampleValues
-    from ..tree.pair_loss import pair_loss_factors, pair_members
-
-    ids, sums, counts = gather_sample_sums(_stats_reports(ddp, step, items, args, loss_kwargs), "logprobs",
-                                           **sample_sum_groups())
-    window = np.asarray(step.sample_ids, dtype=np.int64)
-    at = np.searchsorted(window, ids)
-    pi, n = np.zeros(len(window)), np.zeros(len(window))
-    pi[at], n[at] = sums, counts
-    pair_ids = np.array([samples[i].meta["pair_id"] for i in window], dtype=np.int64)
-    chosen = np.array([bool(samples[i].meta["chosen"]) for i in window])
-    uniq, count = np.unique(pair_ids, return_counts=True)
-    if (count != 2).any():
-        p = int(uniq[np.flatnonzero(count != 2)[0]])
-        raise ValueError(f"pair {p}: only one of its records is in this step's {len(window)} samples (the data "
-                         "pipeline keeps a group together; give the pair's records no group of their own or the "
-                         "same one, and a --tree-global-batch-samples the groups' sizes divide)")
-    ref = np.array([0.0 if samples[i].ref_logprobs is None else
-                    float(samples[i].ref_logprobs[samples[i].target_mask()].sum()) for i in window])
-    c, r = pair_members(pair_ids, chosen)
-    coef, share = pair_loss_factors(args.tree_loss, pi, ref, n, c, r, n_targets=float(n.sum()), n_pairs=float(len(c)),
-                                    beta=args.tree_dpo_beta, gamma=args.tree_simpo_gamma)
-    return SampleValues(window, torch.as_tensor(coef)), SampleValues(window, torch.as_tensor(share))
-
-
 def _make_pipeline(samples, packing: str, **kw):
     """`TreeDataPipeline` over ``samples``; ``packing="flat"`` shares nothing (the baseline)."""
     from ..data.pipeline import TreeDataPipeline
@@ -1248,9 +1151,10 @@ def train(args, samples=None, *, skipped=None, sources=None) -> dict:
         samples = load_train_samples(args, report)
         skipped, sources = report.skipped, report.sources
     check_train_args(args, samples)
-    if args.tree_loss in PAIR_LOSSES:  # (main checked them before any rank started; a direct call here)
-        _check_loss_fields(args.tree_loss, samples, sources)
-        samples = _pair_grouped(samples)
+    # (main checked them before any rank started; a direct call here)
+    check_loss_fields(args.tree_loss, samples, sources, value_clip=getattr(args, "tree_value_clip", None),
+                      vocab_size=args.vocab_size)
+    samples = objective_samples(args.tree_loss, samples)
     on_cpu = init_parallel(args)
     sources = list(sources) if sources is not None and len(sources) == len(samples) else None
     try:
@@ -1295,6 +1199,10 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
         install_routing_replay(model)
         replay = RouteSpec(moe_layers=model.routing_replay_moe_layers, topk=config.moe_router_topk,
                            num_experts=config.num_moe_experts)
+    if args.tree_loss in VALUE_HEAD_LOSSES:  # a reward / value model: a scalar head in place of the LM head's output
+        from ..megatron.value_head import add_value_head
+
+        add_value_head(model)
     if getattr(args, "tree_seq_aux_per_sample", False):  # DeepSeek-V3's per-sample seq aux loss
         from ..megatron.moe_balance import set_seq_aux_per_sample
 
@@ -1356,6 +1264,12 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     loss_kwargs = dict(loss_type=args.tree_loss, clip_eps=args.tree_clip_eps, clip_eps_high=args.tree_clip_eps_high,
                        kl_coef=args.tree_kl_coef, return_entropy=True, entropy_coef=args.tree_entropy_coef,
                        cp_strategy=args.tree_cp_planner)
+    tables = token_fields(args.tree_loss, samples)  # value / distill: per-token record fields, read per occurrence
+    if tables:
+        loss_kwargs.update(token_fields=tables, value_clip=getattr(args, "tree_value_clip", None),
+                           distill_kl=getattr(args, "tree_distill_kl", "forward"))
+    if args.tree_loss == "distill":  # the student's log-probs at the teacher's ids, vocab-parallel
+        loss_kwargs["occurrence_ids"] = tables["teacher_topk_ids"].at
     dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     cp_group = ps.get_context_parallel_group() if args.context_parallel_size > 1 else None
     if cp_group is not None:
@@ -1383,11 +1297,11 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                 if getattr(args, "tree_carry", False):  # fill / run, then the restores, one store per step
                     items = carry_items(step.microbatches)
                 extra = {}
-                if args.tree_loss in ("gspo",) + PAIR_LOSSES:  # per-sample statistics first, a forward-only pass
+                if args.tree_loss in ("gspo", "rm") + PAIR_LOSSES:  # per-sample statistics first, a forward-only pass
                     if args.tree_loss == "gspo":
-                        extra["sequence_ratios"] = _gspo_stats_pass(ddp, step, items, args, loss_kwargs)
+                        extra["sequence_ratios"] = gspo_stats_pass(ddp, step, items, args, loss_kwargs)
                     else:
-                        extra["pair_factors"] = _pair_stats_pass(ddp, step, items, args, loss_kwargs, samples)
+                        extra["pair_factors"] = pair_stats_pass(ddp, step, items, args, loss_kwargs, samples)
                     if getattr(args, "tree_carry", False):  # the stats pass ran the step's carry items
                         items = carry_items(step.microbatches)
                     if replay is not None:
@@ -1554,7 +1468,8 @@ def run(args) -> dict:
     samples = load_train_samples(args, report) if (args.tree_data_path or args.synthetic_preset) else None
     check_train_args(args, samples)
     if samples is not None:
-        _check_loss_fields(args.tree_loss, samples, report.sources)
+        check_loss_fields(args.tree_loss, samples, report.sources, value_clip=getattr(args, "tree_value_clip", None),
+                          vocab_size=args.vocab_size)
     if _launched() or dist.is_initialized():
         _quiet_warnings()
         if args.quiet:

@@ -269,7 +269,7 @@ def _with_sample_ids(mb, ids: list):
 def _sequence_extras(ddp, batch, cfg, side: str, carry_again, wrap, samples) -> dict:
     """``--loss gspo`` / ``dpo`` / ``ipo`` / ``simpo``: the trainer's stats pass over ``batch`` (forward only, every
     occurrence reported, gathered per sample over DP x CP and sent from the last PP stage), then GSPO's sequence
-    ratios (`trainer._gspo_stats_pass`) or each sample's pair factors (`_pair_factors`); {} for the other losses.
+    ratios (`training.objectives.gspo_stats_pass`) or each sample's pair factors (`_pair_factors`); {} for the other losses.
     Faults (tree side): ``gspo_one_microbatch``, each sample's statistic from the first microbatch holding it;
     ``wrong_partner``, each chosen sample against the next pair's rejected one."""
     if cfg.loss not in ("gspo",) + PAIR_LOSSES:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["PAIR_LOSSES", "check_pairs", "pair_loss_factors", "pair_surrogate", "pair_members", "ranked_pairs"]
+__all__ = ["PAIR_LOSSES", "check_pairs", "check_ranked_groups", "pair_loss_factors", "pair_surrogate", "pair_members", "ranked_pairs"]
 
 PAIR_LOSSES = ("dpo", "ipo", "simpo")
 
@@ -40,6 +40,37 @@ def check_pairs(pair_ids, chosen, names=None) -> None:
                          "exactly one chosen and one rejected entry")
 
 
+def check_ranked_groups(group_ids, scores, size: int, *, has_pairs: bool = False, names=None):
+    """``(group_ids [B], scores [B] float64)`` checked (or ``(None, None)``): both or neither, not with pairs, one
+    entry per rollout, finite scores, and two different scores in every group (a group makes no pair otherwise).
+    A ValueError names the entry (``names[i]``, default ``rollout i``) or the group and its members."""
+    if group_ids is None and scores is None:
+        return None, None
+    if group_ids is None or scores is None:
+        raise ValueError("group_ids and scores go together: each rollout's ranked group and its score")
+    if has_pairs:
+        raise ValueError("give preference pairs (pair_ids / chosen) or ranked groups (group_ids / scores), not both")
+    as_np = lambda x: x.detach().cpu().numpy() if torch.is_tensor(x) else np.asarray(x)
+    gid, sc = as_np(group_ids).reshape(-1), as_np(scores).astype(np.float64).reshape(-1)
+    if len(gid) != size or len(sc) != size:
+        raise ValueError(f"group_ids / scores need one entry per rollout ({size}), got {len(gid)} / {len(sc)}")
+    name = lambda i: names[i] if names is not None else f"rollout {i}"
+    if not np.isfinite(sc).all():
+        raise ValueError(f"{name(int(np.flatnonzero(~np.isfinite(sc))[0]))}: its score is not finite")
+    uniq, inverse = np.unique(gid, return_inverse=True)
+    lo, hi = np.full(len(uniq), np.inf), np.full(len(uniq), -np.inf)
+    np.minimum.at(lo, inverse, sc)
+    np.maximum.at(hi, inverse, sc)
+    flat = np.flatnonzero(lo == hi)
+    if len(flat):
+        members = np.flatnonzero(inverse == flat[0]).tolist()
+        group = uniq[flat[0]].item()  # (a plain int / str in the message, not numpy's repr)
+        who = f"rollouts {members}" if names is None else ", ".join(names[i] for i in members)
+        raise ValueError(f"group {group!r}: {who} all score {lo[flat[0]]}; a ranked group needs "
+                         "two different scores (it makes no pair otherwise)")
+    return gid, sc
+
+
 def pair_members(pair_ids, chosen) -> tuple:
     """(chosen positions [P], rejected positions [P]) of validated ``pair_ids`` / ``chosen`` ([B] each: every
     pair id held by one chosen and one rejected entry), pairs in ascending id order."""
@@ -55,7 +86,7 @@ def ranked_pairs(group_ids, scores) -> tuple:
     gid, sc = np.asarray(group_ids), np.asarray(scores, dtype=np.float64)
     better, worse = [], []
     order = np.argsort(gid, kind="stable")
-    bounds = np.flatnonzero(np.diff(gid[order])) + 1
+    bounds = np.flatnonzero(gid[order][1:] != gid[order][:-1]) + 1  # (string group ids too)
     for members in np.split(order, bounds):  # one group at a time: K x K, never B x B
         i, j = np.nonzero(sc[members][:, None] > sc[members][None, :])
         better.append(members[i])

@@ -47,7 +47,12 @@ What a run does (every rank):
    every position 1..L-1). Entropies are in nats. ``--top-k K``: also ``topk_ids`` and ``topk_logprobs``,
    per target the K most likely next tokens under the full-vocabulary softmax and their log-probs,
    descending (`megatron.loss.vocab_parallel_topk`: each TP rank's shard top K, one all-gather of the
-   candidates, no ``[tokens, vocab]`` tensor gathered): a teacher's top-k for distillation.
+   candidates, no ``[tokens, vocab]`` tensor gathered): a teacher's top-k for distillation. ``--values``
+   (a value or reward model: a ``train --tree-loss value|rm`` checkpoint, its scalar head
+   `megatron.value_head` included): ``values`` (per scored target t, ``V(s_t)``, the head at its source
+   row, as the critic trains) and ``reward`` (the head at the record's last row, as the reward model
+   trains: the record is scored with one leaf token appended, a row that changes no other row) in
+   place of ``logprobs`` / ``entropy``.
 
 The forward pass has no activation memory for a backward, so ``--max-tokens-per-mb`` may exceed
 training's. ``--packing flat`` scores every record as its own chain (the baseline of
@@ -103,6 +108,10 @@ def add_score_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="also write, per scored token, the K most likely next tokens (topk_ids) and their "
                         "log-probs (topk_logprobs) under the full-vocabulary softmax, computed vocab-parallel "
                         "(no [tokens, vocab] tensor is gathered)")
+    g.add_argument("--values", action="store_true",
+                   help="a value / reward model (a train --tree-loss value|rm checkpoint with its scalar head): write "
+                        "values (per scored token, the head at its source row) and reward (the head at the record's "
+                        "last row) in place of logprobs / entropy")
     g.add_argument("--max-tokens-per-mb", "--tree-max-tokens-per-mb", dest="tree_max_tokens_per_mb", type=int,
                    default=None, metavar="N",
                    help="row budget of a microbatch (padding included; may exceed training's: no backward). "
@@ -185,6 +194,14 @@ def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if not 0 <= args.top_k <= (args.vocab_size or 0):
         errors.append(f"--top-k must be between 0 and the vocabulary size ({args.vocab_size}), got {args.top_k}")
+    if getattr(args, "values", False):
+        if args.top_k:
+            errors.append("--top-k reads the LM head; --values scores a value / reward model's scalar head: one of them")
+        if args.load is None:
+            errors.append("--values needs --load DIR: the value / reward model's checkpoint (its scalar head is "
+                          "trained, not in a Hugging Face causal-LM checkpoint)")
+        if getattr(args, "mtp_num_layers", None):
+            errors.append("--values: a value / reward model takes no MTP layers (--mtp-num-layers)")
     if args.num_attention_heads % tp and getattr(args, "hf_model", None) is None:
         errors.append(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by TP ({tp})")
     if args.hybrid_override_pattern and args.tree_hybrid_pattern and \
@@ -215,14 +232,18 @@ def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
                              "--routing-replay replays every record's routes (it would be re-routed, not replayed)")
     if samples is not None:
         tail = score_mtp_tail(args)
-        lens = np.array([len(s) for s in samples], dtype=np.int64)
+        reward_row = int(bool(getattr(args, "values", False)))
+        if reward_row:  # the reward position: one leaf token after each record
+            samples = _records_for_scoring(samples, args.all_tokens, reward=True)
+        lens = np.array([len(s) - reward_row for s in samples], dtype=np.int64)
         if budget is None:
             args.tree_max_tokens_per_mb = (_default_budget(samples, args) if not tail else
                                            _tail_budget(samples, tail, pad)) if len(samples) else pad
-        elif len(lens) and int(lens.max()) + tail > budget:
-            i = int(np.argmax(lens + tail > budget))
+        elif len(lens) and int(lens.max()) + tail + reward_row > budget:
+            i = int(np.argmax(lens + tail + reward_row > budget))
             where = sources[i] if sources else f"record {i}"
-            rows = f" (and {tail} MTP tail rows: DSA in the MTP layers)" if tail else ""
+            rows = f" (and {tail} MTP tail rows: DSA in the MTP layers)" if tail else \
+                " (and its reward row: --values)" if reward_row else ""
             raise ValueError(f"{where}: record {i} has {int(lens[i])} tokens{rows}, more than --max-tokens-per-mb "
                              f"{budget}: a record must fit in one microbatch and scoring never truncates; raise "
                              "--max-tokens-per-mb")
@@ -508,6 +529,10 @@ def check_checkpoint_tensors(path: str, model_shapes: dict) -> None:
                      "train with --untie-embeddings-and-output-weights)")
         if any(k.endswith(".bias") for k in extra):
             hint += "\n  (biases: our models have none, train with --disable-bias-linear)"
+        if any(k.startswith("value_head.") for k in extra):
+            hint += "\n  (value_head.*: a value / reward model's checkpoint (train --tree-loss value|rm): pass --values)"
+        if any(k.startswith("value_head.") for k in missing):
+            hint += "\n  (no value_head.*: a language model's checkpoint; --values scores a value / reward model)"
         if any("linear_fc1" in x for x in shapes):
             hint += "\n  (linear_fc1 twice as wide: the checkpoint's MLPs are SwiGLU: pass --swiglu; half: drop it)"
         raise CheckpointMismatch(f"--load {path}: the checkpoint's parameters do not match the model the flags build "
@@ -554,12 +579,19 @@ def _score_step(data_iterator, model, *, cp_strategy: str = "balanced", device=N
     return out, partial(_collect, psp.loss_map)
 
 
-def _records_for_scoring(samples, all_tokens: bool) -> list:
-    """Tokens, the scored positions and the routes only (RL fields play no part in a forward pass)."""
+def _records_for_scoring(samples, all_tokens: bool, reward: bool = False) -> list:
+    """Tokens, the scored positions and the routes only (RL fields play no part in a forward pass). ``reward``
+    (``--values``): each record with one leaf token (0) appended as one more target, whose source row is the record's
+    last row (the reward position; routes repeated for it)."""
     from ..tree.sample import Sample
 
-    return [Sample(tokens=s.tokens, loss_mask=None if all_tokens else s.target_mask(),
-                   routed_experts=s.routed_experts) for s in samples]
+    out = [Sample(tokens=s.tokens, loss_mask=None if all_tokens else s.target_mask(),
+                  routed_experts=s.routed_experts) for s in samples]
+    if not reward:
+        return out
+    return [Sample(tokens=np.append(s.tokens, 0), loss_mask=np.append(s.target_mask(), True),
+                   routed_experts=None if s.routed_experts is None else
+                   np.concatenate([s.routed_experts, s.routed_experts[-1:]])) for s in out]
 
 
 def score(args, samples=None, sources=None) -> dict:
@@ -596,6 +628,7 @@ def _score(args, samples, on_cpu: bool) -> dict:
     model_parallel_cuda_manual_seed(args.seed)
     if getattr(args, "hf_model", None) is not None:
         _, config, model = build_hf_model(args, dtype, on_cpu, hf_weights=args.load is None)
+        _value_head(model, args)
         if args.load is not None:  # a train --hf-model checkpoint: the architecture from PATH, weights from DIR
             _load_model(resolve_checkpoint(args.load), model, args)
     else:
@@ -606,6 +639,7 @@ def _score(args, samples, on_cpu: bool) -> dict:
                              ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
                              sp=args.sequence_parallel, dtype=dtype, cpu=on_cpu)
         model = build_model(config, margs)
+        _value_head(model, args)
         if not on_cpu:
             model = model.cuda()
         _load_model(resolve_checkpoint(args.load), model, args)
@@ -619,7 +653,7 @@ def _score(args, samples, on_cpu: bool) -> dict:
         spec = RouteSpec(moe_layers=model.routing_replay_moe_layers, topk=config.moe_router_topk,
                          num_experts=config.num_moe_experts)
 
-    records = _records_for_scoring(samples, args.all_tokens)
+    records = _records_for_scoring(samples, args.all_tokens, reward=getattr(args, "values", False))
     budget, pad = args.tree_max_tokens_per_mb, args.tree_pad_to_multiple_of
     from ..megatron.mtp import mtp_tail_rows
 
@@ -661,17 +695,30 @@ def _score(args, samples, on_cpu: bool) -> dict:
            "flat_tokens": int(sum(len(s) for s in records)), "microbatches": len(mbs), "seconds": seconds,
            "records_per_s": len(records) / seconds, "tokens_per_s": sum(len(s) for s in records) / seconds,
            "packing": args.packing, "out": args.out}
+    if getattr(args, "values", False):  # (the reward positions are not targets of the records)
+        out["targets"] -= len(records)
     if dist.get_rank() == 0:
-        _write(args.out, records, {k: np.concatenate([g[k] for g in gathered]) for k in keys})
+        _write(args.out, records, {k: np.concatenate([g[k] for g in gathered]) for k in keys},
+               values=getattr(args, "values", False))
     dist.barrier()
     return out
 
 
-def _write(path: str, records: list, occ: dict) -> None:
+def _value_head(model, args) -> None:
+    """``--values``: the model's scalar head (`megatron.value_head`, on the last stage), before the weights load."""
+    if getattr(args, "values", False):
+        from ..megatron.value_head import add_value_head
+
+        add_value_head(model)
+        if getattr(model, "value_head", None) is not None:
+            model.value_head.to(next(model.parameters()).device)
+
+
+def _write(path: str, records: list, occ: dict, values: bool = False) -> None:
     """Rank 0: order the occurrences by (record, position), check each record's targets came back
-    exactly once, write the Parquet file (whole or not at all: `replaced_atomically`)."""
+    exactly once, write the Parquet file (whole or not at all: `replaced_atomically`). ``values``: the
+    occurrences are a value model's (each record's last one its reward position)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     sidx = occ["sample_index"].astype(np.int64)
     pos = occ["positions"].astype(np.int64)
@@ -688,13 +735,29 @@ def _write(path: str, records: list, occ: dict) -> None:
     vals = {k: occ[k][order].astype(np.float64) for k in ("logprobs", "entropy")}
     if _FAULT == "occurrence_shift":
         vals = {k: np.roll(v, 1) for k, v in vals.items()}
+    if values:  # per record: its targets' values, then its reward position's
+        last = offsets[1:] - 1
+        keep = np.ones(len(order), dtype=bool)
+        keep[last] = False
+        per_target = np.zeros(len(records) + 1, dtype=np.int32)
+        np.cumsum(counts - 1, out=per_target[1:])
+        table = pa.table({"record": pa.array(np.arange(len(records), dtype=np.int64)),
+                          "values": pa.ListArray.from_arrays(pa.array(per_target), pa.array(vals["logprobs"][keep])),
+                          "reward": pa.array(vals["logprobs"][last])})
+        _write_table(path, table)
+        return
     lists = {k: pa.ListArray.from_arrays(pa.array(offsets), pa.array(v)) for k, v in vals.items()}
     if "topk_ids" in occ:  # per target a list of K, descending
         for k, dtype in (("topk_ids", np.int64), ("topk_logprobs", np.float64)):
             v = occ[k][order].astype(dtype)
             per_target = pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), v.shape[1])
             lists[k] = pa.ListArray.from_arrays(pa.array(offsets), per_target)
-    table = pa.table({"record": pa.array(np.arange(len(records), dtype=np.int64)), **lists})
+    _write_table(path, pa.table({"record": pa.array(np.arange(len(records), dtype=np.int64)), **lists}))
+
+
+def _write_table(path: str, table) -> None:
+    import pyarrow.parquet as pq
+
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with replaced_atomically(path) as tmp:

@@ -68,25 +68,36 @@ def synthetic_preferences(prompt_len: int, n_prompts: int = 2, pairs_per_prompt:
     return prompts, pairs
 
 
-def demo_rank(prompt_len: int = 4096, steps: int = 3) -> list:
-    import torch.distributed as dist
+def tiny_model(budget: int, *, value_head: bool = False, lr: float = 1e-3):
+    """(DDP model, optimizer, DP rank, DP size) on this rank: a tiny GPT on CPU (gloo) under Megatron-Core, with a
+    scalar head for a reward / value model (`megatron_tree.megatron.value_head`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_tree import cpu
+    from megatron_tree.megatron.value_head import add_value_head
     from megatron_tree.training.models import ModelArgs, build_model, make_config, wrap_ddp
 
     cpu.enable(kernels=True)
     torch._dynamo.config.disable = True
     ps.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)
-    budget = -(-(prompt_len + 2 * 2 * 48) // 8) * 8  # one prompt with all its completions per microbatch
     margs = ModelArgs(num_layers=2, hidden_size=64, vocab_size=128, max_position=budget)
     config = make_config(margs)
-    model = wrap_ddp(build_model(config, margs), config)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [model])
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    model = build_model(config, margs)
+    if value_head:
+        add_value_head(model)  # before DDP wraps it
+    model = wrap_ddp(model, config)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr), [model])
+    return model, opt, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def demo_rank(prompt_len: int = 4096, steps: int = 3) -> list:
+    import torch.distributed as dist
+
+    budget = -(-(prompt_len + 2 * 2 * 48) // 8) * 8  # one prompt with all its completions per microbatch
+    model, opt, dp_rank, dp_size = tiny_model(budget)
     prompts, pairs = synthetic_preferences(prompt_len)
     # the reference: the initial policy's log-probs of every completion, forward only (each DP rank fills its own
     # rollouts; summed over DP, every rank has them all)

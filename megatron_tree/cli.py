@@ -232,12 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="float64 (default) is the exact check; float32 uses a float-noise tolerance; bfloat16 "
                          "passes iff the tree side's error against per-sample float64 training is at most 1.5x "
                          "that of flat-packed bf16 training (plus --tolerance, default 2^-16)")
-    vf.add_argument("--loss", choices=["sft", "grpo", "ppo", "gspo", "dpo", "ipo", "simpo"], default="sft",
+    vf.add_argument("--loss", choices=["sft", "grpo", "ppo", "gspo", "dpo", "ipo", "simpo", "rm", "value", "distill"],
+                    default="sft",
                     help="gspo: both sides run GSPO's two passes (each sample's sequence ratio from a forward-only "
                          "pass); fault gspo_one_microbatch (with --carry or --cp > 1) takes it from one microbatch. "
                          "dpo / ipo / simpo: the same two passes over preference pairs (samples 2p and 2p + 1, the "
                          "even one chosen, the samples' old log-probs as the reference, beta 0.5, SimPO gamma 0.3); "
-                         "fault wrong_partner pairs each chosen sample with another pair's rejected one")
+                         "fault wrong_partner pairs each chosen sample with another pair's rejected one. rm: a reward "
+                         "model (a scalar head at each sample's last row) with Bradley-Terry over the same pairs. "
+                         "value: a value model, PPO's value loss clipped at 0.2 against random per-token returns. "
+                         "distill: forward KL to a random teacher's top-4 per token. Fault field_shift (value / "
+                         "distill) reads each occurrence's return / teacher of the next position")
     vf.add_argument("--loss-agg", choices=LOSS_AGGS, default="token-mean",
                     help="the step's loss aggregation (as train --loss-agg): each sample's exact factor over the "
                          "whole batch on both sides; fault loss_agg_per_microbatch takes it per microbatch instead")

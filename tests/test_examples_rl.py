@@ -1,5 +1,5 @@
 """The `megatron_tree.rl` examples run as users run them (2 gloo ranks on CPU): the DPO step on prompts shared by
-several pairs, and the actor step with GRPO and with GSPO."""
+several pairs, the reward-model step on ranked groups of 8 responses, and the actor step with GRPO and with GSPO."""
 from __future__ import annotations
 
 import math
@@ -43,3 +43,29 @@ def test_actor_step_example_runs_grpo_and_gspo(loss):
     lines = [line for rank in run_distributed(rl_actor_step._demo_rank, 2, loss, timeout=600) for line in rank]
     print("\n" + "\n".join(lines))
     assert len(lines) == 6 and all("grad_norm" in line and "nan" not in line for line in lines), lines
+
+
+def test_reward_model_example_computes_each_prompt_once_and_learns():
+    """Two prompts of 256 tokens with 8 rated responses each: the rows computed are the tree's (every distinct prefix
+    once: the prompts once, every response and its reward row), per-sample training's tokens are every response
+    with its prompt, and the loss falls."""
+    import re
+
+    import rl_reward_model_step
+    from megatron_tree.training.launch import run_distributed
+
+    lines = run_distributed(rl_reward_model_step.demo_rank, 2, 256, 3, timeout=600)[0]
+    tokens, groups, _ = rl_reward_model_step.ranked_groups(256)
+    # the tree's rows: every distinct prefix of the responses with their reward token (0) appended
+    tree_rows = len({tuple(t[:k]) for t in (list(x) + [0] for x in tokens) for k in range(1, len(t) + 1)})
+    flat = sum(len(t) + 1 for t in tokens)
+    losses, rows = [], []
+    for line in lines:
+        m = re.search(r"Bradley-Terry loss ([0-9.]+) .* rows computed (\d+) where per-sample training runs (\d+) tokens",
+                      line)
+        assert m, line
+        losses.append(float(m.group(1)))
+        rows.append((int(m.group(2)), int(m.group(3))))
+    print("\n" + "\n".join(lines))
+    assert losses[-1] < losses[0] - 1e-3, losses
+    assert all(tree_rows <= r < tree_rows + 8 * 4 and f == flat for r, f in rows), (rows, tree_rows, flat)

@@ -39,3 +39,26 @@ def test_verify_preference_pairs_against_per_sample_training_and_their_planted_f
     for cfg, out in zip(cfgs, good):
         assert out["passed"], (cfg, out)
     assert not partner["passed"] and not one_mb["passed"], (partner, one_mb)
+
+
+def test_verify_value_reward_and_distillation_against_per_sample_training_and_their_planted_faults():
+    """``--loss value / rm / distill``: both sides a value model (the scalar head, PPO's clipped value loss against
+    per-token returns), a reward model (Bradley-Terry over the pairs, each sample's reward at its last row from the
+    stats pass) or a student (forward KL to a random teacher's top-4 per token, the log-probs at its ids
+    vocab-parallel): the value model under carry at 16 rows over DP 2 and on a hybrid ``MG*-*E`` stack under PP 2,
+    the reward model under CP 2, distillation under TP 2 + SP; faults: every occurrence's return / teacher read at
+    the next position, a chosen sample paired with another pair's rejected one."""
+    from megatron_tree.training.verify import VerifyConfig, run_verify_many
+
+    cfgs = [VerifyConfig(model="gpt", loss="value", dp=2, carry=True, budget=16),
+            VerifyConfig(model="hybrid", pattern="MG*-*E", loss="value", pp=2),
+            VerifyConfig(model="gpt", loss="rm", cp=2),
+            VerifyConfig(model="gpt", loss="distill", tp=2, sp=True),
+            VerifyConfig(model="gpt", loss="value", dp=2, fault="field_shift"),
+            VerifyConfig(model="gpt", loss="distill", dp=2, fault="field_shift"),
+            VerifyConfig(model="gpt", loss="rm", dp=2, fault="wrong_partner")]
+    *good, value_shift, teacher_shift, partner = run_verify_many(cfgs)
+    for cfg, out in zip(cfgs, good):
+        assert out["passed"] and out["grads"] <= 1e-12, (cfg, out)
+    for out in (value_shift, teacher_shift, partner):
+        assert not out["passed"] and out["grads"] > 1e-3, out

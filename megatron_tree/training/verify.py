@@ -81,10 +81,16 @@ BALANCE_FAULTS = ("multiplicity_ones",)
 # faults of runs with a loss aggregation other than token-mean: the tree side's per-sample factors computed
 # over each microbatch's samples instead of the whole step's (a sequence-level normaliser taken locally)
 LOSS_AGG_FAULTS = ("loss_agg_per_microbatch", "gspo_one_microbatch", "wrong_partner")
+# faults of --loss value / distill: the tree side reads every occurrence's per-token field (return, teacher top-k) of
+# the next position
+FIELD_FAULTS = ("field_shift",)
+#: --loss value: the clip of the value loss; --loss distill: the teacher's k (a random teacher per sample, `_with_fields`)
+VALUE_CLIP, DISTILL_K = 0.2, 4
 #: --loss dpo / ipo / simpo: beta and SimPO's gamma (pairs: the batch's samples 2p and 2p + 1, the even one chosen;
 #: DPO / IPO's reference log-probs: the samples' old_logprobs)
 PAIR_BETA, PAIR_GAMMA = 0.5, 0.3
-ALL_FAULTS = FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS + LOSS_AGG_FAULTS
+ALL_FAULTS = (FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS + LOSS_AGG_FAULTS
+              + FIELD_FAULTS)
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS
 # faults of MTP runs (mtp_num_layers >= 1), planted in megatron.mtp for the tree side (`verify_mtp`)
@@ -246,7 +252,7 @@ def inject_fault(mb, fault: Optional[str]):
         fields = {f.name: (None if getattr(lm, f.name) is None else getattr(lm, f.name)[idx])
                   for f in dataclasses.fields(lm)}
         return dataclasses.replace(mb, loss_map=type(lm)(**fields))
-    if fault == "nan" or fault in MODEL_FAULTS or fault in LOSS_AGG_FAULTS:
+    if fault == "nan" or fault in MODEL_FAULTS or fault in LOSS_AGG_FAULTS + FIELD_FAULTS:
         return mb  # planted after the backward pass (`_plant_nan`) / in the loss weights, not the tree metadata
     if fault == "zero_state":
         child = torch.nonzero(par >= 0).flatten()
@@ -266,13 +272,52 @@ def _with_sample_ids(mb, ids: list):
     return dataclasses.replace(mb, loss_map=dataclasses.replace(lm, sample_index=idx))
 
 
+#: the losses whose factors come from a stats pass (per sample, keyed by the batch's sample ids on every side)
+STATS_LOSSES = ("gspo", "rm") + PAIR_LOSSES
+#: the losses of per-token record fields (their tables are keyed by the batch's sample ids too)
+FIELD_LOSSES = ("value", "distill")
+
+
+def _with_fields(samples: list, vocab: int, seed: int) -> list:
+    """``samples`` with a value model's ``returns`` / ``old_values`` (spread so that ``VALUE_CLIP`` binds on some
+    targets) and a random teacher's top-``DISTILL_K`` ids and log-probs per token in ``meta`` (as `train` reads them)."""
+    rng = np.random.default_rng(seed + 17)
+    out = []
+    for s in samples:
+        L = len(s)
+        lp = torch.log_softmax(torch.as_tensor(rng.normal(0.0, 2.0, (L, vocab))), -1)
+        top = lp.topk(DISTILL_K, dim=-1)
+        out.append(dataclasses.replace(s, meta=dict(
+            s.meta, returns=rng.normal(0.0, 1.0, L), old_values=rng.normal(0.0, 0.3, L),
+            teacher_topk_ids=top.indices.numpy(), teacher_topk_logprobs=top.values.numpy())))
+    return out
+
+
+def _field_kwargs(cfg, samples: list, side: str) -> dict:
+    """``--loss value`` / ``distill``: the loss function's per-token tables (`training.objectives.token_fields`) and
+    settings, and the teacher's ids to read (``occurrence_ids``). Fault ``field_shift`` (tree side): every table's
+    entries moved one position back, so an occurrence reads its next position's."""
+    if cfg.loss not in FIELD_LOSSES:
+        return {}
+    from .objectives import token_fields
+
+    tables = token_fields(cfg.loss, samples)
+    if side == "tree" and cfg.fault == "field_shift":
+        for t in tables.values():
+            t.flat = np.roll(t.flat, -1, axis=0)
+    kw = dict(token_fields=tables, value_clip=VALUE_CLIP, distill_kl="forward")
+    if cfg.loss == "distill":
+        kw["occurrence_ids"] = tables["teacher_topk_ids"].at
+    return kw
+
+
 def _sequence_extras(ddp, batch, cfg, side: str, carry_again, wrap, samples) -> dict:
-    """``--loss gspo`` / ``dpo`` / ``ipo`` / ``simpo``: the trainer's stats pass over ``batch`` (forward only, every
+    """``--loss gspo`` / ``dpo`` / ``ipo`` / ``simpo`` / ``rm``: the trainer's stats pass over ``batch`` (forward only, every
     occurrence reported, gathered per sample over DP x CP and sent from the last PP stage), then GSPO's sequence
     ratios (`training.objectives.gspo_stats_pass`) or each sample's pair factors (`_pair_factors`); {} for the other losses.
     Faults (tree side): ``gspo_one_microbatch``, each sample's statistic from the first microbatch holding it;
     ``wrong_partner``, each chosen sample against the next pair's rejected one."""
-    if cfg.loss not in ("gspo",) + PAIR_LOSSES:
+    if cfg.loss not in STATS_LOSSES:
         return {}
     from ..megatron import loss as tree_loss_mod
     from .models import forward_backward
@@ -295,18 +340,23 @@ def _sequence_extras(ddp, batch, cfg, side: str, carry_again, wrap, samples) -> 
 
 def _pair_factors(loss: str, ids, sums, counts, samples: list, wrong_partner: bool = False) -> tuple:
     """(coef, share) `tree.loss.SampleValues` of verify's preference pairs (samples 2p and 2p + 1, the even one
-    chosen; an odd last sample is in no pair) from the stats pass's per-sample sums."""
+    chosen; an odd last sample is in no pair) from the stats pass's per-sample sums (``rm``: the rewards,
+    Bradley-Terry: DPO's form with beta 1 and no reference)."""
     from ..tree.loss import SampleValues
     from ..tree.pair_loss import pair_loss_factors
 
     n = len(samples)
     pi, cnt = np.zeros(n), np.zeros(n)
     pi[ids], cnt[ids] = sums, counts
-    ref = np.array([float(s.old_logprobs[s.target_mask()].sum()) for s in samples])
     c = np.arange(0, n - 1, 2)
     r = np.roll(c + 1, 1) if wrong_partner else c + 1
-    coef, share = pair_loss_factors(loss, pi, ref, cnt, c, r, n_targets=float(cnt.sum()), n_pairs=float(len(c)),
-                                    beta=PAIR_BETA, gamma=PAIR_GAMMA)
+    if loss == "rm":
+        coef, share = pair_loss_factors("dpo", pi, np.zeros(n), cnt, c, r, n_targets=float(cnt.sum()),
+                                        n_pairs=float(len(c)), beta=1.0)
+    else:
+        ref = np.array([float(s.old_logprobs[s.target_mask()].sum()) for s in samples])
+        coef, share = pair_loss_factors(loss, pi, ref, cnt, c, r, n_targets=float(cnt.sum()), n_pairs=float(len(c)),
+                                        beta=PAIR_BETA, gamma=PAIR_GAMMA)
     every = np.arange(n)
     return SampleValues(every, torch.as_tensor(coef)), SampleValues(every, torch.as_tensor(share))
 
@@ -757,6 +807,12 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
     samples = with_loss_agg(verify_samples(cfg.seed, margs.vocab_size, cfg.families), cfg.loss_agg,
                             cfg.loss_agg_norm)
+    if cfg.loss in FIELD_LOSSES:
+        samples = _with_fields(samples, margs.vocab_size, cfg.seed)
+    if cfg.loss == "rm":  # a reward model reads each sample's last row: one leaf token appended as its target
+        from .objectives import reward_samples
+
+        samples = reward_samples(samples)
     route_shape = None
     if cfg.routing_replay:
         margs.extra["moe_enable_routing_replay"] = True
@@ -792,7 +848,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     flat_budget = max(cfg.budget, -(-max(len(s) for s in samples) // 8) * 8) if cfg.carry else cfg.budget
     flat_mbs = [pack([samples[i]], flat_budget, pad_to_multiple_of=pad, mtp_tail=tail if cfg.cp > 1 else 0)[0]
                 for mb in mine for i in mb.sample_ids]
-    if cfg.loss in ("gspo",) + PAIR_LOSSES:  # per-sample statistics are keyed by sample: the batch's ids, every side
+    if cfg.loss in STATS_LOSSES + FIELD_LOSSES:  # per-sample statistics and fields are keyed by the batch's ids
         flat_mbs = [_with_sample_ids(fm, [i]) for fm, i in zip(flat_mbs, [i for mb in mine for i in mb.sample_ids])]
     # Every DP rank runs the same number of microbatches (MoE all-to-alls run once per microbatch
     # on every expert-parallel rank): top up with zero-loss padding microbatches.
@@ -810,7 +866,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # samples flat (stock's statistic on the same microbatch), padding weighing nothing
     packed_mbs = ([_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay, mtp_tail=tail if balance else 0)
                    for mb in mine] if bf16 or balance else None)
-    if packed_mbs is not None and cfg.loss in ("gspo",) + PAIR_LOSSES:
+    if packed_mbs is not None and cfg.loss in STATS_LOSSES + FIELD_LOSSES:
         packed_mbs = [_with_sample_ids(pm, list(mb.sample_ids)) for pm, mb in zip(packed_mbs, mine)]
     if cfg.carry:  # the same number of schedule items on every DP rank (an exporting microbatch is two)
         count = lambda rank_mbs: sum(1 + (len(mbs[i].carry.exported) > 0) for i in rank_mbs)
@@ -837,6 +893,10 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         # model "dsa": the per-sample side's DSA core attention is stock DSAttention (the oracle);
         # same parameters and initial weights as the tree side
         m = build_model(config, margs, stock_dsa=stock_dsa, stock_mtp=stock_mtp)
+        if cfg.loss in ("rm", "value"):  # a reward / value model: the scalar head, the same initial weights per side
+            from ..megatron.value_head import add_value_head
+
+            add_value_head(m)
         if cfg.seq_aux_per_sample:
             from ..megatron.moe_balance import set_seq_aux_per_sample
 
@@ -966,7 +1026,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             if cfg.carry and side == "tree" and extra:
                 batch = carry_again(batch)
             reports = forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap,
-                                       **extra)
+                                       **extra, **_field_kwargs(cfg, samples, side))
         tot = report_totals(reports)
         if tot is not None:  # CP ranks hold parts of one microbatch's loss: sum over DP x CP
             tot = tot.double()
@@ -986,7 +1046,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
                                          wrap, samples)
                 if cfg.carry and side == "tree" and extra:
                     batch = carry_again(batch)
-                forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap, **extra)
+                forward_backward(ddp, batch, loss_type=cfg.loss, cp_strategy=cfg.cp_strategy, wrap_step=wrap, **extra,
+                                 **_field_kwargs(cfg, samples, side))
                 opt.step()
             params = {n: p.detach().clone().cpu() for n, p in ddp.module.named_parameters()}
         if cfg.carry:
@@ -1230,9 +1291,17 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
             raise ValueError("fault gspo_one_microbatch takes a sample's statistic from one microbatch: it needs "
                              "--loss gspo / dpo / ipo / simpo and a sample cut over microbatches or ranks (--carry or "
                              "--cp > 1)")
-        if cfg.fault == "wrong_partner" and cfg.loss not in PAIR_LOSSES:
+        if cfg.fault == "wrong_partner" and cfg.loss not in PAIR_LOSSES + ("rm",):
             raise ValueError("fault wrong_partner pairs each chosen sample with another pair's rejected one: it needs "
-                             "--loss dpo / ipo / simpo")
+                             "--loss dpo / ipo / simpo / rm")
+        if cfg.fault in FIELD_FAULTS and cfg.loss not in FIELD_LOSSES:
+            raise ValueError(f"fault {cfg.fault} reads each occurrence's per-token field one position off: it needs "
+                             "--loss value / distill")
+        if cfg.loss in PAIR_LOSSES + ("rm",) and cfg.loss_agg != "token-mean":
+            raise ValueError(f"verify --loss {cfg.loss} is the mean over preference pairs: --loss-agg {cfg.loss_agg} "
+                             "does not apply")
+        if cfg.loss in ("rm", "value") and cfg.mtp_num_layers:
+            raise ValueError(f"verify --loss {cfg.loss} builds a reward / value model, which takes no MTP layers")
         if cfg.fault == "loss_agg_per_microbatch" and cfg.loss_agg == "token-mean":
             raise ValueError(f"fault {cfg.fault} plants a bug in a loss aggregation's per-sample factors: it needs "
                              "--loss-agg other than token-mean (whose factors are all 1)")

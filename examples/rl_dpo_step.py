@@ -44,17 +44,26 @@ def preference_batch(prompts: list, pairs: list, ref_logprobs=None) -> RolloutBa
 def dpo_step(model, optimizer, prompts, pairs, ref_logprobs, *, budget: int, beta: float, dp_rank: int,
              dp_size: int) -> dict:
     """One optimizer step of DPO; returns the loss, the rows the step computed and the tokens per-sample
-    training would run."""
+    training would run (over every DP rank)."""
     mbs = build_microbatches(preference_batch(prompts, pairs, ref_logprobs), budget, dp_rank=dp_rank,
                              dp_size=dp_size)
     model.zero_grad_buffer()
     optimizer.zero_grad()
     out = forward_backward(model, mbs, loss="dpo", beta=beta)
     ok, grad_norm, _ = optimizer.step()
-    lm = sum(r["lm loss"] for r in out.reports)  # [sum of per-occurrence shares, targets] of this rank
-    return {"loss_sum": lm[0], "targets": lm[1], "grad_norm": float(grad_norm),
-            "tree_rows": sum(mb.stats.tree_tokens for mb in mbs.microbatches),
-            "flat_tokens": sum(mb.stats.flat_tokens for mb in mbs.microbatches)}
+    return dict(step_figures(out, mbs), grad_norm=float(grad_norm))
+
+
+def step_figures(out, mbs) -> dict:
+    """The step's loss (the reports' ``lm loss``: a sum and a target count per rank), the rows it computed and the
+    tokens per-sample training runs, summed over the DP ranks."""
+    import torch.distributed as dist
+
+    lm = sum(r["lm loss"] for r in out.reports)
+    tot = torch.tensor([float(lm[0]), float(lm[1]), sum(mb.stats.tree_tokens for mb in mbs.microbatches),
+                        sum(mb.stats.flat_tokens for mb in mbs.microbatches)], dtype=torch.float64)
+    dist.all_reduce(tot)
+    return {"loss": float(tot[0] / tot[1]), "tree_rows": int(tot[2]), "flat_tokens": int(tot[3])}
 
 
 def synthetic_preferences(prompt_len: int, n_prompts: int = 2, pairs_per_prompt: int = 2, vocab: int = 128,
@@ -116,12 +125,9 @@ def demo_rank(prompt_len: int = 4096, steps: int = 3) -> list:
     lines = []
     for step in range(steps):
         m = dpo_step(model, opt, prompts, pairs, ref_full, budget=budget, beta=0.1, dp_rank=dp_rank, dp_size=dp_size)
-        tot = torch.tensor([float(m["loss_sum"]), float(m["targets"]), m["tree_rows"], m["flat_tokens"]],
-                           dtype=torch.float64)
-        dist.all_reduce(tot)
-        lines.append(f"step {step + 1}: DPO loss {tot[0] / tot[1]:.5f} (mean over {len(pairs)} pairs), grad_norm "
-                     f"{m['grad_norm']:.4f}; rows computed {int(tot[2])} where per-sample training runs "
-                     f"{int(tot[3])} tokens ({tot[3] / tot[2]:.2f}x)")
+        lines.append(f"step {step + 1}: DPO loss {m['loss']:.5f} (mean over {len(pairs)} pairs), grad_norm "
+                     f"{m['grad_norm']:.4f}; rows computed {m['tree_rows']} where per-sample training runs "
+                     f"{m['flat_tokens']} tokens ({m['flat_tokens'] / m['tree_rows']:.2f}x)")
     return lines
 
 

@@ -19,7 +19,6 @@ import os
 import sys
 
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -42,9 +41,7 @@ def ranked_groups(prompt_len: int, n_prompts: int = 2, responses: int = 8, vocab
 
 
 def demo_rank(prompt_len: int = 4096, steps: int = 3) -> list:
-    import torch.distributed as dist
-
-    from rl_dpo_step import tiny_model
+    from rl_dpo_step import step_figures, tiny_model
 
     tokens, groups, ratings = ranked_groups(prompt_len)
     budget = -(-(prompt_len + 8 * 49) // 8) * 8  # one prompt with all its responses per microbatch
@@ -57,15 +54,10 @@ def demo_rank(prompt_len: int = 4096, steps: int = 3) -> list:
         opt.zero_grad()
         out = forward_backward(model, mbs, loss="rm")
         _, grad_norm, _ = opt.step()
-        lm = sum(r["lm loss"] for r in out.reports)
-        tot = torch.tensor([float(lm[0]), float(lm[1]), sum(mb.stats.tree_tokens for mb in mbs.microbatches),
-                            sum(mb.stats.flat_tokens for mb in mbs.microbatches)], dtype=torch.float64)
-        dist.all_reduce(tot)
-        # (lm[0] sums each pair's loss spread over its two occurrences, scaled by the step's N: divided by N it is
-        # the mean over pairs)
-        lines.append(f"step {step + 1}: Bradley-Terry loss {tot[0] / tot[1]:.5f} (mean over the groups' pairs), "
-                     f"grad_norm {float(grad_norm):.4f}; rows computed {int(tot[2])} where per-sample training runs "
-                     f"{int(tot[3])} tokens ({tot[3] / tot[2]:.2f}x)")
+        m = step_figures(out, mbs)
+        lines.append(f"step {step + 1}: Bradley-Terry loss {m['loss']:.5f} (mean over the groups' pairs), grad_norm "
+                     f"{float(grad_norm):.4f}; rows computed {m['tree_rows']} where per-sample training runs "
+                     f"{m['flat_tokens']} tokens ({m['flat_tokens'] / m['tree_rows']:.2f}x)")
     return lines
 
 

@@ -287,11 +287,9 @@ def _lm_like_checkpoint(outdir: str) -> str:
     return path, inv_freq
 
 
-def _stock_oracle(ckpt_root: str, records: list) -> dict:
-    """{step: [(logprobs [L-1], entropy [L-1], top-k log-probs [L-1, K], top-k ids [L-1, K]) per record]} of
-    stock GPTModel per record, float64 (index t-1 predicts token t; the top-k of the full-vocabulary
-    log-softmax)."""
-    from megatron.core import dist_checkpointing
+def stock_gpt():
+    """Stock Megatron-Core ``GPTModel`` (local block spec, float64) with the parameters ``MODEL`` trains: what the
+    oracles load a checkpoint into."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer import TransformerConfig
@@ -301,9 +299,18 @@ def _stock_oracle(ckpt_root: str, records: list) -> dict:
                             hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", add_bias_linear=False,
                             bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
                             apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
-    stock = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"),
-                     vocab_size=V, max_sequence_length=64, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False).to(torch.float64)
+    return GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"),
+                    vocab_size=V, max_sequence_length=64, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False).to(torch.float64)
+
+
+def _stock_oracle(ckpt_root: str, records: list) -> dict:
+    """{step: [(logprobs [L-1], entropy [L-1], top-k log-probs [L-1, K], top-k ids [L-1, K]) per record]} of
+    stock GPTModel per record, float64 (index t-1 predicts token t; the top-k of the full-vocabulary
+    log-softmax)."""
+    from megatron.core import dist_checkpointing
+
+    stock = stock_gpt()
     out = {}
     for step in (1, 2):
         loaded = dist_checkpointing.load({"model": stock.sharded_state_dict()},

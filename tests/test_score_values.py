@@ -23,7 +23,7 @@ try:
 except ImportError:  # run from the repository root as tests.*
     from tests.dist import init_megatron, run_distributed
 
-from test_score import MODEL, V, _records, _targets
+from test_score import MODEL, _records, _targets, stock_gpt
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 
@@ -31,22 +31,12 @@ F64 = dict(rtol=1e-10, atol=1e-10)
 def _stock_values(ckpt: str, records: list) -> list:
     """[(values at every position's row [L], ...)] per record: stock GPTModel's decoder output through the head."""
     from megatron.core import dist_checkpointing
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_tree.megatron.value_head import TreeValueHead
 
     init_megatron(tp=1)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4,
-                            ffn_hidden_size=128, params_dtype=torch.float64, use_cpu_initialization=True,
-                            hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", add_bias_linear=False,
-                            bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-                            apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
-    stock = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"),
-                     vocab_size=V, max_sequence_length=64, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False).to(torch.float64)
-    head = TreeValueHead(cfg).to(torch.float64)  # (a container for the checkpoint's two tensors)
+    stock = stock_gpt()
+    head = TreeValueHead(stock.config).to(torch.float64)  # (a container for the checkpoint's two tensors)
     path = os.path.join(ckpt, "iter_0000002")
     loaded = dist_checkpointing.load({"model": stock.sharded_state_dict(),
                                       "head": head.sharded_state_dict(prefix="value_head.")}, path)

@@ -95,8 +95,8 @@ def tiny_model(budget: int, *, value_head: bool = False, lr: float = 1e-3):
     margs = ModelArgs(num_layers=2, hidden_size=64, vocab_size=128, max_position=budget)
     config = make_config(margs)
     model = build_model(config, margs)
-    if value_head:
-        add_value_head(model)  # before DDP wraps it
+    if value_head:  # before DDP wraps it; a reward model's has no bias (Bradley-Terry sees differences of rewards)
+        add_value_head(model, bias=False)
     model = wrap_ddp(model, config)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr), [model])
     return model, opt, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

@@ -47,19 +47,34 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=1e-12)
     args = ap.parse_args()
     t0 = time.time()
-    by_world: dict = {}
+    groups: dict = {}  # one set of rank processes per (world size, family); a group that raises runs config by config
     for item in _configs(args.losses, args.families, args.layouts, args.tolerance):
-        by_world.setdefault(item[-1].world_size, []).append(item)
+        groups.setdefault((item[-1].world_size, item[1]), []).append(item)
     worst: dict = {}
     failed = 0
-    for items in by_world.values():
-        for (loss, fam, lay, cfg), out in zip(items, run_verify_many([c for *_, c in items], timeout=3600)):
-            errors = {k: v for k, v in out.items() if k in ("logits", "loss", "grads", "params_after_step")}
-            judged = max(errors.get("loss", 0.0), errors.get("grads", 0.0))
-            worst[loss] = max(worst.get(loss, 0.0), judged)
-            failed += not out["passed"]
-            print(f"{'PASS' if out['passed'] else 'FAIL'} {loss} {fam} [{lay}]: "
-                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+
+    def report(loss, fam, lay, out):
+        nonlocal failed
+        errors = {k: v for k, v in out.items() if k in ("logits", "loss", "grads", "params_after_step")}
+        worst[loss] = max(worst.get(loss, 0.0), errors.get("loss", 0.0), errors.get("grads", 0.0))
+        failed += not out["passed"]
+        print(f"{'PASS' if out['passed'] else 'FAIL'} {loss} {fam} [{lay}]: "
+              + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), flush=True)
+
+    for items in groups.values():
+        try:
+            outs = run_verify_many([c for *_, c in items], timeout=3600)
+        except Exception:  # noqa: BLE001 - find and name the config that raised
+            outs = None
+        for j, (loss, fam, lay, cfg) in enumerate(items):
+            if outs is not None:
+                report(loss, fam, lay, outs[j])
+                continue
+            try:
+                report(loss, fam, lay, run_verify_many([cfg], timeout=3600)[0])
+            except Exception as e:  # noqa: BLE001
+                failed += 1
+                print(f"ERROR {loss} {fam} [{lay}]: {str(e).strip().splitlines()[-1]}", flush=True)
     for loss, err in worst.items():
         print(f"{loss}: worst loss / gradient error {err:.1e} over {len(args.families)} families x "
               f"{len(args.layouts)} layouts")

@@ -13,7 +13,8 @@ value          ``returns`` [tokens] (``old_values`` with --tree-value-clip)     
 distill        ``teacher_topk_ids`` / ``teacher_topk_logprobs`` [tokens][k]     per occurrence (`TokenTable`)
 =============  ===============================================================  =====================================
 
-A reward model (``rm``) reads its scalar head at each record's last row: each record trains as
+A reward model (``rm``) reads its scalar head (no bias: Bradley-Terry sees only differences of rewards, so a bias
+would get a zero gradient; Hugging Face's sequence-classification heads have none either) at each record's last row: each record trains as
 ``tokens + [0]`` with its one target on the appended token (`reward_samples`), so the target's source row is
 the record's last row; the appended row is a leaf and changes no other row. Its loss is Bradley-Terry
 (``-log sigmoid(r_c - r_r)``, the mean over the step's pairs; `tree.pair_loss` with beta 1 and no reference)

@@ -705,11 +705,16 @@ def _score(args, samples, on_cpu: bool) -> dict:
 
 
 def _value_head(model, args) -> None:
-    """``--values``: the model's scalar head (`megatron.value_head`, on the last stage), before the weights load."""
+    """``--values``: the model's scalar head (`megatron.value_head`, on the last stage, with a bias where the checkpoint
+    has one), before the weights load."""
     if getattr(args, "values", False):
+        from megatron.core import dist_checkpointing
+
         from ..megatron.value_head import add_value_head
 
-        add_value_head(model)
+        # a reward model's head has no bias (train --tree-loss rm), a value model's has: as the checkpoint holds it
+        meta = dist_checkpointing.load_tensors_metadata(resolve_checkpoint(args.load))
+        add_value_head(model, bias="value_head.bias" in meta)
         if getattr(model, "value_head", None) is not None:
             model.value_head.to(next(model.parameters()).device)
 

@@ -1202,7 +1202,9 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     if args.tree_loss in VALUE_HEAD_LOSSES:  # a reward / value model: a scalar head in place of the LM head's output
         from ..megatron.value_head import add_value_head
 
-        add_value_head(model)
+        # a reward model's head has no bias (as Hugging Face's sequence-classification score): Bradley-Terry sees
+        # only differences of rewards, so a bias would get a zero gradient
+        add_value_head(model, bias=args.tree_loss != "rm")
     if getattr(args, "tree_seq_aux_per_sample", False):  # DeepSeek-V3's per-sample seq aux loss
         from ..megatron.moe_balance import set_seq_aux_per_sample
 

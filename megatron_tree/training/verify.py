@@ -896,7 +896,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         if cfg.loss in ("rm", "value"):  # a reward / value model: the scalar head, the same initial weights per side
             from ..megatron.value_head import add_value_head
 
-            add_value_head(m)
+            add_value_head(m, bias=cfg.loss != "rm")  # (a reward's bias cancels in Bradley-Terry: none, as train's)
         if cfg.seq_aux_per_sample:
             from ..megatron.moe_balance import set_seq_aux_per_sample
 

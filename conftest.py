@@ -108,6 +108,12 @@ MAIN_TIER_ONLY = {
     "test_trainer.py::test_dp2_value_reward*": "megatron-tree train's value / reward / distillation runs; "
                                                "test_rl_value.py and test_rl_distill.py run the trainer's path "
                                                "(trainer/*) against stock in latest",
+    "test_rl_value.py::*": "the value head and its losses on the model's tree output (ours); test_rl.py and "
+                           "test_rl_objectives.py run the rl API's Megatron-Core path against stock in latest",
+    "test_rl_distill.py::*": "the log-probs at a teacher's ids on the model's tree output (ours); test_rl.py runs the "
+                             "rl API's Megatron-Core path and test_score.py the top-k against stock in latest",
+    "test_score_values.py::*": "score --values reads the value head through score's loading path, which test_score.py "
+                               "runs against stock in latest",
     "test_examples_rl.py::*": "the rl examples as users run them; their calls run against stock per rollout in "
                               "latest (test_rl.py, test_rl_objectives.py)",
     "test_activations.py::*": "the activation profile's fit against saved-tensor hooks (our meter and features; "

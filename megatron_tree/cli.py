@@ -167,7 +167,7 @@ def cmd_verify(args) -> int:
     cfg.mtp_num_layers = args.mtp_num_layers
     cfg.mtp_pattern = args.mtp_pattern
     cfg.routing_replay = args.routing_replay
-    cfg.carry = args.carry
+    cfg.carry, cfg.carry_keep = args.carry, args.carry_keep
     cfg.balancing = moe_balancing_fields(args)
     cfg.steps, cfg.optimizer = args.steps, args.optimizer
     cfg.seq_aux_per_sample = args.tree_seq_aux_per_sample
@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "whole batch on both sides; fault loss_agg_per_microbatch takes it per microbatch instead")
     vf.add_argument("--loss-agg-norm", type=float, default=None, metavar="L",
                     help="seq-mean-token-sum-norm's constant length (default: the batch's longest sample)")
+    vf.add_argument("--carry-keep", action="store_true",
+                    help="with --carry: every exporting microbatch runs one forward with its graph kept until its "
+                         "readers' backward are done (no fill + restore forward)")
     vf.add_argument("--window", type=int, default=None, help="sliding-window attention (left context)")
     vf.add_argument("--sinks", action="store_true", help="learned attention sinks")
     vf.add_argument("--families", type=int, default=6, help="number of sample families in the random batch")

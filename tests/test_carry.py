@@ -175,13 +175,15 @@ def _train_body(cases):
             carry_exec._FAULT = case.get("fault") if side == "carry" else None
             if side == "carry":
                 mbs = pack(samples, case["budget"], carry=True, pad_to_multiple_of=4)
-                items = carry_items(mbs)
+                items = carry_items(mbs, keep=case.get("keep"))
                 try:
                     reports = forward_backward(ddp, items, loss_type="sft")
                     geom = carry_geometry(ddp.module)
                     # what the store held at the end of each item but the last (recorded as the next began)
                     res["store"] = ([(b, a) for _, b, a in items[0].store.history[1:]],
-                                    carry_store_timeline(mbs, geom)[:-1], sum(carry_store_bytes(mbs, geom)))
+                                    carry_store_timeline(mbs, geom, keep=case.get("keep"))[:-1],
+                                    sum(carry_store_bytes(mbs, geom)))
+                    res["phases"] = sorted({item.phase for item in items})
                 except ValueError as e:  # a layer kind that refuses carry
                     out.append(dict(error=str(e)))
                     ps.destroy_model_parallel()
@@ -199,7 +201,8 @@ def _train_body(cases):
         a, b = res["carry"], res["whole"]
         err = max(float((a["grads"][n] - g).abs().max() / g.abs().max().clamp(min=1e-30)) for n, g in b["grads"].items())
         out.append(dict(loss=float(abs(a["loss"][0] / a["loss"][1] - b["loss"][0] / b["loss"][1])),
-                        tokens=(float(a["loss"][1]), float(b["loss"][1])), grads=err, store=res["store"]))
+                        tokens=(float(a["loss"][1]), float(b["loss"][1])), grads=err, store=res["store"],
+                        phases=res["phases"]))
     return out
 
 
@@ -207,11 +210,14 @@ def _train_body(cases):
 # MLA, qwen3next, TP2 + SP, DP2, full recompute and the stale-store and detach faults against per-sample
 # stock training; these cases add what it does not: GDN under full recompute, MambaModel, DSA (its K / V
 # and indexer keys carried) under full recompute, the store's predicted bytes, the injected-twice fault on
-# attention and Mamba state.
+# attention and Mamba state. ``keep``: every exporter runs once with its graph kept until its release (no fill
+# forward), on Mamba-2 + GDN + attention + MoE and MambaModel, and the injected-twice fault there.
 CASES = [dict(budget=8, kind="hybrid", pattern="GG", recompute="full"),
          dict(budget=8, kind="mamba", pattern="MM*E", recompute="selective"),
          dict(budget=12, fault="twice"), dict(budget=12, kind="hybrid", pattern="MM", fault="twice"),
-         dict(budget=12, kind="dsa", recompute="full")]
+         dict(budget=12, kind="dsa", recompute="full"),
+         dict(budget=8, kind="hybrid", pattern="MG*E", keep=True), dict(budget=8, kind="mamba", pattern="MM*E", keep=True),
+         dict(budget=12, kind="hybrid", pattern="MG*-", fault="twice", keep=True)]
 FAULTS = [k for k, c in enumerate(CASES) if "fault" in c]
 
 
@@ -235,6 +241,9 @@ def test_carry_training_equals_whole_trees(trained, k):
     assert measured == predicted and max(b for b, _ in measured) > 0, r
     assert max(b + a for b, a in measured) < 2 * filled, r
     assert measured[-1][0] < filled, r  # by the last restores, released state is gone
+    # a kept step runs no fill and no restore forward: keep / release in their places
+    assert set(r["phases"]) <= ({"keep", "release", "run"} if CASES[k].get("keep") else {"fill", "restore", "run"})
+    assert {"keep", "release"} <= set(r["phases"]) or not CASES[k].get("keep"), r["phases"]
 
 
 @pytest.mark.parametrize("k", FAULTS)

@@ -30,7 +30,8 @@ from ..cp.execution.carry import CarryStore, CarryView
 from ..cp.planning.carry import carry_lifetimes, carry_phases
 from .packed_seq import _padding, local_loss_map
 
-__all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "carry_geometry"]
+__all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "carry_geometry", "kept_exporters",
+           "kept_graph_bytes", "default_carry_memory_gib"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,12 +48,15 @@ class CarryItem:
         return self.mb.owned_rows
 
 
-def carry_items(microbatches: list, store: CarryStore | None = None) -> list[CarryItem]:
-    """The schedule items of one rank's carry microbatches (step order) for one optimizer step."""
+def carry_items(microbatches: list, store: CarryStore | None = None, keep=None) -> list[CarryItem]:
+    """The schedule items of one rank's carry microbatches (step order) for one optimizer step. ``keep``: the
+    exporters (`CarryInfo.index`, or True: all) that run once with their graph kept until their release
+    (`cp.planning.carry`; no pipelining, no recomputation: `kept_exporters` chooses)."""
     store = CarryStore() if store is None else store
     microbatches = list(microbatches)
     store.microbatches = microbatches  # the step's (a tensor-parallel source hands them to its peers)
-    phases = carry_phases(microbatches)
+    store.keep = keep
+    phases = carry_phases(microbatches, keep=keep)
     store.set_lifetimes(carry_lifetimes(microbatches, phases))  # state released after its last reader's backward
     return [CarryItem(microbatches[i], p, store, k) for k, (i, p) in enumerate(phases)]
 
@@ -99,6 +103,51 @@ def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
     if cp is not None:  # Megatron's rotary table is zigzag-sliced over CP ranks: a multiple of 2 * cp
         out.max_seqlen_q = out.max_seqlen_kv = -(-psp.layout.num_rows // (2 * plan.cp_size)) * 2 * plan.cp_size
     return out
+
+
+def kept_graph_bytes(config):
+    """``bytes(mb)``: what a carry microbatch's kept graph holds, estimated from the model's shape (``config``: a
+    TransformerConfig or Megatron-LM's arguments; no profile):
+    Korthikanti et al.'s activations of a transformer layer without recomputation, 34 bytes per row and hidden
+    unit at 2-byte activations (attention's score matrix aside: tree attention keeps none), scaled to the
+    activation dtype, per layer, plus float32 logits of the targets' source rows over the TP rank's vocabulary."""
+    layers = int(config.num_layers) + int(getattr(config, "mtp_num_layers", None) or 0)
+    width = torch.finfo(getattr(config, "params_dtype", None) or torch.float32).bits // 8
+    per_row = 17 * width * int(config.hidden_size) * layers
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    vocab = int(getattr(config, "padded_vocab_size", 0) or getattr(config, "vocab_size", 0) or 0)
+
+    def nbytes(mb) -> float:
+        sources = len(np.unique(mb.loss_map.source_rows.cpu().numpy())) if mb.loss_map is not None else 0
+        return float(per_row * mb.owned_rows + 4 * sources * vocab / tp)
+
+    return nbytes
+
+
+def default_carry_memory_gib() -> float:
+    """``--tree-carry-memory``'s default: 30% of this process's GPU memory, or 20% of the host's RAM on CPU."""
+    import os
+
+    if torch.cuda.is_available():
+        return 0.3 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2 ** 30
+    return 0.2 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+
+
+def kept_exporters(microbatches: list, config, memory_gib: float | None) -> set:
+    """The exporters of one rank's step (`CarryInfo.index`) whose graphs stay alive from keep to release within
+    ``memory_gib`` (`cp.planning.carry.choose_kept` with `kept_graph_bytes`; None: `default_carry_memory_gib`, 0:
+    none). None under pipelining or activation recomputation (``config``'s), where a kept graph cannot wait. The
+    same on every rank that runs the same microbatches with the same flags."""
+    from ..cp.planning.carry import choose_kept
+
+    if int(getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1 or getattr(config, "recompute_granularity",
+                                                                                   None):
+        return set()
+    gib = default_carry_memory_gib() if memory_gib is None else float(memory_gib)
+    if gib <= 0:
+        return set()
+    return choose_kept([mb for mb in microbatches if getattr(mb, "carry", None) is not None],
+                       kept_graph_bytes(config), gib * 2 ** 30)
 
 
 def fill_output(model, output=None) -> torch.Tensor:

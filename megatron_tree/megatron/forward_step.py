@@ -250,14 +250,23 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
                   cp_strategy: str = "balanced", occurrence_ids=None):
     """One carry item (`megatron.carry`) through ``model``: fill (forward without autograd, state
     into the store; the schedule backpropagates a zero), or run / restore (forward with autograd and
-    ``make_loss(loss_map)`` as the loss function). ``logits``: the model returns its own rows' logits
+    ``make_loss(loss_map)`` as the loss function), or keep (the forward of a restore that also fills the
+    store; its output and loss function wait in the store, the schedule backpropagates a zero) and release
+    (no forward: the kept output and loss function, backpropagated now). ``logits``: the model returns its own rows' logits
     (this CP rank's, under CP; no loss map) and ``make_loss`` gets the view's packed-seq params (its
     rows are ``local_rows``). Under tree CP ``cp_strategy`` plans each microbatch (`carry_cp`).
     ``occurrence_ids``: see `TreePackedSeqParams` (the view's own occurrences).
     Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
     refuse_aux_losses_under_carry(config)
-    item.store.advance(item.position - pending_backwards(model))  # the items whose backward is done
+    pending = pending_backwards(model)
+    item.store.advance(item.position - pending)  # the items whose backward is done
+    if item.phase == "release":  # no forward: the keep's output and loss function, its graph kept alive
+        return item.store.kept.pop(item.mb.carry.index)
+    if item.phase == "keep" and (pending or config.pipeline_model_parallel_size > 1 or config.recompute_granularity):
+        raise ValueError("carry: a kept graph (keep / release) needs a schedule without pipelining and no activation "
+                         "recomputation (a recomputation would write the store again): keep none there "
+                         "(megatron_tree.megatron.carry.carry_items(keep=None))")
     dev = device if device is not None else next(model.parameters()).device
     psp = tree_packed_seq_params(item.mb, dev, return_entropy=return_entropy, occurrence_ids=occurrence_ids)
     psp = carry_view(psp, item.mb, item.phase, item.store, cp=carry_cp(model, item.mb.layout, cp_strategy))
@@ -274,4 +283,7 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
         from .mtp import with_mtp_report
 
         loss_func = partial(with_mtp_report, loss_func, psp)
+    if item.phase == "keep":  # the schedule backpropagates a zero now, the kept graph at the release
+        item.store.kept[item.mb.carry.index] = (out, loss_func)
+        return fill_output(model, out), fill_loss
     return out, loss_func

@@ -399,7 +399,7 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
                      kl_coef: float = 0.0, cp_strategy: str = "balanced", loss_agg: str = "token-mean",
                      loss_agg_norm: Optional[float] = None, beta: float = 0.1,
                      simpo_gamma: float = 0.5, value_clip: Optional[float] = None,
-                     distill_kl: str = "forward") -> "RolloutOutputs":
+                     distill_kl: str = "forward", carry_memory_gib: Optional[float] = None) -> "RolloutOutputs":
     """One forward(-backward) of this rank's microbatches through Megatron-Core's schedule.
 
     ``model``: this rank's model chunk (a `TreeGPTModel` / `TreeMambaModel`, possibly wrapped in DDP /
@@ -433,6 +433,10 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
     the model returns its log-probs at those ids (vocab-parallel, `TreePackedSeqParams.occurrence_ids`) and
     trains `tree.loss.distill_loss` (``distill_kl`` "forward" or "reverse", over the teacher's top-k), the mean
     over every target of the step.
+
+    Carry (``build_microbatches(..., carry=True)``): an exporting microbatch whose graph fits ``carry_memory_gib``
+    (`megatron.carry.kept_exporters`; None: 30% of the GPU, 20% of RAM on CPU; 0: none) runs one forward and keeps
+    its graph until its readers' backward are done; the others fill and restore (two forwards).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -480,7 +484,8 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
         agg = torch.as_tensor(agg_factors(microbatches, loss_agg, loss_agg_norm, _dp_group()))
     if loss in SEQUENCE_LOSSES and loss_fn is None:
         # the stats pass: every rollout's log-probs, then the graded pass with per-rollout factors fixed
-        stats = forward_backward(model, microbatches, forward_only=True, cp_strategy=cp_strategy)
+        stats = forward_backward(model, microbatches, forward_only=True, cp_strategy=cp_strategy,
+                                 carry_memory_gib=carry_memory_gib)
         loss_fn = sequence_loss_fn(loss, microbatches, stats, _dp_group(), beta=beta, simpo_gamma=simpo_gamma, **kw)
         loss = None
     step = partial(_forward_step, cp_strategy=cp_strategy, loss=loss, loss_fn=loss_fn, loss_kwargs=kw, agg=agg,
@@ -492,9 +497,9 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
         for c in chunks:  # no route left over from an earlier forward whose backward never ran
             reset_routing_replay(c)
     if getattr(microbatches, "carry", False):  # fill / run, then the restores, one store (`megatron.carry`)
-        from ..megatron.carry import carry_items
+        from ..megatron.carry import carry_items, kept_exporters
 
-        mbs = carry_items(list(mbs))
+        mbs = carry_items(list(mbs), keep=kept_exporters(list(mbs), inner.config, carry_memory_gib))
     data = [iter(list(mbs)) for _ in chunks] if len(chunks) > 1 else iter(list(mbs))
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         reports = get_forward_backward_func()(

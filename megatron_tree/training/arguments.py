@@ -173,6 +173,12 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(one extra forward of each microbatch others read). Every layer kind (attention, MLA, DSA, "
                         "Gated DeltaNet, Mamba-2, MoE with routing replay) and MTP, under TP / SP, DP, tree CP and 1F1B "
                         "pipelining; not yet interleaved pipeline stages, or MTP layers running DSA.")
+    g.add_argument("--tree-carry-memory", type=float, default=None, metavar="GIB",
+                   help="--tree-carry: memory for kept graphs per rank. An exporting microbatch whose graph fits "
+                        "(estimated from the model's shape) runs one forward and keeps its graph until its readers' "
+                        "backward are done, instead of a no-grad fill forward now and a second forward later. "
+                        "0: never keep. Default: 30%% of the GPU's memory (20%% of RAM on CPU). Without pipelining "
+                        "or recomputation only (otherwise every exporter fills and restores).")
     g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
                    help="Hybrid layer pattern, one letter per layer: M Mamba-2, G Gated DeltaNet, "
                         "* attention, - MLP, E MoE ('|' marks pipeline stages and is ignored). "
@@ -224,6 +230,9 @@ def validate_tree_args(args) -> argparse.Namespace:
     if _get(args, "loss_agg_norm", None) is not None and (_get(args, "loss_agg", "token-mean") !=
                                                          "seq-mean-token-sum-norm" or not args.loss_agg_norm > 0):
         errors.append(f"--loss-agg-norm {args.loss_agg_norm} needs --loss-agg seq-mean-token-sum-norm and a length > 0")
+    if _get(args, "tree_carry_memory", None) is not None and (args.tree_carry_memory < 0 or
+                                                              not _get(args, "tree_carry", False)):
+        errors.append(f"--tree-carry-memory {args.tree_carry_memory} needs --tree-carry and a value >= 0")
     if _get(args, "tree_loss", "sft") not in TREE_LOSSES:
         errors.append(f"--tree-loss must be one of {TREE_LOSSES}, got {args.tree_loss!r}")
     if _get(args, "tree_loss", "sft") in ("grpo", "ppo", "gspo"):

@@ -498,12 +498,12 @@ def _next_carry_item(data_iterator):
     elif dist.get_rank() == src:
         item = next(data_iterator)
         if isinstance(item, CarryItem) and item.position == 0:
-            dist.broadcast_object_list([item.store.microbatches], src=src, group=group)
+            dist.broadcast_object_list([(item.store.microbatches, item.store.keep)], src=src, group=group)
     else:
         if not _peer_items:
             box = [None]
             dist.broadcast_object_list(box, src=src, group=group)
-            _peer_items.extend(carry_items(box[0]))
+            _peer_items.extend(carry_items(box[0][0], keep=box[0][1]))
         item = _peer_items.popleft()
     if not isinstance(item, CarryItem):
         raise ValueError("--tree-carry: the data iterator must yield carry items (MicrobatchStream(carry=True))")
@@ -545,8 +545,9 @@ class MicrobatchStream:
     being consumed (its statistics: tree_token_ratio, num_targets, ...).
     """
 
-    def __init__(self, pipeline, name: str = "train", *, carry: bool = False):
+    def __init__(self, pipeline, name: str = "train", *, carry: bool = False, args=None):
         self.pipeline, self.name, self.carry = pipeline, name, carry
+        self.args = args  # carry: the exporters kept (`megatron.carry.kept_exporters`: --tree-carry-memory)
         self.step = None
         self._steps = None
         self._pending: deque = deque()
@@ -565,9 +566,12 @@ class MicrobatchStream:
                                  "--global-batch-size / data-parallel size; raise it, or "
                                  "--tree-max-tokens-per-mb, or lower --tree-global-batch-samples") from e
             if self.carry:  # fill / run, then restores, sharing the step's store (`megatron.carry`)
-                from ..megatron.carry import carry_items
+                from ..megatron.carry import carry_items, kept_exporters
 
-                self._pending.extend(carry_items(self.step.microbatches))
+                mbs = self.step.microbatches
+                keep = None if self.args is None else kept_exporters(mbs, self.args,
+                                                                     getattr(self.args, "tree_carry_memory", None))
+                self._pending.extend(carry_items(mbs, keep=keep))
             else:
                 self._pending.extend(self.step.microbatches)
         return self._pending.popleft()
@@ -674,11 +678,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage
     guard_saves(args)  # a failed save: one clear error, and torchrun's restarts do not retrain it
     start = int(getattr(args, "iteration", 0) or 0)
     train = MicrobatchStream(build_pipeline(args.tree_data_path, args, dp_rank=dp_rank, dp_size=dp_size,
-                                            start_step=start), "train", carry=bool(getattr(args, "tree_carry", False)))
+                                            start_step=start), "train", carry=bool(getattr(args, "tree_carry", False)),
+                             args=args)
     valid = None
     if getattr(args, "tree_valid_data_path", None):
         valid = MicrobatchStream(build_pipeline(args.tree_valid_data_path, args, dp_rank=dp_rank, dp_size=dp_size,
-                                                shuffle=False), "valid", carry=bool(getattr(args, "tree_carry", False)))
+                                                shuffle=False), "valid", carry=bool(getattr(args, "tree_carry", False)),
+                                 args=args)
     p = train.pipeline
     _print_rank_0(f"> tree data: {len(p.samples)} training samples, {p.global_batch_samples} per step in "
                   f"{p.microbatches_per_rank} microbatches/rank x {dp_size} DP ranks, budget {p.max_tokens_per_mb} "

@@ -156,10 +156,14 @@ def token_fields(loss: str, samples) -> dict:
 def stats_reports(ddp, step, items, args, loss_kwargs) -> list:
     """A stats pass: the step's microbatches forward only (no gradient, no MoE statistics), every occurrence
     reported (``report_occurrences``). One forward of the step, no backward."""
-    from ..megatron.carry import carry_items
+    from ..megatron.carry import carry_items, kept_exporters
+    from ..megatron.model import unwrap_model
     from .models import forward_backward
 
-    stats_items = carry_items(step.microbatches) if getattr(args, "tree_carry", False) else items
+    stats_items = items
+    if getattr(args, "tree_carry", False):  # a fresh store; kept exporters forward once here too
+        keep = kept_exporters(step.microbatches, unwrap_model(ddp).config, getattr(args, "tree_carry_memory", None))
+        stats_items = carry_items(step.microbatches, keep=keep)
     kw = dict(loss_kwargs, loss_type="sft", entropy_coef=0.0, report_occurrences=True)
     with torch.no_grad():
         return forward_backward(ddp, stats_items, forward_only=True, **kw)

@@ -1169,7 +1169,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from ..megatron.carry import carry_items
+    from ..megatron.carry import carry_items, kept_exporters
     from .models import build_hf_model, build_model, forward_backward, make_config, wrap_ddp
 
     rank = dist.get_rank()
@@ -1297,7 +1297,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                     reset_routing_replay(ddp)
                 items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
                 if getattr(args, "tree_carry", False):  # fill / run, then the restores, one store per step
-                    items = carry_items(step.microbatches)
+                    kept = kept_exporters(step.microbatches, model.config, getattr(args, "tree_carry_memory", None))
+                    items = carry_items(step.microbatches, keep=kept)
                 extra = {}
                 if args.tree_loss in ("gspo", "rm") + PAIR_LOSSES:  # per-sample statistics first, a forward-only pass
                     if args.tree_loss == "gspo":
@@ -1305,7 +1306,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                     else:
                         extra["pair_factors"] = pair_stats_pass(ddp, step, items, args, loss_kwargs, samples)
                     if getattr(args, "tree_carry", False):  # the stats pass ran the step's carry items
-                        items = carry_items(step.microbatches)
+                        items = carry_items(step.microbatches, keep=kept)
                     if replay is not None:
                         reset_routing_replay(ddp)
                 if cp_group is not None:

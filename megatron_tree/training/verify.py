@@ -158,6 +158,8 @@ class VerifyConfig:
     # carry (`tree.carry`): the tree side packs with carry=True (every row once per step at ``budget``;
     # trees over it cut into microbatches that read their ancestors' state) and runs carry items
     carry: bool = False
+    # carry with kept graphs: every exporting microbatch runs once (keep), its backward at its release
+    carry_keep: bool = False
     # MoE load balancing: TransformerConfig fields (`training.arguments.moe_balancing_fields`); dense kinds
     # get 4 experts (every layer MoE). The reference is then the flat pack of each tree microbatch
     balancing: Optional[dict] = None
@@ -511,7 +513,7 @@ def _logits_step(store, cp_strategy, data_iterator, model):
                 return loss_func
 
             out, loss_func = carry_forward(item, model, carry_logits, logits=True, cp_strategy=cp_strategy)
-            if item.phase == "fill":
+            if item.phase in ("fill", "keep"):
                 return out, lambda output: (output.sum() * 0, {})
             return out, loss_func
     mb, plan = item if isinstance(item, tuple) else (item, None)
@@ -959,9 +961,11 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         from ..megatron.carry import CarryItem, carry_items
 
         carry_mbs = list(tree_mbs)
-        tree_mbs = carry_items(carry_mbs)
+        keep = True if cfg.carry_keep else None  # every exporter's graph kept from its keep to its release
+        tree_mbs = carry_items(carry_mbs, keep=keep)
         # a fresh store per pass (the logits pass, the training step): the items again, from the microbatches
-        carry_again = lambda batch: carry_items(carry_mbs) if batch and isinstance(batch[0], CarryItem) else batch
+        carry_again = lambda batch: (carry_items(carry_mbs, keep=keep) if batch and isinstance(batch[0], CarryItem)
+                                     else batch)
     sides = [("tree", tree_mbs, dtype), ("flat", packed_mbs if bf16 or balance else flat_mbs, dtype)]
     if bf16:  # the reference: per-sample training in float64 from the same initial weights
         sides.append(("ref", flat_mbs, torch.float64))
@@ -1311,6 +1315,11 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
         if cfg.routing_replay and cfg.dtype == "bfloat16":
             raise ValueError("verify --routing-replay runs in float64 / float32 (an expert choice is discrete: "
                              "bf16's judge compares against float64 per-sample training)")
+        if cfg.carry_keep and not cfg.carry:
+            raise ValueError("verify --carry-keep keeps the graphs of carry's exporting microbatches: it needs --carry")
+        if cfg.carry_keep and (cfg.pp > 1 or cfg.recompute != "none"):
+            raise ValueError("verify --carry-keep: a kept graph needs a schedule without pipelining and no "
+                             "recomputation (--pp 1, --recompute none)")
         if cfg.fault in CARRY_FAULTS and not cfg.carry:
             raise ValueError(f"fault {cfg.fault} plants a bug in carry: it needs carry=True (--carry)")
         if cfg.carry:

@@ -65,6 +65,8 @@ class CarryStore:
         self._lifetimes: dict = {}
         self._released: set = set()
         self.history: list = []  # [(position, state bytes, accumulator bytes)] held when each item began
+        self.kept: dict = {}  # keep phase: {owner: (output, loss function)} until its release hands them on
+        self.keep = None  # the exporters that keep their graph (`carry_phases`' ``keep``)
 
     def put(self, key, owner: int, keys: np.ndarray, values: list) -> None:
         if (key, owner) in self._entries:
@@ -275,7 +277,8 @@ def gather_rows(x: torch.Tensor, rank_of: np.ndarray, group) -> torch.Tensor:
 class CarryView:
     """What the layers of one carry microbatch need (rides in ``TreePackedSeqParams.carry``).
 
-    phase      "fill" (no autograd; writes the store), "run" or "restore"
+    phase      "fill" (no autograd; writes the store), "run", "restore" or "keep" (the exporter's one forward
+               with autograd: writes the store and injects the readers' gradient, read in its backward)
     store      the step's `CarryStore`
     index      the microbatch's position in the step (`CarryInfo.index`)
     own        [n] layout rows it computes (ascending; the modules' rows, in this order)
@@ -323,9 +326,9 @@ class CarryView:
         keys = self.exported_keys if keys is None else keys
         if not len(keys):
             return values
-        if self.phase == "fill":
+        if self.phase in ("fill", "keep"):
             self.store.put(key, self.index, keys, [v[positions] for v in values])
-        elif self.phase == "restore":
+        if self.phase in ("restore", "keep"):
             values = [inject_gradient(v, positions, self.store, key, self.index, t) for t, v in enumerate(values)]
         return values
 
@@ -348,13 +351,16 @@ class CarryView:
         positions, keys, rank_of, mine = self._gathered_rows(rows)
         if not len(keys):  # no CP rank holds such a row of this microbatch
             return values
-        if self.phase == "fill":
-            self.store.put(key, self.index, keys, [gather_rows(v[positions], rank_of, cp.group) for v in values])
-        elif self.phase == "restore":
-            if not cp.pipelined:  # every reader's backward has run
+        if self.phase in ("fill", "keep"):
+            with torch.no_grad():  # (the store holds values; a keep's graph goes on through ``values``)
+                self.store.put(key, self.index, keys, [gather_rows(v[positions], rank_of, cp.group) for v in values])
+        if self.phase in ("restore", "keep"):
+            # a restore runs after every reader's backward (summed now); a keep's backward, at its release, does
+            late = cp.pipelined or self.phase == "keep"
+            if not late:
                 self.store.reduce_accumulators(key, self.index, cp.group)
             values = [inject_gradient(v, positions, self.store, key, self.index, t, acc_rows=mine,
-                                      group=cp.group if cp.pipelined else None) for t, v in enumerate(values)]
+                                      group=cp.group if late else None) for t, v in enumerate(values)]
         return values
 
     def carried_state(self, key, rows=None) -> list | None:
@@ -475,12 +481,12 @@ def carried_conv(x, weight, bias, layout, view: CarryView, key, *, activation="s
 
 
 def _export_states(o, final, view: CarryView, key):
-    """Fill: store the final states after the state rows; restore: tie their gradient to ``o``."""
+    """Fill: store the final states after the state rows; restore: tie their gradient to ``o``; keep: both."""
     if len(view.state_keys):  # the final states feed no later op here: restore ties their gradient to o
         rows = torch.arange(len(view.state_keys), device=final.device)
-        if view.phase == "fill":
-            view.state((key, "state"), [final], positions=rows, keys=view.state_keys)
-        elif view.phase == "restore":
+        if view.phase in ("fill", "keep"):
+            view.store.put(view.scoped((key, "state")), view.index, view.state_keys, [final[rows]])
+        if view.phase in ("restore", "keep"):
             o = tie_gradient(o, final, rows, view.store, view.scoped((key, "state")), view.index, 0)
     return o
 

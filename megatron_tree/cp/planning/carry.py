@@ -17,6 +17,15 @@ the owners it reads: its restore's backward accumulates into theirs.
 Megatron runs backward passes in forward order (no pipelining and 1F1B alike), so the order holds for
 backward too.
 
+**Kept graphs** (``keep``): an exporting microbatch may instead run once, as a **keep** forward with
+autograd that writes the store *and* keeps its graph (the exported state passes through the gradient
+injection, whose backward reads the readers' accumulated gradient when it runs), and a **release** item
+at its restore's place that runs no forward: it hands the kept output and loss function to the schedule,
+whose backward then runs through the kept graph after every reader's backward. One forward and one
+backward per row, at the price of holding the graph from the keep to the release
+(`choose_kept` picks which exporters under a memory budget). Without pipelining only: under 1F1B the
+schedule runs a release's backward on stages whose kept graph another item's forward replaced.
+
 Lifetimes (`carry_lifetimes`): an owner's stored state is released once its last reader's backward is
 done, its gradient accumulators once its own restore's backward is done (the carry store does it at
 the start of the next schedule item: without pipelining, which carry needs, each item's backward ends
@@ -28,19 +37,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["carry_phases", "PHASES", "CarryGeometry", "carry_store_bytes", "carry_lifetimes", "carry_store_timeline",
+__all__ = ["carry_phases", "choose_kept", "PHASES", "CarryGeometry", "carry_store_bytes", "carry_lifetimes", "carry_store_timeline",
            "own_forest", "mb_own_forest", "forest_levels"]
 
-PHASES = ("fill", "run", "restore")
+PHASES = ("fill", "run", "restore", "keep", "release")
+#: the phases that write an exporter's state (its only forward with ``keep``) and that end its life
+WRITES, ENDS = ("fill", "keep"), ("restore", "release")
 
 
-def carry_phases(microbatches: list) -> list[tuple[int, str]]:
+def carry_phases(microbatches: list, keep=None) -> list[tuple[int, str]]:
     """``[(position in microbatches, phase)]`` for one rank's microbatches (step order, as
     `tree.carry.assign_carry_groups` gives them). One carry group after the other (in the order they
     first appear): its microbatches in step order as fill (exports) or run (does not), then its restores
     in reverse step order; then the microbatches without carry (no info, or group -1), once each. A
     group's state is released before the next group fills (`carry_lifetimes`), so the store peaks at
-    one group's, not at the step's."""
+    one group's, not at the step's. ``keep``: the exporters (`CarryInfo.index`) that run as keep / release
+    instead of fill / restore (module docstring); ``True`` for every one."""
     infos = [getattr(mb, "carry", None) for mb in microbatches]
     seen = {info.index for info in infos if info is not None}
     for info in infos:
@@ -60,13 +72,36 @@ def carry_phases(microbatches: list) -> list[tuple[int, str]]:
         restores = []
         for i in members:
             exports = len(infos[i].exported) > 0
-            order.append((i, "fill" if exports else "run"))
+            kept = exports and (keep is True or (keep and infos[i].index in keep))
+            order.append((i, "keep" if kept else "fill" if exports else "run"))
             if exports:
-                restores.append((i, "restore"))
+                restores.append((i, "release" if kept else "restore"))
         order += restores[::-1]
     # free microbatches last: a step that carries starts with a fill, as Megatron-LM's logging expects (it
     # reads the report keys of a step's first microbatch; a fill reports the loss alone)
     return order + free
+
+
+def choose_kept(microbatches: list, kept_bytes, budget: float) -> set:
+    """The exporters (`CarryInfo.index`) to run as keep / release: in step order, each whose kept graph (``kept_bytes(mb)``
+    bytes, held from its keep to its release) fits beside the graphs already kept at every schedule item of its
+    life within ``budget`` bytes. Deterministic in the microbatches, so every rank of a model-parallel group
+    chooses alike."""
+    phases = carry_phases(microbatches)
+    start, end = {}, {}
+    for k, (i, phase) in enumerate(phases):
+        if phase == "fill":
+            start[i] = k
+        elif phase == "restore":
+            end[i] = k
+    held = np.zeros(len(phases))
+    kept = set()
+    for i in sorted(start, key=start.get):
+        b = float(kept_bytes(microbatches[i]))
+        if held[start[i]: end[i] + 1].max() + b <= budget:
+            held[start[i]: end[i] + 1] += b
+            kept.add(microbatches[i].carry.index)
+    return kept
 
 
 @dataclass(frozen=True)
@@ -191,29 +226,37 @@ def carry_lifetimes(microbatches: list, phases: list | None = None) -> dict[int,
     (a run or restore: its backward makes the gradient accumulators; -1: none); of the last item that
     reads anything of it (its state is needed until that item's backward is done); and of its restore
     (its accumulators are needed until that item's backward is done). Owners: `CarryInfo.index`.
-    ``phases``: `carry_phases` of ``microbatches`` where the caller has it already."""
+    ``phases``: `carry_phases` of ``microbatches`` where the caller has it already. A keep counts as the
+    owner's fill and, for what it reads, as a reader with autograd; a release as its restore, reading
+    nothing (it runs no forward)."""
     phases = carry_phases(microbatches) if phases is None else phases
     fill, restore, first_rows, first_state, last = {}, {}, {}, {}, {}
+    # where each item's backward runs: a keep's at its release (the accumulators it feeds appear then)
+    release_at = {i: k for k, (i, phase) in enumerate(phases) if phase == "release"}
     for k, (i, phase) in enumerate(phases):
         mb = microbatches[i]
         info = mb.carry
         if info is None:
             continue
-        if phase == "fill":
+        if phase in WRITES:
             fill[info.index] = k
-        elif phase == "restore":
+        elif phase in ENDS:
             restore[info.index] = k
+        if phase == "release":
+            continue
+        backward = release_at[i] if phase == "keep" else k
         for o in info.reads_from:
             last[o] = k
             if phase != "fill":
-                first_rows.setdefault(o, k)
+                first_rows[o] = min(first_rows.get(o, backward), backward)
         if phase != "fill" and info.reads_from:
             for o in _state_readers(mb):
-                first_state.setdefault(o, k)
+                first_state[o] = min(first_state.get(o, backward), backward)
     return {o: (fill[o], first_rows.get(o, -1), first_state.get(o, -1), last.get(o, -1), restore[o]) for o in fill}
 
 
-def carry_store_timeline(microbatches: list, geometry: CarryGeometry, pending: int = 0) -> list[tuple[int, int]]:
+def carry_store_timeline(microbatches: list, geometry: CarryGeometry, pending: int = 0,
+                         keep=None) -> list[tuple[int, int]]:
     """``[(state bytes, accumulator bytes)]`` the carry store holds at the end of each schedule item
     (after its backward, before the next item's releases), for one rank's microbatches (step order).
     State: from the owner's fill to its last reader; accumulators (the shapes of what they collect)
@@ -221,12 +264,13 @@ def carry_store_timeline(microbatches: list, geometry: CarryGeometry, pending: i
     its rows, the recurrent states' part from the first reader of those. The peak of the sum is the
     store's memory. ``pending``: the items whose backward may still be owed when an item begins
     (1F1B stage ``r`` of ``p``: ``p - r - 1``, `megatron.forward_step.pending_backwards`): every
-    release comes that many items later."""
+    release comes that many items later. ``keep``: `carry_phases`' (kept graphs' lifetimes: a release reads
+    nothing)."""
     rows, states = {}, {}
     for mb in microbatches:
         if getattr(mb, "carry", None) is not None:
             rows[mb.carry.index], states[mb.carry.index] = _fill_bytes(mb.carry, geometry)
-    phases = carry_phases(microbatches)
+    phases = carry_phases(microbatches, keep=keep)
     lives = carry_lifetimes(microbatches, phases)
     out = []
     for k in range(len(phases)):

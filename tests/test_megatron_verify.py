@@ -43,6 +43,9 @@ WS1 = [
     VerifyConfig(model="mla", budget=16, carry=True, loss="grpo"),
     VerifyConfig(model="gpt", budget=16, carry=True, recompute="full", fault="carry_stale"),
     VerifyConfig(model="hybrid", pattern="MG*-", budget=16, carry=True, fault="carry_detach"),
+    # carry with kept graphs (issue 38): every exporter runs one forward, its backward after its readers'
+    both(VerifyConfig(model="hybrid", pattern="MG*-*E", budget=16, carry=True, carry_keep=True)),
+    VerifyConfig(model="hybrid", pattern="MG*-", budget=16, carry=True, carry_keep=True, fault="carry_detach"),
 ]
 
 WS2 = [
@@ -85,6 +88,9 @@ WS2 = [
                  recompute="selective"),
     VerifyConfig(model="hybrid", pattern="MG-*", cp=2, cp_strategy="zigzag", budget=16, carry=True,
                  fault="carry_detach"),
+    # kept graphs under CP (a keep's backward sums the readers' gradients over CP at its release) and TP + SP
+    VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", budget=16, carry=True, carry_keep=True),
+    VerifyConfig(model="mla", tp=2, sp=True, budget=16, carry=True, carry_keep=True, loss="grpo"),
 ]
 
 # 4 ranks on this 2-core machine cost ~4x a 2-rank config: one case per 4-rank flavour (CI minutes). CP4 is the

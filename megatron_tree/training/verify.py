@@ -1417,7 +1417,7 @@ def format_report(cfg: VerifyConfig, out: dict) -> str:
     if cfg.routing_replay:
         layout += " routing_replay"
     if cfg.carry:
-        layout += f" carry(budget={cfg.budget})"
+        layout += f" carry(budget={cfg.budget}{', kept graphs' if cfg.carry_keep else ''})"
     lines = [f"megatron-tree verify: {layout}",
              f"batch: {out['num_samples']} samples, {out['flat_rows']} flat rows -> {out['tree_rows']} tree rows; "
              f"loss {out['loss_value']:.6f}"]

@@ -72,9 +72,10 @@ def _tree_flat_body(data):
 def _carry_body(data):
     """Hybrid (Mamba-2, GDN, attention): --tree-carry at a 16-row budget (every sample is longer, so
     every path is cut and carried) against the same run with a budget that holds every tree whole, on
-    DP2, then on two 1F1B pipeline stages (Mamba-2 + GDN on the first, attention + MLP on the second:
-    each stage its own carry store, the fills' hidden states sent on); and under tree CP2 (zigzag:
-    both ranks hold rows of every microbatch)."""
+    DP2 (kept graphs: each exporter forwards once), then on two 1F1B pipeline stages (Mamba-2 + GDN on the
+    first, attention + MLP on the second: each stage its own carry store, the fills' hidden states sent on);
+    and under tree CP2 (zigzag: both ranks hold rows of every microbatch); then DP2 with --tree-carry-memory 0
+    (fills and restores)."""
     from megatron_tree.training.trainer import train
 
     out = []
@@ -84,6 +85,9 @@ def _carry_body(data):
                    "zigzag")):
         common = ("--train-iters", "3", *extra)
         out += [train(_args(data, *common, "--tree-carry", "--tree-max-tokens-per-mb", "16")), train(_args(data, *common))]
+    # without kept graphs (--tree-carry-memory 0): every exporter fills, then restores
+    out.append(train(_args(data, "--train-iters", "3", "--hybrid-override-pattern", "MG*-", "--tree-carry",
+                           "--tree-max-tokens-per-mb", "16", "--tree-carry-memory", "0")))
     return out
 
 
@@ -278,10 +282,16 @@ def test_dp2_hybrid_carry_at_a_small_budget_equals_whole_trees(tmp_path):
     per_rank = run_distributed(_carry_body, 2, data, timeout=600)
     for run in range(2):
         _check_dp_shares([r[run]["history"] for r in per_rank], samples)
-    dp_carry, dp_whole, pp_carry, pp_whole, cp_carry, cp_whole = per_rank[0]
+    dp_carry, dp_whole, pp_carry, pp_whole, cp_carry, cp_whole, dp_filled = per_rank[0]
     # both pipeline stages report the last stage's losses
     assert [m["loss"] for m in per_rank[0][2]["history"]] == [m["loss"] for m in per_rank[1][2]["history"]]
-    for carry, whole in ((dp_carry, dp_whole), (pp_carry, pp_whole), (cp_carry, cp_whole)):
+    # the default memory keeps every exporter's graph (one forward per row) where the schedule allows: DP and CP,
+    # not 1F1B; --tree-carry-memory 0 forwards every exporter twice
+    for run, kept in ((dp_carry, True), (cp_carry, True), (pp_carry, False), (dp_filled, False)):
+        for m in run["history"]:
+            assert (m["rank_carry_kept"] > 0 and m["rank_carry_extra_rows"] == 0) if kept else \
+                (m["rank_carry_kept"] == 0 and m["rank_carry_extra_rows"] > 0), m
+    for carry, whole in ((dp_carry, dp_whole), (pp_carry, pp_whole), (cp_carry, cp_whole), (dp_filled, dp_whole)):
         ch, wh = carry["history"], whole["history"]
         assert len(ch) == len(wh) == 3
         for a, b in zip(ch, wh):  # the same samples and targets; the same numbers up to float32 rounding

@@ -1,7 +1,8 @@
 """Carry vs split packing vs the unlimited budget: rows computed per step, microbatches, carried rows.
 
     python tools/bench_carry.py            # GRPO (4 x 8,192-token prompt + 16 x ~2K) and agent_multiturn
-    python tools/bench_carry.py --time     # + step time of a tiny model on CPU: split vs carry vs unlimited
+    python tools/bench_carry.py --time     # + step time of a tiny model on CPU: split vs carry (fill + restore)
+                                           #   vs carry with kept graphs (one forward) vs unlimited
 
 Workloads: the issue's GRPO batch (4 groups, an 8,192-token prompt and 16 completions of 2,048 +- 256
 tokens) and the ``agent_multiturn`` preset; budgets 8K / 16K / 32K. One run, side by side; the
@@ -37,16 +38,16 @@ def main() -> None:
     args = ap.parse_args()
     rows_table()
     if args.time:
-        print(f"\n{'workload':<28} {'budget':>8} {'packing':>9} {'rows':>8} {'mbs':>4} {'step s':>7} {'x unl.':>6} "
-              f"{'loss':>9} {'peak MiB':>9} {'predicted':>9}")
+        print(f"\n{'workload':<28} {'budget':>8} {'packing':>9} {'rows':>8} {'extra fw':>8} {'mbs':>4} {'step s':>7} "
+              f"{'x unl.':>6} {'loss':>9} {'peak MiB':>9} {'predicted':>9}")
         res = step_times()
         unl = {r["workload"]: r["step_s"] for r in res if r["packing"] == "unlimited"}
         for r in res:
             if r.get("refused"):
                 print(f"{r['workload']:<28} {r['budget']:>8} {r['packing']:>9}  refused: a sample is longer than the budget")
                 continue
-            print(f"{r['workload']:<28} {r['budget']:>8} {r['packing']:>9} {r['rows']:>8,} {r['microbatches']:>4} "
-                  f"{r['step_s']:>7.2f} {r['step_s'] / unl[r['workload']]:>6.2f} {r['loss']:>9.6f} "
+            print(f"{r['workload']:<28} {r['budget']:>8} {r['packing']:>9} {r['rows']:>8,} {r['extra']:>8,} "
+                  f"{r['microbatches']:>4} {r['step_s']:>7.2f} {r['step_s'] / unl[r['workload']]:>6.2f} {r['loss']:>9.6f} "
                   f"{r['store'] / 2**20:>9.2f} {r['store_predicted'] / 2**20:>9.2f}")
 
 
@@ -57,7 +58,8 @@ def rows_table() -> None:
         print(f"\n{name}: {len(samples)} samples, {flat:,} flat tokens, unlimited budget {unlimited:,} rows "
               f"({flat / unlimited:.2f}x)")
         print(f"{'budget':>7} | {'split rows':>10} {'x':>5} {'mbs':>4} | {'carry rows':>10} {'x':>5} {'mbs':>4} "
-              f"{'carried':>8} {'stored':>7} {'plan s':>6} | {'fills GiB':>9} {'peak GiB':>8}")
+              f"{'carried':>8} {'stored':>7} {'plan s':>6} | {'fills GiB':>9} {'peak GiB':>8} | {'extra fw':>8} "
+              f"{'kept GiB':>8}")
         for budget in (8192, 16384, 32768):
             longest = max(len(s.tokens) if hasattr(s, "tokens") else len(s) for s in samples)
             sp = summarize(pack(samples, budget)) if longest <= budget else None
@@ -69,15 +71,44 @@ def rows_table() -> None:
             split = ("refused" if sp is None else f"{sp['tree_tokens']:>10,} {flat / sp['tree_tokens']:>5.2f} "
                      f"{sp['num_microbatches']:>4}")
             fills, peak = _store_gib(mbs)
+            extra = sum(mb.owned_rows for mb in mbs if len(mb.carry.exported))
             print(f"{budget:>7} | {split:>21} | {real:>10,} {flat / real:>5.2f} {len(mbs):>4} "
-                  f"{c['carried_rows']:>8,} {c['stored_rows']:>7,} {dt:>6.2f} | {fills:>9.2f} {peak:>8.2f}")
+                  f"{c['carried_rows']:>8,} {c['stored_rows']:>7,} {dt:>6.2f} | {fills:>9.2f} {peak:>8.2f} | "
+                  f"{extra:>8,} {_kept_gib(mbs):>8.1f}")
     print(f"\nfills GiB: what the step's fills write into the carry store (all of it was held to the step's end before "
           f"the store had lifetimes); peak GiB: the most it holds with lifetimes, state plus gradient accumulators "
-          f"(`carry_store_timeline`, one DP rank); both for {STORE_GEOMETRY}")
+          f"(`carry_store_timeline`, one DP rank); both for {STORE_GEOMETRY}. extra fw: the rows the fills forward a "
+          f"second time (0 where every exporter keeps its graph); kept GiB: the most the kept graphs hold at once when "
+          f"every exporter keeps (`megatron.carry.kept_graph_bytes` of {KEPT_MODEL}): --tree-carry-memory at least this "
+          f"keeps them all")
 
 
 #: A store geometry for the figures: 32 GQA attention layers (8 KV heads of 128), bf16 (an 8B-class model)
 STORE_GEOMETRY = "32 attention layers, 8 KV heads x 128, bf16"
+
+
+#: The model shape of the kept-graph figures (`kept_graph_bytes`: activations by the model's shape)
+KEPT_MODEL = "32 layers, hidden 4096, bf16, 128K vocabulary, TP 1, every token a target"
+
+
+def _kept_gib(mbs) -> float:
+    """Peak over the schedule of the kept graphs' estimated bytes when every exporter keeps its graph."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_tree.cp.planning.carry import carry_phases
+    from megatron_tree.megatron.carry import kept_graph_bytes
+
+    nbytes = kept_graph_bytes(SimpleNamespace(num_layers=32, hidden_size=4096, params_dtype=torch.bfloat16,
+                                              tensor_model_parallel_size=1, padded_vocab_size=128256))
+    phases = carry_phases(mbs, keep=True)
+    held = np.zeros(len(phases))
+    start = {i: k for k, (i, p) in enumerate(phases) if p == "keep"}
+    for k, (i, p) in enumerate(phases):
+        if p == "release":
+            held[start[i]: k + 1] += nbytes(mbs[i])
+    return float(held.max(initial=0.0)) / 2 ** 30
 
 
 def _store_gib(mbs) -> tuple:
@@ -117,9 +148,10 @@ def _step_time_body(cases, repeats):
             if packing == "split" and max(len(x) for x in samples) > budget:
                 out.append(dict(workload=name, budget=budget, packing="split", refused=True))
                 continue
-            if packing == "carry":
+            keep = True if packing == "kept" else None  # kept graphs: every exporter forwards once
+            if packing in ("carry", "kept"):
                 mbs = pack(samples, budget, carry=True, pad_to_multiple_of=8)
-                make = lambda: carry_items(mbs)  # noqa: E731
+                make = lambda: carry_items(mbs, keep=keep)  # noqa: E731
             else:
                 mbs = pack(samples, budget, pad_to_multiple_of=8)
                 make = lambda: mbs  # noqa: E731
@@ -132,15 +164,17 @@ def _step_time_body(cases, repeats):
                 best = min(best, _time.perf_counter() - t0)
                 tot = report_totals(reports)
                 loss = float(tot[0] / tot[1])
-                if packing == "carry":  # the peak the store held (state + accumulators), item by item
+                if packing in ("carry", "kept"):  # the peak the store held (state + accumulators), item by item
                     store = max(b + a for _, b, a in items[0].store.history[1:]) if len(items) > 1 else 0
             from megatron_tree.cp.planning.carry import carry_store_timeline
 
-            predicted = (max((b + a for b, a in carry_store_timeline(mbs, geom)[:-1]), default=0)
-                         if packing == "carry" else 0)
+            predicted = (max((b + a for b, a in carry_store_timeline(mbs, geom, keep=keep)[:-1]), default=0)
+                         if packing in ("carry", "kept") else 0)
             rows = sum(getattr(m, "owned_rows", m.num_rows) for m in mbs)
+            # the rows a fill forwards a second time (an exporter's, without a kept graph)
+            extra = sum(m.owned_rows for m in mbs if packing == "carry" and m.carry is not None and len(m.carry.exported))
             out.append(dict(workload=name, budget=budget, packing=packing, rows=rows, microbatches=len(mbs),
-                            step_s=best, loss=loss, store=store, store_predicted=predicted))
+                            step_s=best, loss=loss, store=store, store_predicted=predicted, extra=extra))
     return out
 
 
@@ -153,9 +187,10 @@ def step_times(repeats: int = 2) -> list:
     small = [s[: 1024 + (len(s) - 1024) // 8] for s in small]  # completions of ~256
     path = [np.random.default_rng(1).integers(1, 1024, 32768)]
     cases = [("grpo/8 (1024 + 16 x ~256)", None, small,
-              [(b, p) for b in (1024, 2048, 4096) for p in ("split", "carry")] + [(1 << 20, "unlimited")]),
-             ("grpo/8 hybrid MG*-", "MG*-", small, [(2048, "split"), (2048, "carry"), (1 << 20, "unlimited")]),
-             ("one 32,768-token path", None, path, [(4096, "carry"), (32768, "unlimited")])]
+              [(b, p) for b in (1024, 2048, 4096) for p in ("split", "carry", "kept")] + [(1 << 20, "unlimited")]),
+             ("grpo/8 hybrid MG*-", "MG*-", small, [(2048, "split"), (2048, "carry"), (2048, "kept"),
+                                                    (1 << 20, "unlimited")]),
+             ("one 32,768-token path", None, path, [(4096, "carry"), (4096, "kept"), (32768, "unlimited")])]
     return run_distributed(_step_time_body, 1, cases, repeats, timeout=3600)[0]
 
 

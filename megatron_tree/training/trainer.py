@@ -1135,6 +1135,8 @@ def train(args, samples=None, *, skipped=None, sources=None) -> dict:
     microbatches this rank ran, ascending; over the DP ranks of one step they are disjoint and make
     up ``sample_ids``) and rank_num_targets (targets whose loss this rank computed: 0 off the last
     pipeline stage and on TP ranks > 0; over the loss-computing ranks they sum to num_targets).
+    With --tree-carry also rank_carry_kept (this rank's exporting microbatches that kept their graph,
+    --tree-carry-memory) and rank_carry_extra_rows (the rows its other exporters forwarded twice).
     Under context parallelism also cp_predicted_imbalance (the planner's max / mean predicted rank
     time, averaged over this rank's microbatches), cp_attention_s (the slowest CP rank's time in
     tree CP attention this step) and cp_attention_imbalance (measured max / mean of that time).
@@ -1352,6 +1354,10 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                          # from the microbatches this rank ran, not the pipeline's bookkeeping of them
                          rank_sample_ids=sorted(i for mb in step.microbatches for i in mb.sample_ids),
                          rank_num_targets=rank_targets)
+                if getattr(args, "tree_carry", False):  # this rank's exporters: kept graphs, or a second forward
+                    exporters = [mb for mb in step.microbatches if mb.carry is not None and len(mb.carry.exported)]
+                    m.update(rank_carry_kept=sum(mb.carry.index in kept for mb in exporters),
+                             rank_carry_extra_rows=sum(mb.owned_rows for mb in exporters if mb.carry.index not in kept))
                 if cp_group is not None:  # predicted (planner) vs measured (this step) balance of CP attention
                     att = torch.tensor([attention_seconds()], dtype=torch.float64, device=dev)
                     every = [torch.zeros_like(att) for _ in range(dist.get_world_size(cp_group))]

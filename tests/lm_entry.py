@@ -61,8 +61,9 @@ def _recording_next(self):
     if _PAUSE:
         _pause_here(self)
     mb = _next(self)
-    # --tree-carry hands carry items: a microbatch others read comes twice (fill, restore): counted once
-    if self.name == "train" and getattr(mb, "phase", "run") != "restore":
+    # --tree-carry hands carry items: a microbatch others read comes twice (fill and restore, or keep and release):
+    # counted once
+    if self.name == "train" and getattr(mb, "phase", "run") not in ("restore", "release"):
         _record({"kind": "data", "sample_ids": [int(i) for i in getattr(mb, "mb", mb).sample_ids]})
     return mb
 

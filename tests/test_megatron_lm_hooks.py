@@ -292,7 +292,9 @@ def _carry_tp_body():
     steps = [[list(range(1, 20)), list(range(1, 12)) + [60, 61, 62, 63], [70, 71, 72]],
              [list(range(30, 47)), list(range(30, 40)) + [90, 91]]]
     # TP rank 0 holds the stream of carry items, step after step (what MicrobatchStream(carry=True) yields)
-    items = [item for tokens in steps for item in carry_items(pack(tokens, 8, carry=True))]
+    # the second step keeps its exporters' graphs (--tree-carry-memory): the peer makes keep / release items too
+    items = [item for tokens, keep in zip(steps, (None, True)) for item in carry_items(pack(tokens, 8, carry=True),
+                                                                                       keep=keep)]
     it = iter(items) if ps.get_tensor_model_parallel_rank() == 0 else None
     got, stores = [], []
     for _ in range(len(items)):
@@ -307,11 +309,11 @@ def _carry_tp_body():
 
 def test_carry_items_reach_the_tensor_parallel_peer():
     """``--tree-carry`` through the hooks under TP 2: Megatron-LM builds the data on TP rank 0 only; the
-    peer gets each step's microbatches once and makes the same items (order, phase, rows, samples), with
-    a store of its own per step, its lifetimes set."""
+    peer gets each step's microbatches and its kept exporters once and makes the same items (order, phase, rows,
+    samples; a step with kept graphs too), with a store of its own per step, its lifetimes set."""
     r0, r1 = run_distributed(_carry_tp_body, 2, timeout=120)
     assert r0["got"] == r1["got"] and len(r0["got"]) > 8
-    assert {phase for _, phase, *_ in r0["got"]} == {"fill", "run", "restore"}
+    assert {phase for _, phase, *_ in r0["got"]} == {"fill", "run", "restore", "keep", "release"}
     assert r0["stores"] == r1["stores"] == 2 and r1["lifetimes"] == r0["lifetimes"] and min(r0["lifetimes"]) > 0
     assert r1["left"] == 0
 

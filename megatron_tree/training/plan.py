@@ -96,6 +96,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--activation-profile", default=None, metavar="FILE.json",
                         help="--carry: the model's activation profile (tools/calibrate_activations.py): adds the bytes "
                              "each schedule item keeps for its backward, and the peak of store + activations")
+    parser.add_argument("--carry-memory", type=float, default=0.0, metavar="GIB",
+                        help="--carry: memory for kept graphs per rank (train's --tree-carry-memory): the exporters whose "
+                             "graph fits run once (keep / release) instead of fill + restore; their graphs estimated from "
+                             "--pattern's layers, --hidden-size, --act-bytes and --vocab-size, or the --activation-profile "
+                             "(default 0: none kept)")
+    parser.add_argument("--vocab-size", type=int, default=128256,
+                        help="--carry --carry-memory: the vocabulary (per TP rank) whose logits a kept graph holds at its "
+                             "targets' source rows (default 128256)")
     parser.add_argument("--gdn-cost", default=None, metavar="gpu|cpu|FILE.json",
                         help="GDN cost model: GPU defaults, the shipped CPU fit (tools/bench_cp_gdn.py --calibrate) or "
                              "a JSON; default: gpu with CUDA, else cpu")
@@ -215,11 +223,30 @@ def run_plan(argv_or_args=None) -> int:
     return 0
 
 
+def _kept_bytes(args, profile):
+    """``bytes(mb)`` of a microbatch's kept graph: the activation profile's prediction where there is one, else the
+    estimate from the model's shape (`megatron.carry.kept_graph_bytes`: --pattern's mixer layers, --hidden-size,
+    --act-bytes, --vocab-size)."""
+    if profile is not None:
+        return lambda mb: profile.predict(mb, "restore")
+    from types import SimpleNamespace
+
+    import torch
+
+    from ..megatron.carry import kept_graph_bytes
+
+    dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(args.act_bytes,
+                                                                                                torch.bfloat16)
+    layers = sum(ch in "*DGM" for ch in args.pattern) or len(args.pattern)
+    return kept_graph_bytes(SimpleNamespace(num_layers=layers, hidden_size=args.hidden_size, params_dtype=dtype,
+                                            tensor_model_parallel_size=1, padded_vocab_size=args.vocab_size))
+
+
 def carry_plan_report(samples, what: str, budget: int, args) -> str:
     """``plan --carry``: the carry plan's microbatches in schedule order per DP rank, with the carry
     store's bytes (`cp.planning.carry.carry_store_bytes`: what each fill writes;
     `carry_store_timeline`: what the store holds after each item, state and gradient accumulators)."""
-    from ..cp.planning.carry import CarryGeometry, carry_phases, carry_store_bytes, carry_store_timeline
+    from ..cp.planning.carry import CarryGeometry, carry_phases, carry_store_bytes, carry_store_timeline, choose_kept
     from ..tree import pack, summarize
     from ..tree.carry import assign_carry_groups
 
@@ -251,14 +278,19 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
     if profile is not None:
         lines.insert(2, f"activations: profile {args.activation_profile} (pattern {profile.pattern}; "
                         f"{', '.join(f'{k}={v}' for k, v in sorted(profile.about.items()))})")
+    kept_bytes = _kept_bytes(args, profile)
     for r, idx in enumerate(assign_carry_groups(mbs, max(1, args.dp))):
         rank = [mbs[i] for i in idx]
-        held = carry_store_timeline(rank, geom)  # after each item: state, accumulators
-        acts = []
-        for k, (j, phase) in enumerate(carry_phases(rank)):
+        keep = choose_kept(rank, kept_bytes, args.carry_memory * 2 ** 30) if args.carry_memory > 0 else set()
+        held = carry_store_timeline(rank, geom, keep=keep)  # after each item: state, accumulators
+        acts, kept_now, kept_peak = [], 0.0, 0.0
+        for k, (j, phase) in enumerate(carry_phases(rank, keep=keep)):
             mb = rank[j]
             c = mb.carry
-            wrote = store[c.index] if phase == "fill" else 0
+            wrote = store[c.index] if phase in ("fill", "keep") else 0
+            kept_now += kept_bytes(mb) if phase == "keep" else 0.0
+            kept_peak = max(kept_peak, kept_now)
+            kept_now -= kept_bytes(mb) if phase == "release" else 0.0
             act = ""
             if profile is not None:
                 acts.append(profile.predict(mb, phase))
@@ -274,6 +306,10 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
         lines.append(f"rank {r}: {len(rank)} microbatches, {len(held)} schedule items, "
                      f"{sum(mb.owned_rows for mb in rank):,} rows computed, carry store peak {peak / 2**20:,.2f} MiB "
                      f"(state and gradient accumulators; the fills write {sum(store[m.carry.index] for m in rank) / 2**20:,.2f} MiB)")
+        exporters = [mb for mb in rank if len(mb.carry.exported)]
+        lines.append(f"rank {r}: kept graphs {sum(mb.carry.index in keep for mb in exporters)} of {len(exporters)} "
+                     f"exporters (peak {kept_peak / 2**30:,.2f} GiB of --carry-memory {args.carry_memory:g}), extra "
+                     f"forward rows {sum(mb.owned_rows for mb in exporters if mb.carry.index not in keep):,}")
         for st, stage_geom in enumerate(stages):
             stage_held = carry_store_timeline(rank, stage_geom, pending=args.pp - st - 1)
             lines.append(f"rank {r} stage {st} ({stage_geom.pattern}): carry store peak "

@@ -105,15 +105,21 @@ def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
     return out
 
 
+#: Activation elements a layer keeps for backward per row and hidden unit, no recomputation: Korthikanti et al.
+#: count 17 (34 bytes at 2-byte activations) for fused kernels with dropout; our torch reference path keeps 22-25
+#: for a GPT layer with a 4h MLP (measured on CPU, float32, saved-tensor bytes of restore items less the logits).
+#: The larger figure, so that a budget errs towards a second forward rather than out of memory.
+KEPT_ELEMENTS_PER_ROW = 24
+
+
 def kept_graph_bytes(config):
     """``bytes(mb)``: what a carry microbatch's kept graph holds, estimated from the model's shape (``config``: a
-    TransformerConfig or Megatron-LM's arguments; no profile):
-    Korthikanti et al.'s activations of a transformer layer without recomputation, 34 bytes per row and hidden
-    unit at 2-byte activations (attention's score matrix aside: tree attention keeps none), scaled to the
-    activation dtype, per layer, plus float32 logits of the targets' source rows over the TP rank's vocabulary."""
+    TransformerConfig or Megatron-LM's arguments; no profile): ``KEPT_ELEMENTS_PER_ROW`` activation elements per
+    row and hidden unit per layer in the activation dtype, plus float32 logits of the targets' source rows over the
+    TP rank's vocabulary."""
     layers = int(config.num_layers) + int(getattr(config, "mtp_num_layers", None) or 0)
     width = torch.finfo(getattr(config, "params_dtype", None) or torch.float32).bits // 8
-    per_row = 17 * width * int(config.hidden_size) * layers
+    per_row = KEPT_ELEMENTS_PER_ROW * width * int(config.hidden_size) * layers
     tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
     vocab = int(getattr(config, "padded_vocab_size", 0) or getattr(config, "vocab_size", 0) or 0)
 

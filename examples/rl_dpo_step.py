@@ -66,6 +66,12 @@ def step_figures(out, mbs) -> dict:
     return {"loss": float(tot[0] / tot[1]), "tree_rows": int(tot[2]), "flat_tokens": int(tot[3])}
 
 
+def step_line(step: int, loss: str, m: dict) -> str:
+    """One step's log line: the loss as ``loss`` says it, the grad norm, the rows computed against per-sample tokens."""
+    return (f"step {step + 1}: {loss}, grad_norm {m['grad_norm']:.4f}; rows computed {m['tree_rows']} where "
+            f"per-sample training runs {m['flat_tokens']} tokens ({m['flat_tokens'] / m['tree_rows']:.2f}x)")
+
+
 def synthetic_preferences(prompt_len: int, n_prompts: int = 2, pairs_per_prompt: int = 2, vocab: int = 128,
                           seed: int = 0):
     """Prompts of ``prompt_len`` tokens, each with ``pairs_per_prompt`` (chosen, rejected) completions of 16..48."""
@@ -125,9 +131,7 @@ def demo_rank(prompt_len: int = 4096, steps: int = 3) -> list:
     lines = []
     for step in range(steps):
         m = dpo_step(model, opt, prompts, pairs, ref_full, budget=budget, beta=0.1, dp_rank=dp_rank, dp_size=dp_size)
-        lines.append(f"step {step + 1}: DPO loss {m['loss']:.5f} (mean over {len(pairs)} pairs), grad_norm "
-                     f"{m['grad_norm']:.4f}; rows computed {m['tree_rows']} where per-sample training runs "
-                     f"{m['flat_tokens']} tokens ({m['flat_tokens'] / m['tree_rows']:.2f}x)")
+        lines.append(step_line(step, f"DPO loss {m['loss']:.5f} (mean over {len(pairs)} pairs)", m))
     return lines
 
 

@@ -41,7 +41,7 @@ def ranked_groups(prompt_len: int, n_prompts: int = 2, responses: int = 8, vocab
 
 
 def demo_rank(prompt_len: int = 4096, steps: int = 3) -> list:
-    from rl_dpo_step import step_figures, tiny_model
+    from rl_dpo_step import step_figures, step_line, tiny_model
 
     tokens, groups, ratings = ranked_groups(prompt_len)
     budget = -(-(prompt_len + 8 * 49) // 8) * 8  # one prompt with all its responses per microbatch
@@ -54,10 +54,8 @@ def demo_rank(prompt_len: int = 4096, steps: int = 3) -> list:
         opt.zero_grad()
         out = forward_backward(model, mbs, loss="rm")
         _, grad_norm, _ = opt.step()
-        m = step_figures(out, mbs)
-        lines.append(f"step {step + 1}: Bradley-Terry loss {m['loss']:.5f} (mean over the groups' pairs), grad_norm "
-                     f"{float(grad_norm):.4f}; rows computed {m['tree_rows']} where per-sample training runs "
-                     f"{m['flat_tokens']} tokens ({m['flat_tokens'] / m['tree_rows']:.2f}x)")
+        m = dict(step_figures(out, mbs), grad_norm=float(grad_norm))
+        lines.append(step_line(step, f"Bradley-Terry loss {m['loss']:.5f} (mean over the groups' pairs)", m))
     return lines
 
 

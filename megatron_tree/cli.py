@@ -167,7 +167,7 @@ def cmd_verify(args) -> int:
     cfg.mtp_num_layers = args.mtp_num_layers
     cfg.mtp_pattern = args.mtp_pattern
     cfg.routing_replay = args.routing_replay
-    cfg.carry, cfg.carry_keep = args.carry, args.carry_keep
+    cfg.carry, cfg.carry_keep, cfg.carry_cut = args.carry, args.carry_keep, args.carry_cut
     cfg.balancing = moe_balancing_fields(args)
     cfg.steps, cfg.optimizer = args.steps, args.optimizer
     cfg.seq_aux_per_sample = args.tree_seq_aux_per_sample
@@ -251,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--carry-keep", action="store_true",
                     help="with --carry: every exporting microbatch runs one forward with its graph kept until its "
                          "readers' backward are done (no fill + restore forward)")
+    vf.add_argument("--carry-cut", choices=("never", "auto", "always"), default="auto",
+                    help="with --carry and DP > 1: which carry groups are cut over data-parallel ranks, their carried "
+                         "state and its gradient crossing ranks at syncs (tree.carry.assign_carry_ranks): never, those "
+                         "over one rank's share of the rows (auto, the default, as train does), or every microbatch "
+                         "loose (always). Fault carry_return_dropped drops the gradient readers return across ranks")
     vf.add_argument("--window", type=int, default=None, help="sliding-window attention (left context)")
     vf.add_argument("--sinks", action="store_true", help="learned attention sinks")
     vf.add_argument("--families", type=int, default=6, help="number of sample families in the random batch")

@@ -91,6 +91,12 @@ WS2 = [
     # kept graphs under CP (a keep's backward sums the readers' gradients over CP at its release) and TP + SP
     VerifyConfig(model="hybrid", pattern="MG*-", cp=2, cp_strategy="zigzag", budget=16, carry=True, carry_keep=True),
     VerifyConfig(model="mla", tp=2, sp=True, budget=16, carry=True, carry_keep=True, loss="grpo"),
+    # carry groups cut over DP ranks (issue 38): every microbatch loose, so owners' K / V and sinks' rows cross
+    # ranks at syncs and the readers' gradient comes back to the owner's rank before its restore (or release);
+    # dropping that returned gradient must fail
+    VerifyConfig(model="gpt", dp=2, window=9, sinks=True, budget=16, carry=True, carry_cut="always"),
+    VerifyConfig(model="mla", dp=2, budget=16, carry=True, carry_cut="always", carry_keep=True, loss="grpo"),
+    VerifyConfig(model="gpt", dp=2, budget=16, carry=True, carry_cut="always", fault="carry_return_dropped"),
 ]
 
 # 4 ranks on this 2-core machine cost ~4x a 2-rank config: one case per 4-rank flavour (CI minutes). CP4 is the
@@ -114,6 +120,8 @@ WS4 = [
     # backward (1F1B may run its forward before theirs), the full recomputation re-reads the store
     VerifyConfig(model="gpt", cp=2, pp=2, cp_strategy="zigzag", window=9, sinks=True, budget=16, carry=True,
                  recompute="full"),
+    # carry groups cut over four DP ranks: Mamba-2 and GDN states and conv tails, attention K / V and MoE layers
+    VerifyConfig(model="hybrid", pattern="MG*E", dp=4, budget=16, carry=True, carry_cut="always"),
 ]
 
 
@@ -152,11 +160,15 @@ def test_world_size_1(ws1, i):
 @pytest.mark.parametrize("i", _cases(WS2))
 def test_world_size_2(ws2, i):
     check_verify(WS2[i], ws2[i])
+    if WS2[i].carry_cut == "always":  # carried state really crossed ranks
+        assert ws2[i]["carry_syncs"] > 0 and ws2[i]["carry_cut_owners"] > 0, ws2[i]
 
 
 @pytest.mark.parametrize("i", _cases(WS4))
 def test_world_size_4(ws4, i):
     check_verify(WS4[i], ws4[i])
+    if WS4[i].carry_cut == "always":
+        assert ws4[i]["carry_syncs"] > 0 and ws4[i]["carry_cut_owners"] > 0, ws4[i]
 
 
 def test_nonfinite_values_fail_and_are_named():

@@ -88,6 +88,9 @@ def _carry_body(data):
     # without kept graphs (--tree-carry-memory 0): every exporter fills, then restores
     out.append(train(_args(data, "--train-iters", "3", "--hybrid-override-pattern", "MG*-", "--tree-carry",
                            "--tree-max-tokens-per-mb", "16", "--tree-carry-memory", "0")))
+    # carry groups cut over the two DP ranks (every microbatch loose): carried state and its gradient cross ranks
+    out.append(train(_args(data, "--train-iters", "3", "--hybrid-override-pattern", "MG*-", "--tree-carry",
+                           "--tree-max-tokens-per-mb", "16", "--tree-carry-cut", "always")))
     return out
 
 
@@ -282,7 +285,9 @@ def test_dp2_hybrid_carry_at_a_small_budget_equals_whole_trees(tmp_path):
     per_rank = run_distributed(_carry_body, 2, data, timeout=600)
     for run in range(2):
         _check_dp_shares([r[run]["history"] for r in per_rank], samples)
-    dp_carry, dp_whole, pp_carry, pp_whole, cp_carry, cp_whole, dp_filled = per_rank[0]
+    dp_carry, dp_whole, pp_carry, pp_whole, cp_carry, cp_whole, dp_filled, dp_cut = per_rank[0]
+    _check_dp_shares([r[7]["history"] for r in per_rank], samples)
+    assert all(m["carry_syncs"] > 0 for m in dp_cut["history"]) and not any(m["carry_syncs"] for m in dp_carry["history"])
     # both pipeline stages report the last stage's losses
     assert [m["loss"] for m in per_rank[0][2]["history"]] == [m["loss"] for m in per_rank[1][2]["history"]]
     # the default memory keeps every exporter's graph (one forward per row) where the schedule allows: DP and CP,
@@ -291,7 +296,8 @@ def test_dp2_hybrid_carry_at_a_small_budget_equals_whole_trees(tmp_path):
         for m in run["history"]:
             assert (m["rank_carry_kept"] > 0 and m["rank_carry_extra_rows"] == 0) if kept else \
                 (m["rank_carry_kept"] == 0 and m["rank_carry_extra_rows"] > 0), m
-    for carry, whole in ((dp_carry, dp_whole), (pp_carry, pp_whole), (cp_carry, cp_whole), (dp_filled, dp_whole)):
+    for carry, whole in ((dp_carry, dp_whole), (pp_carry, pp_whole), (cp_carry, cp_whole), (dp_filled, dp_whole),
+                         (dp_cut, dp_whole)):
         ch, wh = carry["history"], whole["history"]
         assert len(ch) == len(wh) == 3
         for a, b in zip(ch, wh):  # the same samples and targets; the same numbers up to float32 rounding

@@ -149,6 +149,22 @@ class TreeStep:
     plan_s: float = 0.0
     wait_s: float = 0.0
     target_weight_by_depth: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    # carry groups cut over DP ranks: the schedule of every rank (`cp.planning.carry_ranks.RankSchedule`), the
+    # whole step's microbatches it indexes and the padding microbatch of its padding items; None when no group is cut
+    carry_schedule: object = None
+    carry_microbatches: tuple = ()
+    carry_pad: object = None
+
+    def carry_items(self, group, keep=None, store=None) -> list:
+        """This rank's carry schedule items (`megatron.carry`): its groups whole (`carry_items`) or, when groups
+        are cut over the DP ranks (``carry_schedule``), the items of every rank's common schedule, whose syncs run
+        over the data-parallel ``group`` (`carry_rank_items`)."""
+        from ..megatron.carry import carry_items, carry_rank_items
+
+        if self.carry_schedule is None:
+            return carry_items(self.microbatches, keep=keep, store=store)
+        return carry_rank_items(list(self.carry_microbatches), self.carry_schedule, self.dp_rank, self.carry_pad,
+                                group, keep=keep, store=store)
 
     @property
     def microbatches_per_rank(self) -> int:
@@ -249,7 +265,9 @@ class TreeDataPipeline:
                           multiply each sample's loss weights by its exact factor within the step's window)
     carry                 pack with ``carry=True`` (`tree.carry`: every row once per step at any budget, samples
                           longer than the budget allowed); a carry group stays on one DP rank, in step order,
-                          and every rank gets the same number of schedule items (`megatron.carry.carry_items`:
+                          unless ``carry_cut`` cuts it over ranks (`tree.carry.assign_carry_ranks`: "auto", the
+                          default, cuts a group over one rank's share of the rows; "never"; "always"), and
+                          every rank gets the same number of schedule items (`megatron.carry.carry_items`:
                           an exporting microbatch counts twice), topped up with padding microbatches
 
     Iterate it (``for step in pipe``) to get `TreeStep`s from the current state; `build_step`
@@ -266,7 +284,7 @@ class TreeDataPipeline:
                  share_prefixes: bool = True, lookahead: int = 0,
                  plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None,
                  read_report: ReadReport | None = None, route_aware: bool = False, route_spec=None,
-                 mtp_tail: int = 0, carry: bool = False, loss_agg: str = "token-mean",
+                 mtp_tail: int = 0, carry: bool = False, carry_cut: str = "auto", loss_agg: str = "token-mean",
                  loss_agg_norm: float | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
@@ -304,6 +322,7 @@ class TreeDataPipeline:
         self.route_aware, self.route_spec = bool(route_aware), route_spec
         self.mtp_tail = int(mtp_tail)
         self.carry = bool(carry)
+        self.carry_cut = carry_cut
         loss_agg_factors([1], loss_agg, loss_agg_norm)  # a bad mode or norm is an error now
         self.loss_agg, self.loss_agg_norm = loss_agg, loss_agg_norm
         if self.carry and (mtp_tail or not share_prefixes):
@@ -520,14 +539,27 @@ class TreeDataPipeline:
         return self._step(state, window, mbs, mine, local, per_rank - len(mine), rank_costs, by_depth, pack_s)
 
     def _build_carry(self, state: dict, window: np.ndarray, mbs: list, costs: list, t0: float) -> TreeStep:
-        """Carry: groups stay on one rank in step order (`assign_carry_groups`); every rank then runs the
-        same number of schedule items (an exporting microbatch is a fill and a restore), padding
+        """Carry: groups on the ranks by `assign_carry_ranks` (``carry_cut``: a group over one rank's share of the
+        rows is cut over ranks, its carried state crossing them at the syncs of `rank_schedule`); every rank then
+        runs the same number of schedule items (an exporting microbatch is a fill and a restore), padding
         microbatches making up the difference."""
-        from ..tree.carry import assign_carry_groups
+        from ..cp.planning.carry_ranks import PAD, rank_schedule
+        from ..tree.carry import assign_carry_ranks
 
-        assign = assign_carry_groups(mbs, self.dp_size)
+        assign = assign_carry_ranks(mbs, self.dp_size, cut=self.carry_cut)
+        schedule = rank_schedule(mbs, assign) if self.dp_size > 1 else None
+        if schedule is not None and not schedule.syncs:
+            schedule = None  # no group is cut: each rank runs its groups whole (`megatron.carry.carry_items`)
         items = [sum(1 + (len(mbs[i].carry.exported) > 0) for i in a) for a in assign]
-        per_rank_items = max(items)
+        if schedule is not None:  # (its padding items are padding microbatches here)
+            if self.microbatches_per_rank is not None and schedule.num_items < self.microbatches_per_rank:
+                schedule = schedule.padded(self.microbatches_per_rank)  # padding items at the end
+            items = [sum(p != PAD for _, p in schedule.items[r]) for r in range(self.dp_size)]
+            if self.microbatches_per_rank is not None and schedule.num_items > self.microbatches_per_rank:
+                raise ValueError(f"epoch {state['epoch']} step {state['epoch_step']}: carry cut over DP ranks runs "
+                                 f"{schedule.num_items} schedule items per rank but microbatches_per_rank="
+                                 f"{self.microbatches_per_rank}")
+        per_rank_items = max(items) if schedule is None else schedule.num_items
         if self.microbatches_per_rank is not None and per_rank_items > self.microbatches_per_rank:
             raise ValueError(f"epoch {state['epoch']} step {state['epoch_step']}: carry needs {per_rank_items} schedule "
                              f"items on a rank but microbatches_per_rank={self.microbatches_per_rank}")
@@ -539,7 +571,12 @@ class TreeDataPipeline:
         by_depth = _weight_by_depth(mbs)
         pad = per_rank_items - items[self.dp_rank]
         local = [dataclasses.replace(mb, step_weight_by_depth=by_depth) for mb in [mbs[i] for i in mine] + [pad_mb] * pad]
-        return self._step(state, window, mbs, mine, local, pad, rank_costs, by_depth, time.perf_counter() - t0)
+        step = self._step(state, window, mbs, mine, local, pad, rank_costs, by_depth, time.perf_counter() - t0)
+        if schedule is None:
+            return step
+        whole = tuple(dataclasses.replace(mb, step_weight_by_depth=by_depth) for mb in mbs)
+        return dataclasses.replace(step, carry_schedule=schedule, carry_microbatches=whole,
+                                   carry_pad=dataclasses.replace(pad_mb, step_weight_by_depth=by_depth))
 
     def _step(self, state, window, mbs, mine, local, num_padding, rank_costs, by_depth, pack_s) -> TreeStep:
         plans, plan_s = None, 0.0

@@ -30,7 +30,7 @@ from ..cp.execution.carry import CarryStore, CarryView
 from ..cp.planning.carry import carry_lifetimes, carry_phases
 from .packed_seq import _padding, local_loss_map
 
-__all__ = ["CarryItem", "carry_items", "carry_view", "fill_output", "carry_geometry", "kept_exporters",
+__all__ = ["CarryItem", "carry_items", "carry_rank_items", "carry_view", "fill_output", "carry_geometry", "kept_exporters",
            "kept_graph_bytes", "default_carry_memory_gib"]
 
 
@@ -59,6 +59,27 @@ def carry_items(microbatches: list, store: CarryStore | None = None, keep=None) 
     phases = carry_phases(microbatches, keep=keep)
     store.set_lifetimes(carry_lifetimes(microbatches, phases))  # state released after its last reader's backward
     return [CarryItem(microbatches[i], p, store, k) for k, (i, p) in enumerate(phases)]
+
+
+def carry_rank_items(microbatches: list, schedule, rank: int, pad_mb, group, store: CarryStore | None = None,
+                     keep=None) -> list[CarryItem]:
+    """The schedule items of data-parallel rank ``rank`` when carry groups are cut over ranks: ``microbatches``
+    are the whole step's (pack order), ``schedule`` their `cp.planning.carry_ranks.RankSchedule` (the same on every
+    rank), ``pad_mb`` the zero-loss microbatch of its padding items, ``group`` the data-parallel process group the
+    syncs run over (`CarryStore.exchange`, at the start of their item: `tree_forward_step`). ``keep``: this rank's
+    exporters that keep their graph (`kept_exporters`)."""
+    from ..cp.planning.carry_ranks import rank_lifetimes
+
+    store = CarryStore() if store is None else store
+    store.rank_args = (microbatches, schedule, rank, pad_mb, keep)  # what a tensor-parallel peer rebuilds them from
+    schedule = schedule.with_keep(rank, keep)
+    mine = [microbatches[i] for i, _ in schedule.items[rank] if i >= 0]
+    store.microbatches = mine
+    store.keep = {microbatches[i].carry.index for i, p in schedule.items[rank] if p == "keep"}
+    store.syncs, store.dp_group, store.dp_rank = schedule.syncs, group, rank
+    store.set_lifetimes(rank_lifetimes(microbatches, schedule, rank))
+    return [CarryItem(microbatches[i] if i >= 0 else pad_mb, p if i >= 0 else "run", store, k)
+            for k, (i, p) in enumerate(schedule.items[rank])]
 
 
 def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):
@@ -153,7 +174,7 @@ def kept_exporters(microbatches: list, config, memory_gib: float | None) -> set:
     if gib <= 0:
         return set()
     return choose_kept([mb for mb in microbatches if getattr(mb, "carry", None) is not None],
-                       kept_graph_bytes(config), gib * 2 ** 30)
+                       kept_graph_bytes(config), gib * 2 ** 30, remote=True)
 
 
 def fill_output(model, output=None) -> torch.Tensor:

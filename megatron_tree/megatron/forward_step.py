@@ -179,6 +179,8 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
     (``sequence_ratios``, ``report_occurrences``: GSPO's two passes). ``occurrence_ids``: see `TreePackedSeqParams`
     (a distillation step's teacher top-k ids)."""
     item = next(data_iterator)
+    if isinstance(item, CarryItem):  # carry groups cut over data-parallel ranks: a sync may begin this item
+        item.store.exchange(item.position)
     if isinstance(item, CarryItem) and item.mb.carry is None:
         item = item.mb  # a padding microbatch of a carry step runs as usual
     if isinstance(item, CarryItem):
@@ -260,6 +262,7 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
     config = _unwrap(model).config
     refuse_aux_losses_under_carry(config)
     pending = pending_backwards(model)
+    item.store.exchange(item.position)  # carry groups cut over data-parallel ranks: a sync may begin here
     item.store.advance(item.position - pending)  # the items whose backward is done
     if item.phase == "release":  # no forward: the keep's output and loss function, its graph kept alive
         return item.store.kept.pop(item.mb.carry.index)

@@ -386,6 +386,7 @@ def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss
             return carry_forward(mb, model, lambda lm: partial(_loss_func, lm, loss=loss, loss_fn=loss_fn,
                                                                loss_kwargs=loss_kwargs, agg=agg), return_entropy=True,
                                  cp_strategy=cp_strategy, occurrence_ids=occurrence_ids)
+        mb.store.exchange(mb.position)  # a sync of carry groups cut over DP ranks may begin here
         mb = mb.mb  # a padding microbatch
     dev = next(model.parameters()).device
     psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True, occurrence_ids=occurrence_ids),

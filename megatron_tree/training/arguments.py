@@ -179,6 +179,11 @@ def add_tree_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "backward are done, instead of a no-grad fill forward now and a second forward later. "
                         "0: never keep. Default: 30%% of the GPU's memory (20%% of RAM on CPU). Without pipelining "
                         "or recomputation only (otherwise every exporter fills and restores).")
+    g.add_argument("--tree-carry-cut", choices=("auto", "never", "always"), default="auto",
+                   help="--tree-carry over data-parallel ranks: auto (default) cuts a carry group larger than one "
+                        "rank's share of the step's rows over several ranks, its carried state sent to the readers' "
+                        "ranks and their gradient returned (every row still computed once); never keeps each group on "
+                        "one rank; always cuts every microbatch loose (testing). Never under pipelining.")
     g.add_argument("--tree-hybrid-pattern", type=str, default=None, metavar="PATTERN",
                    help="Hybrid layer pattern, one letter per layer: M Mamba-2, G Gated DeltaNet, "
                         "* attention, - MLP, E MoE ('|' marks pipeline stages and is ignored). "

@@ -489,8 +489,10 @@ def _next_carry_item(data_iterator):
     Megatron-LM builds the data on tensor-parallel rank 0 only: that rank reads its items and, at each
     step's first, sends the step's microbatches to its TP peers (one object broadcast per step), which
     make the same items from them (`carry_items`: the same order, each rank its own carry store of its
-    own heads' state)."""
-    from ..megatron.carry import CarryItem, carry_items
+    own heads' state). Carry groups cut over DP ranks: the step's schedule goes with them (`carry_rank_items`)."""
+    from megatron.core import parallel_state as ps
+
+    from ..megatron.carry import CarryItem, carry_items, carry_rank_items
 
     group, src = _tp_source()
     if group is None or dist.get_world_size(group) == 1:
@@ -498,12 +500,15 @@ def _next_carry_item(data_iterator):
     elif dist.get_rank() == src:
         item = next(data_iterator)
         if isinstance(item, CarryItem) and item.position == 0:
-            dist.broadcast_object_list([(item.store.microbatches, item.store.keep)], src=src, group=group)
+            dist.broadcast_object_list([(item.store.microbatches, item.store.keep, item.store.rank_args)], src=src,
+                                       group=group)
     else:
         if not _peer_items:
             box = [None]
             dist.broadcast_object_list(box, src=src, group=group)
-            _peer_items.extend(carry_items(box[0][0], keep=box[0][1]))
+            mbs, keep, rank_args = box[0]
+            _peer_items.extend(carry_items(mbs, keep=keep) if rank_args is None else
+                               carry_rank_items(*rank_args[:4], ps.get_data_parallel_group(), keep=rank_args[4]))
         item = _peer_items.popleft()
     if not isinstance(item, CarryItem):
         raise ValueError("--tree-carry: the data iterator must yield carry items (MicrobatchStream(carry=True))")
@@ -527,6 +532,7 @@ def _carry_forward_step(data_iterator, model, args, timers):
         entropy_coef=float(getattr(args, "tree_entropy_coef", 0.0) or 0.0),
         check_for_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
     if item.mb.carry is None:  # a padding microbatch of the step
+        item.store.exchange(item.position)  # (a sync of carry groups cut over DP ranks may begin here)
         from ..megatron.packed_seq import tree_packed_seq_params
 
         psp = tree_packed_seq_params(item.mb, next(model.parameters()).device, return_entropy=True)
@@ -566,12 +572,14 @@ class MicrobatchStream:
                                  "--global-batch-size / data-parallel size; raise it, or "
                                  "--tree-max-tokens-per-mb, or lower --tree-global-batch-samples") from e
             if self.carry:  # fill / run, then restores, sharing the step's store (`megatron.carry`)
-                from ..megatron.carry import carry_items, kept_exporters
+                from megatron.core import parallel_state as ps
+
+                from ..megatron.carry import kept_exporters
 
                 mbs = self.step.microbatches
                 keep = None if self.args is None else kept_exporters(mbs, self.args,
                                                                      getattr(self.args, "tree_carry_memory", None))
-                self._pending.extend(carry_items(mbs, keep=keep))
+                self._pending.extend(self.step.carry_items(ps.get_data_parallel_group(), keep=keep))
             else:
                 self._pending.extend(self.step.microbatches)
         return self._pending.popleft()
@@ -644,6 +652,8 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
         pad_to_multiple_of=args.tree_pad_to_multiple_of, microbatches_per_rank=per_rank,
         lookahead=args.tree_lookahead, share_prefixes=not getattr(args, "tree_flat_packing", False),
         mtp_tail=mtp_tail_rows(args), carry=bool(getattr(args, "tree_carry", False)),
+        carry_cut=(getattr(args, "tree_carry_cut", "auto") if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
+                   else "never"),  # a sync needs every earlier item's backward done: not under 1F1B
         loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None),
         **_route_kwargs(args))
     _skip_steps(pipe, start_step)

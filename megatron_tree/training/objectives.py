@@ -156,14 +156,16 @@ def token_fields(loss: str, samples) -> dict:
 def stats_reports(ddp, step, items, args, loss_kwargs) -> list:
     """A stats pass: the step's microbatches forward only (no gradient, no MoE statistics), every occurrence
     reported (``report_occurrences``). One forward of the step, no backward."""
-    from ..megatron.carry import carry_items, kept_exporters
+    from megatron.core import parallel_state as ps
+
+    from ..megatron.carry import kept_exporters
     from ..megatron.model import unwrap_model
     from .models import forward_backward
 
     stats_items = items
     if getattr(args, "tree_carry", False):  # a fresh store; kept exporters forward once here too
         keep = kept_exporters(step.microbatches, unwrap_model(ddp).config, getattr(args, "tree_carry_memory", None))
-        stats_items = carry_items(step.microbatches, keep=keep)
+        stats_items = step.carry_items(ps.get_data_parallel_group(), keep=keep)
     kw = dict(loss_kwargs, loss_type="sft", entropy_coef=0.0, report_occurrences=True)
     with torch.no_grad():
         return forward_backward(ddp, stats_items, forward_only=True, **kw)

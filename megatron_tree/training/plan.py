@@ -84,6 +84,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "DP rank the rows computed, carried rows read, rows and states stored and the carry "
                              "store's bytes for --pattern / --kv / --gdn-heads / --mamba-dims")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks the carry plan is spread over (default 1)")
+    parser.add_argument("--carry-cut", choices=("never", "auto", "always"), default="auto",
+                        help="--carry --dp N: which carry groups are cut over the ranks, their state crossing at syncs "
+                             "(tree.carry.assign_carry_ranks): never, those over one rank's share of the predicted work "
+                             "(auto, default, as train does) or every microbatch")
+    parser.add_argument("--tflops", type=float, default=400.0,
+                        help="--carry: a rank's sustained TFLOP/s in the predicted step times (default 400)")
+    parser.add_argument("--link-gbs", type=float, default=50.0,
+                        help="--carry: GB/s between data-parallel ranks for carried state crossing them (default 50)")
     parser.add_argument("--pp", type=int, default=1,
                         help="--carry: 1F1B pipeline stages the --pattern layers are split over, evenly (default 1): "
                              "each stage's carry store peak, its releases as late as 1F1B's pending backwards make them")
@@ -246,9 +254,11 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
     """``plan --carry``: the carry plan's microbatches in schedule order per DP rank, with the carry
     store's bytes (`cp.planning.carry.carry_store_bytes`: what each fill writes;
     `carry_store_timeline`: what the store holds after each item, state and gradient accumulators)."""
-    from ..cp.planning.carry import CarryGeometry, carry_phases, carry_store_bytes, carry_store_timeline, choose_kept
+    import numpy as np
+
+    from ..cp.planning.carry import CarryGeometry, carry_store_bytes, carry_store_timeline, choose_kept
+    from ..cp.planning.carry_ranks import PAD, CarryWork, plan_carry_ranks, rank_store_timeline, split_step_ms
     from ..tree import pack, summarize
-    from ..tree.carry import assign_carry_groups
 
     geom = CarryGeometry(args.pattern, kv=tuple(args.kv), gdn=tuple(args.gdn_heads[:4]), mamba=tuple(args.mamba_dims),
                          act_bytes=args.act_bytes)
@@ -279,13 +289,27 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
         lines.insert(2, f"activations: profile {args.activation_profile} (pattern {profile.pattern}; "
                         f"{', '.join(f'{k}={v}' for k, v in sorted(profile.about.items()))})")
     kept_bytes = _kept_bytes(args, profile)
-    for r, idx in enumerate(assign_carry_groups(mbs, max(1, args.dp))):
+    dp = max(1, args.dp)
+    work = CarryWork(geom, hidden=args.hidden_size, layers=sum(ch in "*DGM" for ch in args.pattern) or len(args.pattern),
+                     tflops=args.tflops, link_gbs=args.link_gbs)
+    keep_fn = ((lambda rank: choose_kept(rank, kept_bytes, args.carry_memory * 2 ** 30, remote=True))
+               if args.carry_memory > 0 else None)
+    chosen = plan_carry_ranks(samples, budget, dp, work, cut=args.carry_cut if args.pp == 1 else "never",
+                              choose_keep=keep_fn)
+    mbs, ranks, keeps, schedule, times = chosen.microbatches, chosen.ranks, chosen.keep, chosen.schedule, chosen.times
+    if chosen.budget != budget:  # the same rows, in smaller pieces the ranks balance better
+        lines.insert(2, f"DP {dp}: cut at {chosen.budget:,} owned rows per microbatch ({len(mbs)} microbatches), the "
+                        f"fastest predicted of " + ", ".join(f"{b:,}: {t:,.1f} ms" for b, t in chosen.tried.items()))
+        store = carry_store_bytes(mbs, geom)
+    for r, idx in enumerate(ranks):
         rank = [mbs[i] for i in idx]
-        keep = choose_kept(rank, kept_bytes, args.carry_memory * 2 ** 30) if args.carry_memory > 0 else set()
-        held = carry_store_timeline(rank, geom, keep=keep)  # after each item: state, accumulators
+        keep = keeps[r]
+        held = rank_store_timeline(mbs, schedule, r, geom)  # after each item: state, accumulators
         acts, kept_now, kept_peak = [], 0.0, 0.0
-        for k, (j, phase) in enumerate(carry_phases(rank, keep=keep)):
-            mb = rank[j]
+        for k, (i, phase) in enumerate(schedule.items[r]):
+            if phase == PAD:
+                continue
+            mb = mbs[i]
             c = mb.carry
             wrote = store[c.index] if phase in ("fill", "keep") else 0
             kept_now += kept_bytes(mb) if phase == "keep" else 0.0
@@ -306,6 +330,7 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
         lines.append(f"rank {r}: {len(rank)} microbatches, {len(held)} schedule items, "
                      f"{sum(mb.owned_rows for mb in rank):,} rows computed, carry store peak {peak / 2**20:,.2f} MiB "
                      f"(state and gradient accumulators; the fills write {sum(store[m.carry.index] for m in rank) / 2**20:,.2f} MiB)")
+        lines.append(f"rank {r}: predicted busy {times['rank_ms'][r]:,.1f} ms")
         exporters = [mb for mb in rank if len(mb.carry.exported)]
         lines.append(f"rank {r}: kept graphs {sum(mb.carry.index in keep for mb in exporters)} of {len(exporters)} "
                      f"exporters (peak {kept_peak / 2**30:,.2f} GiB of --carry-memory {args.carry_memory:g}), extra "
@@ -314,6 +339,20 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
             stage_held = carry_store_timeline(rank, stage_geom, pending=args.pp - st - 1)
             lines.append(f"rank {r} stage {st} ({stage_geom.pattern}): carry store peak "
                          f"{max((a + b for a, b in stage_held), default=0) / 2**20:,.2f} MiB")
+    busy = np.asarray(times["rank_ms"])
+    split_mbs = pack(samples, budget) if max(len(s) for s in samples) <= budget else None
+    lines.append(f"DP {dp}: carry predicted step {times['step_ms']:,.1f} ms; slowest rank busy {busy.max():,.1f} ms = "
+                 f"{busy.max() / max(busy.mean(), 1e-12):.2f}x the mean; {len(schedule.cut_owners())} owners' state "
+                 f"crosses ranks at {len(schedule.syncs)} syncs ({times['sync_ms']:,.1f} ms), {schedule.num_items} "
+                 f"schedule items per rank (cut: {args.carry_cut if args.pp == 1 else 'never, under pipelining'}; "
+                 f"{args.tflops:g} TFLOP/s, {args.link_gbs:g} GB/s)")
+    if split_mbs is None:
+        lines.append(f"DP {dp}: split packing refuses a sample over {budget:,} rows")
+    else:
+        sp = split_step_ms(split_mbs, dp, work)
+        lines.append(f"DP {dp}: split packing predicted step {sp['step_ms']:,.1f} ms, rows computed "
+                     f"{sum(mb.owned_rows for mb in split_mbs):,} ({sp['step_ms'] / max(times['step_ms'], 1e-12):.2f}x "
+                     f"carry's step)")
     return "\n".join(lines)
 
 

@@ -1136,7 +1136,8 @@ def train(args, samples=None, *, skipped=None, sources=None) -> dict:
     up ``sample_ids``) and rank_num_targets (targets whose loss this rank computed: 0 off the last
     pipeline stage and on TP ranks > 0; over the loss-computing ranks they sum to num_targets).
     With --tree-carry also rank_carry_kept (this rank's exporting microbatches that kept their graph,
-    --tree-carry-memory) and rank_carry_extra_rows (the rows its other exporters forwarded twice).
+    --tree-carry-memory), rank_carry_extra_rows (the rows its other exporters forwarded twice) and carry_syncs (the
+    step's syncs where carried state crossed DP ranks, --tree-carry-cut; 0 when every group stayed on one rank).
     Under context parallelism also cp_predicted_imbalance (the planner's max / mean predicted rank
     time, averaged over this rank's microbatches), cp_attention_s (the slowest CP rank's time in
     tree CP attention this step) and cp_attention_imbalance (measured max / mean of that time).
@@ -1171,7 +1172,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from ..megatron.carry import carry_items, kept_exporters
+    from ..megatron.carry import kept_exporters
     from .models import build_hf_model, build_model, forward_backward, make_config, wrap_ddp
 
     rank = dist.get_rank()
@@ -1227,6 +1228,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
               dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, num_epochs=None,
               pad_to_multiple_of=args.tree_pad_to_multiple_of, vocab_size=args.vocab_size,
               lookahead=args.tree_lookahead, carry=bool(getattr(args, "tree_carry", False)),
+              # carry groups cut over DP ranks: not under 1F1B (a sync needs every earlier item's backward done)
+              carry_cut=getattr(args, "tree_carry_cut", "auto") if args.pipeline_model_parallel_size == 1 else "never",
               loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None))
     from ..megatron.mtp import mtp_tail_rows
 
@@ -1276,6 +1279,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
         loss_kwargs["occurrence_ids"] = tables["teacher_topk_ids"].at
     dev = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     cp_group = ps.get_context_parallel_group() if args.context_parallel_size > 1 else None
+    dp_group = ps.get_data_parallel_group()  # carry groups cut over DP ranks exchange state over it
     if cp_group is not None:
         from ..cp.execution.attention import attention_seconds
         from ..megatron.forward_step import dsa_work, planned
@@ -1300,7 +1304,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                 items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
                 if getattr(args, "tree_carry", False):  # fill / run, then the restores, one store per step
                     kept = kept_exporters(step.microbatches, model.config, getattr(args, "tree_carry_memory", None))
-                    items = carry_items(step.microbatches, keep=kept)
+                    items = step.carry_items(dp_group, keep=kept)
                 extra = {}
                 if args.tree_loss in ("gspo", "rm") + PAIR_LOSSES:  # per-sample statistics first, a forward-only pass
                     if args.tree_loss == "gspo":
@@ -1308,7 +1312,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                     else:
                         extra["pair_factors"] = pair_stats_pass(ddp, step, items, args, loss_kwargs, samples)
                     if getattr(args, "tree_carry", False):  # the stats pass ran the step's carry items
-                        items = carry_items(step.microbatches, keep=kept)
+                        items = step.carry_items(dp_group, keep=kept)
                     if replay is not None:
                         reset_routing_replay(ddp)
                 if cp_group is not None:
@@ -1357,7 +1361,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                 if getattr(args, "tree_carry", False):  # this rank's exporters: kept graphs, or a second forward
                     exporters = [mb for mb in step.microbatches if mb.carry is not None and len(mb.carry.exported)]
                     m.update(rank_carry_kept=sum(mb.carry.index in kept for mb in exporters),
-                             rank_carry_extra_rows=sum(mb.owned_rows for mb in exporters if mb.carry.index not in kept))
+                             rank_carry_extra_rows=sum(mb.owned_rows for mb in exporters if mb.carry.index not in kept),
+                             carry_syncs=len(step.carry_schedule.syncs) if step.carry_schedule is not None else 0)
                 if cp_group is not None:  # predicted (planner) vs measured (this step) balance of CP attention
                     att = torch.tensor([attention_seconds()], dtype=torch.float64, device=dev)
                     every = [torch.zeros_like(att) for _ in range(dist.get_world_size(cp_group))]

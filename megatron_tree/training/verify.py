@@ -74,8 +74,9 @@ BF16_FAULTS = ("dsa_bf16_grad_sum",)
 REPLAY_FAULTS = ("route_row_shift", "route_recompute_stale")
 # faults of carry runs only (carry=True), planted in the carry executor (`cp.execution.carry._FAULT`): the
 # readers' gradient dropped (a detached carry), the store changed after a reader read it (what a
-# recomputation would then re-read), the accumulated gradient injected twice
-CARRY_FAULTS = ("carry_detach", "carry_stale", "carry_twice")
+# recomputation would then re-read), the accumulated gradient injected twice, the gradient readers on other DP
+# ranks accumulated not returned to the owner's rank (carry groups cut over DP ranks)
+CARRY_FAULTS = ("carry_detach", "carry_stale", "carry_twice", "carry_return_dropped")
 # faults of MoE balancing runs (balancing set): every row weighs 1 in the routers' statistics
 BALANCE_FAULTS = ("multiplicity_ones",)
 # faults of runs with a loss aggregation other than token-mean: the tree side's per-sample factors computed
@@ -160,6 +161,8 @@ class VerifyConfig:
     carry: bool = False
     # carry with kept graphs: every exporting microbatch runs once (keep), its backward at its release
     carry_keep: bool = False
+    # carry over DP ranks (`tree.carry.assign_carry_ranks`): never / auto / always cut a carry group over ranks
+    carry_cut: str = "auto"
     # MoE load balancing: TransformerConfig fields (`training.arguments.moe_balancing_fields`); dense kinds
     # get 4 experts (every layer MoE). The reference is then the flat pack of each tree microbatch
     balancing: Optional[dict] = None
@@ -501,6 +504,7 @@ def _logits_step(store, cp_strategy, data_iterator, model):
     item = next(data_iterator)
     if isinstance(item, CarryItem):
         if item.mb.carry is None:
+            item.store.exchange(item.position)  # a sync of carry groups cut over DP ranks may begin here
             item = item.mb  # a padding microbatch
         else:  # this microbatch's own rows (this CP rank's under CP): logits keyed by their step-global rows
             def carry_logits(view):
@@ -624,11 +628,12 @@ def _carry_selected_tables(tree_sel: list, mine: list, topk: int, cp_group=None)
     """`_tree_selected_tables` of a carry step: each row's selection comes from the microbatch that owns
     it, captured as step-global rows (`megatron.dsa`; under CP by the rank that computes the row); a
     sample's path is read from the microbatch that completes it (its carried rows and its own)."""
-    R = 1 + max([int(mb.carry.keys.max()) for mb in mine if mb.carry is not None] + [0])
     by_layer: dict = {}
     for _, layer, rows, ids in _gather_selected(_dedupe_selected(tree_sel), cp_group).values():
         real = rows >= 0  # padding rows have no step-global row
         by_layer.setdefault(layer, []).append((rows[real], ids[real]))
+    R = 1 + max([int(mb.carry.keys.max()) for mb in mine if mb.carry is not None]
+                + [int(r.max()) for parts in by_layer.values() for r, _ in parts if len(r)] + [0])
     tables = {layer: _rows_to_table(R, torch.cat([r for r, _ in parts]), torch.cat([i for _, i in parts]))
               for layer, parts in sorted(by_layer.items())}
     out = []
@@ -828,13 +833,13 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     tail = mtp_tail_rows(probe)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     if cfg.carry:
-        from ..tree.carry import assign_carry_groups
+        from ..tree.carry import assign_carry_ranks
 
         if tail:
             raise ValueError("verify --carry with MTP layers that run DeepSeek sparse attention: their MTP tail rows "
                              "are not carried yet")
         mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, carry=True, route_aware=cfg.routing_replay)
-        ranks = assign_carry_groups(mbs, dp)
+        ranks = assign_carry_ranks(mbs, dp, cut=cfg.carry_cut)
         mine = [mbs[i] for i in ranks[dpr]]
     else:
         mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay, mtp_tail=tail)
@@ -866,13 +871,19 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # an effect of the microbatch count, not of the tree. The float64 reference stays per sample.
     # MoE balancing: aux losses are statistics of a microbatch, so the reference packs each tree microbatch's
     # samples flat (stock's statistic on the same microbatch), padding weighing nothing
+    cut = False  # carry groups cut over DP ranks (set below)
     packed_mbs = ([_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay, mtp_tail=tail if balance else 0)
                    for mb in mine] if bf16 or balance else None)
     if packed_mbs is not None and cfg.loss in STATS_LOSSES + FIELD_LOSSES:
         packed_mbs = [_with_sample_ids(pm, list(mb.sample_ids)) for pm, mb in zip(packed_mbs, mine)]
-    if cfg.carry:  # the same number of schedule items on every DP rank (an exporting microbatch is two)
-        count = lambda rank_mbs: sum(1 + (len(mbs[i].carry.exported) > 0) for i in rank_mbs)
-        tree_mbs += [filler] * (max(count(r) for r in ranks) - count(ranks[dpr]))
+    if cfg.carry:  # every DP rank runs the schedule's items (`cp.planning.carry_ranks`), padding items included
+        from ..cp.planning.carry_ranks import rank_schedule
+
+        schedule = rank_schedule(mbs, ranks, keep=[True] * dp if cfg.carry_keep else None)
+        cut = bool(schedule.syncs)
+        step_mbs = list(mbs)  # this rank's items read its own (faulted) microbatches
+        for i, mb in zip(ranks[dpr], tree_mbs):
+            step_mbs[i] = mb
     else:
         tree_mbs += [filler] * (n_tree - len(tree_mbs))
     # routing replay, per-sample side: each sample's own routes (then valid ones on its padding rows),
@@ -957,15 +968,14 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # model "dsa": the per-sample side is stock DSAttention; under tree CP it is our DSA on one CP rank
     # per sample (single-owner plan, as for every model), itself checked against stock by the CP=1 runs
     stock_flat = dsa and cfg.cp == 1
-    if cfg.carry:
-        from ..megatron.carry import CarryItem, carry_items
+    if cfg.carry:  # (kept graphs: every exporter's graph kept from its keep to its release)
+        from ..megatron.carry import CarryItem, carry_rank_items
 
-        carry_mbs = list(tree_mbs)
-        keep = True if cfg.carry_keep else None  # every exporter's graph kept from its keep to its release
-        tree_mbs = carry_items(carry_mbs, keep=keep)
+        dp_group = ps.get_data_parallel_group()
+        tree_mbs = carry_rank_items(step_mbs, schedule, dpr, filler, dp_group)
         # a fresh store per pass (the logits pass, the training step): the items again, from the microbatches
-        carry_again = lambda batch: (carry_items(carry_mbs, keep=keep) if batch and isinstance(batch[0], CarryItem)
-                                     else batch)
+        carry_again = lambda batch: (carry_rank_items(step_mbs, schedule, dpr, filler, dp_group)
+                                     if batch and isinstance(batch[0], CarryItem) else batch)
     sides = [("tree", tree_mbs, dtype), ("flat", packed_mbs if bf16 or balance else flat_mbs, dtype)]
     if bf16:  # the reference: per-sample training in float64 from the same initial weights
         sides.append(("ref", flat_mbs, torch.float64))
@@ -1004,8 +1014,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             if cfg.carry:
                 from ..cp.execution import carry as carry_exec
 
-                carry_exec._FAULT = {"carry_detach": "detach", "carry_stale": "stale",
-                                     "carry_twice": "twice"}.get(cfg.fault)
+                carry_exec._FAULT = {"carry_detach": "detach", "carry_stale": "stale", "carry_twice": "twice",
+                                     "carry_return_dropped": "return_dropped"}.get(cfg.fault)
                 batch = carry_again(batch)
         store: list = []
         logits_step = partial(_logits_step, store, cfg.cp_strategy)
@@ -1082,6 +1092,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
             vals = tracker["values"].clone() if "values" in tracker else torch.zeros(margs.layers(), dtype=torch.float64)
             if cfg.cp > 1:  # every CP rank logged the share of the rows it owns
                 torch.distributed.all_reduce(vals, group=ps.get_context_parallel_group())
+            if cut:  # carry groups cut over DP ranks: a rank's rows are not its samples' rows; compare the sums
+                torch.distributed.all_reduce(vals, group=ps.get_data_parallel_group())
             runs[side]["indexer_loss"] = vals
             runs[side]["selected"] = selected
     torch.set_default_dtype(torch.float64 if dtype == torch.float64 else torch.float32)
@@ -1092,8 +1104,12 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         """[(sample name, [L, V/tp] logits at the sample's rows in path order)], in the order of ``mine``."""
         logits = runs[side]["logits"]
         if side == "tree" and cfg.carry:  # every row's logits come from its owner: gather by step-global row
-            by_key = {int(k): row for item in logits if isinstance(item, tuple)  # padding microbatches: none
-                      for k, row in zip(item[0].tolist(), item[1]) if k >= 0}
+            parts = [item for item in logits if isinstance(item, tuple)]  # padding microbatches: none
+            if schedule.syncs:  # groups cut over DP ranks: a sample's rows may have their owners on other ranks
+                everyone = [None] * dp
+                torch.distributed.all_gather_object(everyone, parts, group=ps.get_data_parallel_group())
+                parts = [p for rank_parts in everyone for p in rank_parts]
+            by_key = {int(k): row for item in parts for k, row in zip(item[0].tolist(), item[1]) if k >= 0}
             return [(f"sample {i}", torch.stack([by_key[int(k)] for k in mb.carry.keys[mb.sample_rows(i).numpy()]]))
                     for mb in mine for i in mb.sample_ids]
         if side == "tree":
@@ -1106,7 +1122,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
 
     def selected_tables(side):
         if side == "tree" and cfg.carry:
-            return _carry_selected_tables(runs[side]["selected"], mine, topk, cp_group)
+            return _carry_selected_tables(runs[side]["selected"], mine, topk,
+                                          ps.get_data_parallel_group(with_context_parallel=True) if cut else cp_group)
         if side == "tree":
             return _tree_selected_tables(runs[side]["selected"], mine, topk, margs.layers(), cp_group)
         if side not in per_sample:
@@ -1177,6 +1194,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         result["carry_microbatches"] = len(mine)
         result["carried_rows"] = sum(len(mb.carry.carried) for mb in mine)
         result["longest_sample"] = max(len(s) for s in samples)
+        result["carry_cut_owners"] = len(schedule.cut_owners())  # the same on every rank
+        result["carry_syncs"] = len(schedule.syncs)
     result["tree_rows"] = sum(s.tree_tokens for s in stats)
     result["flat_rows"] = sum(s.flat_tokens for s in stats)
     result["num_samples"] = sum(s.num_samples for s in stats)
@@ -1402,6 +1421,9 @@ def _combine(cfg: VerifyConfig, per_rank: list) -> dict:
             out[k] = sum(r[k] for r in per_rank) // rep
     if all("longest_sample" in r for r in per_rank):
         out["longest_sample"] = max(r["longest_sample"] for r in per_rank)
+    for k in ("carry_cut_owners", "carry_syncs"):
+        if all(k in r for r in per_rank):
+            out[k] = per_rank[0][k]
     return out
 
 
@@ -1423,7 +1445,9 @@ def format_report(cfg: VerifyConfig, out: dict) -> str:
              f"loss {out['loss_value']:.6f}"]
     if cfg.carry and out.get("carry_microbatches"):
         lines.append(f"carry: {out['carry_microbatches']} microbatches of <= {cfg.budget} owned rows, "
-                     f"{out['carried_rows']} carried rows read, {out['longest_sample']} tokens in the longest sample")
+                     f"{out['carried_rows']} carried rows read, {out['longest_sample']} tokens in the longest sample"
+                     + (f"; cut over DP ranks: {out['carry_cut_owners']} owners' state crossed ranks at "
+                        f"{out['carry_syncs']} syncs" if out.get("carry_syncs") else ""))
     if cfg.dtype == "bfloat16":
         lines.append(f"||side - ref|| / ||ref|| against per-sample float64 training from the same "
                      f"initial weights; "

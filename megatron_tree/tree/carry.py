@@ -46,7 +46,10 @@ from .microbatch import MicrobatchStats, TreeMicrobatch
 from .sample import Sample
 from .routes import padding_routes, row_routes
 
-__all__ = ["CarryInfo", "pack_carry", "assign_carry_groups", "carry_summary"]
+__all__ = ["CarryInfo", "pack_carry", "assign_carry_groups", "assign_carry_ranks", "CUT_POLICIES", "carry_summary"]
+
+#: `assign_carry_ranks`' ``cut``: never cut a group, cut those above one rank's share, cut every microbatch loose
+CUT_POLICIES = ("never", "auto", "always")
 
 
 @dataclass(frozen=True, eq=False)
@@ -333,6 +336,59 @@ def assign_carry_groups(microbatches: list, dp_size: int) -> list[list[int]]:
         ranks[r] += units[k]
         load[r] += sizes[k]
     return [sorted(x) for x in ranks]
+
+
+def assign_carry_ranks(microbatches: list, dp_size: int, *, work=None, cut: str = "auto") -> list[list[int]]:
+    """Microbatch indices per data-parallel rank (each in step order), balancing predicted work (``work(mb)``;
+    default: owned rows) with carry groups cut over ranks where that balances better; the state that then crosses
+    ranks is scheduled by `cp.planning.carry_ranks.rank_schedule`. ``cut``: "never" keeps every group on one rank
+    (`assign_carry_groups`); "auto" cuts a group whose work exceeds one rank's share (the step's work over
+    ``dp_size``) into its *chains*: a microbatch stays with the latest owner it reads unless other microbatches
+    read that owner too (a shared prefix: its readers may then run on every rank at once, while a chain runs
+    one link after the other wherever it is); "always" makes every microbatch a unit of its own. Units then go,
+    largest first, to the rank with the least work so far."""
+    if cut not in CUT_POLICIES:
+        raise ValueError(f"carry cut policy {cut!r}: choose from {', '.join(CUT_POLICIES)}")
+    if cut == "never" or dp_size == 1:
+        return assign_carry_groups(microbatches, dp_size)
+    w = np.array([float(work(mb)) if work is not None else float(mb.owned_rows) for mb in microbatches])
+    units: dict = {}
+    for i, mb in enumerate(microbatches):
+        g = mb.carry.group if getattr(mb, "carry", None) is not None else -1
+        units.setdefault(("g", g) if g >= 0 else ("m", i), []).append(i)
+    share = w.sum() / dp_size
+    pieces = []
+    for idx in units.values():
+        if cut == "always":
+            pieces += [[i] for i in idx]
+        elif w[idx].sum() <= share * (1 + 1e-9):
+            pieces.append(idx)
+        else:
+            pieces += _chains([microbatches[i] for i in idx], idx)
+    load = np.zeros(dp_size)
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    for p in sorted(pieces, key=lambda p: (-w[p].sum(), p[0])):
+        r = int(np.argmin(load))
+        ranks[r] += p
+        load[r] += w[p].sum()
+    return [sorted(x) for x in ranks]
+
+
+def _chains(group: list, idx: list) -> list[list[int]]:
+    """A carry group's microbatches (step indices ``idx``) as chains: each joins the latest owner it reads when it
+    is that owner's only reader."""
+    readers: dict = {}
+    for mb in group:
+        for o in mb.carry.reads_from:
+            readers[o] = readers.get(o, 0) + 1
+    head = {}
+    for i, mb in zip(idx, group):
+        owners = mb.carry.reads_from
+        head[i] = head[max(owners)] if owners and readers[max(owners)] == 1 else i
+    out: dict = {}
+    for i in idx:
+        out.setdefault(head[i], []).append(i)
+    return list(out.values())
 
 
 def carry_summary(microbatches: list, *, bytes_per_row: int = 0) -> dict:

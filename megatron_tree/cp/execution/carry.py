@@ -38,7 +38,8 @@ __all__ = ["CarryStore", "CarryView", "CarryCP", "inject_gradient", "tie_gradien
 #: TEST-ONLY fault switch (tests/test_carry.py, verify --inject-fault carry_*): "detach" (readers' gradients
 #: are dropped: no restoration), "twice" (the accumulated gradient is injected twice), "stale" (every
 #: read perturbs the stored state afterwards, as a later microbatch overwriting the store would: a
-#: recomputation then re-reads other values than its first pass). None in real use.
+#: recomputation then re-reads other values than its first pass), "return_dropped" (the gradient readers on
+#: other data-parallel ranks built is not returned to the owner's rank). None in real use.
 _FAULT: str | None = None
 
 
@@ -67,6 +68,13 @@ class CarryStore:
         self.history: list = []  # [(position, state bytes, accumulator bytes)] held when each item began
         self.kept: dict = {}  # keep phase: {owner: (output, loss function)} until its release hands them on
         self.keep = None  # the exporters that keep their graph (`carry_phases`' ``keep``)
+        # carry groups cut over data-parallel ranks (`cp.planning.carry_ranks`): {position: [Transfer]}, the group
+        self.syncs: dict = {}
+        self.dp_group = None
+        self.dp_rank = 0
+        self._synced: set = set()
+        self._remote_meta: dict = {}  # {owner: [(key, keys, [(shape, dtype)])]} of state that crossed ranks
+        self.rank_args = None  # `megatron.carry.carry_rank_items`' arguments (its group aside) where it made the items
 
     def put(self, key, owner: int, keys: np.ndarray, values: list) -> None:
         if (key, owner) in self._entries:
@@ -166,6 +174,53 @@ class CarryStore:
     def clear(self) -> None:
         self._entries.clear()
 
+    def exchange(self, position: int) -> None:
+        """Schedule item ``position`` begins on every rank of ``dp_group``: run the sync planned there, if any (once;
+        a collective over the data-parallel group, `cp.planning.carry_ranks`). ``state`` transfers broadcast an
+        owner's exported state from its rank (its readers' ranks keep a copy, read as if filled here; the shapes
+        come first, gathered as objects); ``grad`` transfers sum the accumulators of the readers' copies onto the
+        owner's rank, where its restore reads them. Call before `advance`: the lifetimes count on it."""
+        moves = self.syncs.get(position)
+        if not moves or position in self._synced:
+            return
+        self._synced.add(position)
+        dist = torch.distributed
+        group, me = self.dp_group, self.dp_rank
+        meta = {t.owner: [(key, e.keys, [(tuple(v.shape), v.dtype) for v in e.values])
+                          for (key, o), e in self._entries.items() if o == t.owner]
+                for t in moves if t.kind == "state" and t.src == me}
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, meta, group=group)
+        device = _device()
+        for t in moves:
+            src = dist.get_global_rank(group, t.src)
+            if t.kind == "state":
+                self._remote_meta[t.owner] = everyone[t.src][t.owner]
+                for key, keys, shapes in self._remote_meta[t.owner]:
+                    if me == t.src:
+                        vals = self._entries[(key, t.owner)].values
+                        for v in vals:
+                            dist.broadcast(v.contiguous(), src=src, group=group)
+                        continue
+                    vals = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+                    for v in vals:
+                        dist.broadcast(v, src=src, group=group)
+                    if me in t.ranks:
+                        self._entries[(key, t.owner)] = _Entry(np.asarray(keys), vals, [None] * len(vals),
+                                                               [(v.shape, v.dtype, v.device) for v in vals])
+                continue
+            for key, _, shapes in self._remote_meta[t.owner]:
+                e = self._entries.get((key, t.owner))
+                for k, (shape, dtype) in enumerate(shapes):
+                    acc = e.acc[k] if e is not None and e.acc[k] is not None else None
+                    if acc is None:
+                        acc = torch.zeros(shape, dtype=dtype, device=device)
+                    if _FAULT == "return_dropped" and me != t.src:
+                        acc = torch.zeros_like(acc)
+                    dist.reduce(acc, dst=src, group=group)
+                    if me == t.src:
+                        e.acc[k] = acc
+
     def nbytes(self) -> int:
         """Bytes of stored state held now (accumulators excluded)."""
         return sum(v.numel() * v.element_size() for e in self._entries.values() for v in e.values)
@@ -173,6 +228,10 @@ class CarryStore:
     def acc_nbytes(self) -> int:
         """Bytes of gradient accumulators held now."""
         return sum(a.numel() * a.element_size() for e in self._entries.values() for a in e.acc if a is not None)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class _Inject(torch.autograd.Function):

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["carry_phases", "choose_kept", "PHASES", "CarryGeometry", "carry_store_bytes", "carry_lifetimes", "carry_store_timeline",
+           "lifetime_timeline",
            "own_forest", "mb_own_forest", "forest_levels"]
 
 PHASES = ("fill", "run", "restore", "keep", "release")
@@ -45,18 +46,19 @@ PHASES = ("fill", "run", "restore", "keep", "release")
 WRITES, ENDS = ("fill", "keep"), ("restore", "release")
 
 
-def carry_phases(microbatches: list, keep=None) -> list[tuple[int, str]]:
+def carry_phases(microbatches: list, keep=None, remote: bool = False) -> list[tuple[int, str]]:
     """``[(position in microbatches, phase)]`` for one rank's microbatches (step order, as
     `tree.carry.assign_carry_groups` gives them). One carry group after the other (in the order they
     first appear): its microbatches in step order as fill (exports) or run (does not), then its restores
     in reverse step order; then the microbatches without carry (no info, or group -1), once each. A
     group's state is released before the next group fills (`carry_lifetimes`), so the store peaks at
     one group's, not at the step's. ``keep``: the exporters (`CarryInfo.index`) that run as keep / release
-    instead of fill / restore (module docstring); ``True`` for every one."""
+    instead of fill / restore (module docstring); ``True`` for every one. ``remote``: the owners a microbatch
+    reads may run on other data-parallel ranks (`cp.planning.carry_ranks`: their state crosses at syncs)."""
     infos = [getattr(mb, "carry", None) for mb in microbatches]
     seen = {info.index for info in infos if info is not None}
     for info in infos:
-        if info is not None and not set(info.reads_from) <= seen:
+        if info is not None and not remote and not set(info.reads_from) <= seen:
             missing = sorted(set(info.reads_from) - seen)
             raise ValueError(f"carry microbatch {info.index} reads rows of microbatches {missing}, which this rank "
                              "does not run: a carry group must stay on one data-parallel rank "
@@ -82,12 +84,12 @@ def carry_phases(microbatches: list, keep=None) -> list[tuple[int, str]]:
     return order + free
 
 
-def choose_kept(microbatches: list, kept_bytes, budget: float) -> set:
+def choose_kept(microbatches: list, kept_bytes, budget: float, remote: bool = False) -> set:
     """The exporters (`CarryInfo.index`) to run as keep / release: in step order, each whose kept graph (``kept_bytes(mb)``
     bytes, held from its keep to its release) fits beside the graphs already kept at every schedule item of its
     life within ``budget`` bytes. Deterministic in the microbatches, so every rank of a model-parallel group
-    chooses alike."""
-    phases = carry_phases(microbatches)
+    chooses alike. ``remote``: `carry_phases`' (owners on other data-parallel ranks)."""
+    phases = carry_phases(microbatches, remote=remote)
     start, end = {}, {}
     for k, (i, phase) in enumerate(phases):
         if phase == "fill":
@@ -219,7 +221,8 @@ def forest_levels(seg_parent: np.ndarray) -> np.ndarray:
         level = nxt
 
 
-def carry_lifetimes(microbatches: list, phases: list | None = None) -> dict[int, tuple[int, int, int, int, int]]:
+def carry_lifetimes(microbatches: list, phases: list | None = None, arrive: dict | None = None,
+                    leave: dict | None = None) -> dict[int, tuple[int, int, int, int, int]]:
     """``{owner: (fill, first_row_read, first_state_read, last_read, restore)}``: schedule positions
     (`carry_phases` order) of each exporting microbatch's fill; of the first item that reads its rows'
     state (K / V, pre-conv channels) with autograd, and of the first that reads its recurrent states so
@@ -228,7 +231,9 @@ def carry_lifetimes(microbatches: list, phases: list | None = None) -> dict[int,
     (its accumulators are needed until that item's backward is done). Owners: `CarryInfo.index`.
     ``phases``: `carry_phases` of ``microbatches`` where the caller has it already. A keep counts as the
     owner's fill and, for what it reads, as a reader with autograd; a release as its restore, reading
-    nothing (it runs no forward)."""
+    nothing (it runs no forward). ``arrive`` / ``leave``: ``{owner: position}`` of owners on other data-parallel
+    ranks (`cp.planning.carry_ranks`) whose state copy arrives at a sync (its "fill") and whose accumulators leave
+    at one (its "restore": the item before)."""
     phases = carry_phases(microbatches) if phases is None else phases
     fill, restore, first_rows, first_state, last = {}, {}, {}, {}, {}
     # where each item's backward runs: a keep's at its release (the accumulators it feeds appear then)
@@ -252,6 +257,10 @@ def carry_lifetimes(microbatches: list, phases: list | None = None) -> dict[int,
         if phase != "fill" and info.reads_from:
             for o in _state_readers(mb):
                 first_state[o] = min(first_state.get(o, backward), backward)
+    for o, k in (arrive or {}).items():
+        fill.setdefault(o, k)
+    for o, k in (leave or {}).items():
+        restore.setdefault(o, k - 1)
     return {o: (fill[o], first_rows.get(o, -1), first_state.get(o, -1), last.get(o, -1), restore[o]) for o in fill}
 
 
@@ -266,14 +275,20 @@ def carry_store_timeline(microbatches: list, geometry: CarryGeometry, pending: i
     (1F1B stage ``r`` of ``p``: ``p - r - 1``, `megatron.forward_step.pending_backwards`): every
     release comes that many items later. ``keep``: `carry_phases`' (kept graphs' lifetimes: a release reads
     nothing)."""
+    phases = carry_phases(microbatches, keep=keep)
+    return lifetime_timeline(microbatches, carry_lifetimes(microbatches, phases), geometry, len(phases), pending)
+
+
+def lifetime_timeline(microbatches: list, lives: dict, geometry: CarryGeometry, num_items: int,
+                      pending: int = 0) -> list[tuple[int, int]]:
+    """`carry_store_timeline` from lifetimes (``{owner: (fill, first_row_read, first_state_read, last, restore)}``
+    over ``num_items`` schedule items; ``microbatches`` include every owner named there)."""
     rows, states = {}, {}
     for mb in microbatches:
         if getattr(mb, "carry", None) is not None:
             rows[mb.carry.index], states[mb.carry.index] = _fill_bytes(mb.carry, geometry)
-    phases = carry_phases(microbatches, keep=keep)
-    lives = carry_lifetimes(microbatches, phases)
     out = []
-    for k in range(len(phases)):
+    for k in range(num_items):
         state = sum(rows[o] + states[o] for o, (f, _, _, last, _) in lives.items()
                     if f <= k <= max(last, f) + pending)
         acc = sum((rows[o] if 0 <= fr <= k <= r + pending else 0) + (states[o] if 0 <= fs <= k <= r + pending else 0)

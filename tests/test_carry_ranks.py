@@ -1,0 +1,132 @@
+"""Carry groups cut over data-parallel ranks (issue 38): the assignment, the lock-step schedule and its syncs.
+
+Host side, no model: `tree.carry.assign_carry_ranks` and `cp.planning.carry_ranks.rank_schedule` on GRPO-like and
+long-path steps at DP 2/3/4, checked against the rules the executor relies on, written out here independently of
+the simulator: every microbatch's items once on its rank, the same number of items on every rank, a remote owner's
+state sent at a sync after its fill (or keep) and before its readers' first forward, the readers' gradient returned
+at a sync after their last backward and before the owner's restore (or release), the store lifetimes covering
+every read. Exactness through Megatron-Core: tests/test_megatron_verify.py (DP2 / DP4 cases with carry_cut) and
+tests/test_trainer.py (``--tree-carry-cut always``); the plan's figures: ``plan --carry --dp``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_tree.cp.planning.carry_ranks import PAD, CarryWork, rank_lifetimes, rank_schedule, split_step_ms
+from megatron_tree.tree import pack
+from megatron_tree.tree.carry import assign_carry_groups, assign_carry_ranks
+
+
+def _grpo(seed=0, groups=2, prompt=40, completions=6, tail=20):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(groups):
+        p = rng.integers(1, 100, prompt).tolist()
+        out += [p + rng.integers(1, 100, int(rng.integers(tail // 2, tail))).tolist() for _ in range(completions)]
+    out.append(rng.integers(1, 100, 90).tolist())  # one long path: a chain of chunks
+    return out
+
+
+def _check_schedule(mbs, ranks, schedule):
+    n = len(ranks)
+    assert len({len(x) for x in schedule.items}) == 1  # the same number of items on every rank
+    for r, idx in enumerate(ranks):
+        got = sorted((i, p) for i, p in schedule.items[r] if p != PAD)
+        want = sorted([(i, "run") for i in idx if not len(mbs[i].carry.exported)]
+                      + [(i, p) for i in idx if len(mbs[i].carry.exported) for p in ("fill", "restore")])
+        assert got == want, r
+    pos = {(i, p): k for r in range(n) for k, (i, p) in enumerate(schedule.items[r]) if p != PAD}
+    rank_of = {i: r for r, idx in enumerate(ranks) for i in idx}
+    state_at = {t.owner: k for k, ts in schedule.syncs.items() for t in ts if t.kind == "state"}
+    grad_at = {t.owner: k for k, ts in schedule.syncs.items() for t in ts if t.kind == "grad"}
+    for i, mb in enumerate(mbs):
+        for phase in ("run", "fill", "restore"):
+            if (i, phase) not in pos:
+                continue
+            for o in mb.carry.reads_from:
+                if rank_of[o] == rank_of[i]:  # on one rank: the owner's fill comes first
+                    assert pos[(o, "fill")] < pos[(i, phase)]
+                    continue
+                # across ranks: filled, then sent at a sync at or before this item's start
+                assert pos[(o, "fill")] < state_at[o] <= pos[(i, phase)], (o, i, phase)
+                # and the gradient returns after this item's backward, before the owner's restore
+                assert pos[(i, phase)] < grad_at[o] <= pos[(o, "restore")], (o, i, phase)
+    for t in (t for ts in schedule.syncs.values() for t in ts):  # only what crosses ranks moves
+        assert t.src == rank_of[t.owner] and t.src not in t.ranks and t.ranks
+    for r in range(n):  # the store keeps what each item reads until that item's backward is done
+        lives = rank_lifetimes(mbs, schedule, r)
+        for k, (i, p) in enumerate(schedule.items[r]):
+            if p == PAD:
+                continue
+            for o in mbs[i].carry.reads_from:
+                fill, _, _, last, restore = lives[o]
+                assert fill <= k <= last and k <= restore, (r, k, o, lives[o])
+
+
+@pytest.mark.parametrize("cut", ["auto", "always"])
+@pytest.mark.parametrize("dp", [2, 3, 4])
+@pytest.mark.parametrize("budget", [16, 32])
+def test_schedule_sends_state_before_its_readers_and_gradient_before_the_restore(cut, dp, budget):
+    mbs = pack(_grpo(seed=dp + budget), budget, carry=True)
+    ranks = assign_carry_ranks(mbs, dp, cut=cut)
+    assert sorted(i for r in ranks for i in r) == list(range(len(mbs)))  # every microbatch once
+    schedule = rank_schedule(mbs, ranks)
+    _check_schedule(mbs, ranks, schedule)
+    if cut == "always":
+        assert schedule.syncs and schedule.cut_owners()
+
+
+def test_assignment_cuts_only_what_exceeds_a_share_and_balances_better():
+    mbs = pack(_grpo(groups=1, completions=12), 16, carry=True)  # one tree: a group far over half the rows
+    never, auto = assign_carry_ranks(mbs, 2, cut="never"), assign_carry_ranks(mbs, 2, cut="auto")
+    assert never == assign_carry_groups(mbs, 2)
+    load = lambda ranks: max(sum(mbs[i].owned_rows for i in r) for r in ranks)
+    assert load(auto) < load(never)
+    assert rank_schedule(mbs, auto).syncs  # the big group was cut
+    small = pack(_grpo(groups=8, completions=2, prompt=6, tail=6), 64, carry=True)  # many small groups: none cut
+    assert not rank_schedule(small, assign_carry_ranks(small, 2, cut="auto")).syncs
+    with pytest.raises(ValueError, match="carry cut policy"):
+        assign_carry_ranks(mbs, 2, cut="sometimes")
+
+
+def test_pipeline_hands_every_rank_the_same_schedule_and_each_sample_once():
+    from megatron_tree.data.pipeline import TreeDataPipeline
+    from megatron_tree.tree import Sample
+
+    samples = [Sample(tokens=np.asarray(t), loss_mask=np.r_[False, np.ones(len(t) - 1, bool)]) for t in _grpo()]
+    steps = [list(TreeDataPipeline(samples, max_tokens_per_mb=16, global_batch_samples=len(samples), dp_rank=r,
+                                   dp_size=2, carry=True, carry_cut="always", num_epochs=1)) for r in (0, 1)]
+    for s0, s1 in zip(*steps):
+        assert s0.carry_schedule is not None and s0.carry_schedule.items == s1.carry_schedule.items
+        assert sorted(s0.rank_sample_ids + s1.rank_sample_ids) == sorted(s0.sample_ids)
+        for s in (s0, s1):  # its items: its microbatches, then padding for the rest
+            n = s.carry_schedule.num_items
+            pads = sum(p == PAD for _, p in s.carry_schedule.items[s.dp_rank])
+            assert s.num_padding_microbatches == pads
+            assert len(s.microbatches) - pads + sum(len(mb.carry.exported) > 0 for mb in s.microbatches
+                                                    if mb.carry is not None) == n - pads
+
+
+def test_plan_predicts_carry_over_dp_against_split_packing(capsys):
+    """``plan --carry --dp N``: every row once at every DP size, the summary and rank lines as before, and the
+    predicted step of the cut schedule beside split packing's."""
+    from megatron_tree.training.plan import run_plan
+
+    for dp in ("1", "4"):
+        assert run_plan(["--preset", "long_8k_16x8k", "--scale", "0.125", "--max-tokens-per-mb", "2048", "--carry",
+                         "--dp", dp, "--carry-memory", "40"]) == 0
+        out = capsys.readouterr().out
+        computed = out.split("rows computed ")[1].split(" (unlimited budget: ")
+        assert computed[0] == computed[1].split(")")[0]  # rows computed = the unlimited budget's
+        assert all(f"rank {r}: " in out for r in range(int(dp)))
+        carry = float(out.split(f"DP {dp}: carry predicted step ")[1].split(" ms")[0].replace(",", ""))
+        split = float(out.split(f"DP {dp}: split packing predicted step ")[1].split(" ms")[0].replace(",", ""))
+        assert carry < split, out
+
+
+def test_work_model_prices_split_packing_as_ranks_that_never_wait():
+    mbs = pack(_grpo(), 96)
+    work = CarryWork(geometry=None, hidden=64, layers=2)
+    one, two = split_step_ms(mbs, 1, work), split_step_ms(mbs, 2, work)
+    assert sum(two["rank_ms"]) == pytest.approx(one["step_ms"]) and two["step_ms"] < one["step_ms"]

@@ -3,6 +3,8 @@
     python tools/bench_carry.py            # GRPO (4 x 8,192-token prompt + 16 x ~2K) and agent_multiturn
     python tools/bench_carry.py --time     # + step time of a tiny model on CPU: split vs carry (fill + restore)
                                            #   vs carry with kept graphs (one forward) vs unlimited
+    python tools/bench_carry.py --dp       # + carry over DP 1/2/4/8 (groups cut over ranks): predicted step time,
+                                           #   slowest rank vs mean, against split packing (`plan --carry --dp`)
 
 Workloads: the issue's GRPO batch (4 groups, an 8,192-token prompt and 16 completions of 2,048 +- 256
 tokens) and the ``agent_multiturn`` preset; budgets 8K / 16K / 32K. One run, side by side; the
@@ -35,8 +37,11 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time", action="store_true", help="also time one training step per packing (tiny model, CPU)")
+    ap.add_argument("--dp", action="store_true", help="also predict carry over DP 1/2/4/8 against split packing")
     args = ap.parse_args()
     rows_table()
+    if args.dp:
+        dp_table()
     if args.time:
         print(f"\n{'workload':<28} {'budget':>8} {'packing':>9} {'rows':>8} {'extra fw':>8} {'mbs':>4} {'step s':>7} "
               f"{'x unl.':>6} {'loss':>9} {'peak MiB':>9} {'predicted':>9}")
@@ -81,6 +86,52 @@ def rows_table() -> None:
           f"second time (0 where every exporter keeps its graph); kept GiB: the most the kept graphs hold at once when "
           f"every exporter keeps (`megatron.carry.kept_graph_bytes` of {KEPT_MODEL}): --tree-carry-memory at least this "
           f"keeps them all")
+
+
+def dp_table(memory_gib: float = 40.0) -> None:
+    """Carry over DP ranks (`cp.planning.carry_ranks.plan_carry_ranks`, what ``plan --carry --dp`` prints) for the
+    8B-class shape: per workload, budget and DP size the predicted step (ms, the `CarryWork` roofline at 400 TFLOP/s,
+    50 GB/s), the slowest rank's busy time over the mean, the syncs, the budget chosen, and split packing's step;
+    carry without kept graphs and with ``memory_gib`` of them per rank."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_tree.cp.planning.carry import CarryGeometry, choose_kept
+    from megatron_tree.cp.planning.carry_ranks import CarryWork, plan_carry_ranks, split_step_ms
+    from megatron_tree.megatron.carry import kept_graph_bytes
+
+    work = CarryWork(CarryGeometry("*" * 32, kv=(8, 128), act_bytes=2), hidden=4096, layers=32)
+    nbytes = kept_graph_bytes(SimpleNamespace(num_layers=32, hidden_size=4096, params_dtype=torch.bfloat16,
+                                              tensor_model_parallel_size=1, padded_vocab_size=128256))
+    keep = lambda rank: choose_kept(rank, nbytes, memory_gib * 2 ** 30, remote=True)
+    print(f"\ncarry over DP ranks, predicted ({KEPT_MODEL}; kept graphs within {memory_gib:g} GiB per rank or none)")
+    print(f"{'workload':<24} {'budget':>7} {'dp':>3} | {'split ms':>9} | {'carry ms':>9} {'max/mean':>8} {'syncs':>5} "
+          f"{'cut at':>7} | {'kept ms':>9} {'max/mean':>8} {'syncs':>5} {'cut at':>7} {'extra fw':>8} | {'split/kept':>10}")
+    for name, samples in (("grpo 4x(8192 + 16x~2K)", grpo()), ("agent_multiturn x8", make_preset("agent_multiturn", scale=8.0))):
+        samples = [s if hasattr(s, "tokens") else _sample(s) for s in samples]
+        for budget in (8192, 16384):
+            longest = max(len(s.tokens) for s in samples)
+            split_mbs = pack(samples, budget) if longest <= budget else None
+            for dp in (1, 2, 4, 8):
+                plans = [plan_carry_ranks(samples, budget, dp, work, choose_keep=k) for k in (None, keep)]
+                split = split_step_ms(split_mbs, dp, work)["step_ms"] if split_mbs else float("nan")
+                cells = []
+                for p in plans:
+                    busy = np.asarray(p.times["rank_ms"])
+                    cells.append(f"{p.times['step_ms']:>9,.1f} {busy.max() / busy.mean():>8.2f} {len(p.schedule.syncs):>5} "
+                                 f"{p.budget:>7}")
+                kept = plans[1]
+                extra = sum(kept.microbatches[i].owned_rows for r, x in enumerate(kept.schedule.items) for i, ph in x
+                            if ph == "fill" and kept.microbatches[i].carry.index not in kept.keep[r])
+                print(f"{name:<24} {budget:>7} {dp:>3} | {split:>9,.1f} | {cells[0]} | {cells[1]} {extra:>8,} | "
+                      f"{split / kept.times['step_ms']:>10.2f}")
+
+
+def _sample(tokens):
+    from megatron_tree.tree import Sample
+
+    return Sample(tokens=np.asarray(tokens), loss_mask=np.r_[False, np.ones(len(tokens) - 1, bool)])
 
 
 #: A store geometry for the figures: 32 GQA attention layers (8 KV heads of 128), bf16 (an 8B-class model)

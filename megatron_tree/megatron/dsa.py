@@ -331,6 +331,8 @@ class TreeDSAttention(MegatronModule):
                 keys = torch.as_tensor(view.keys, device=ids.device)
                 got_rows = keys[view.own.to(ids.device)]
                 got_ids = torch.where(own_ids >= 0, keys[own_ids.clamp_min(0)], own_ids)
+            elif layout.num_padding == layout.num_rows:  # a padding microbatch: no row of any sample (a carry step's
+                got_rows = torch.full_like(rows, -1)  # tables are by step-global row, which its rows are not)
             for store in _HOOKS:
                 store.append((token, capture_layer(self), got_rows.detach().cpu(), got_ids.detach().cpu()))
         out = o.reshape(n, 1, o.shape[1] * o.shape[2]).to(query.dtype)  # n may be 0: a CP rank owning nothing

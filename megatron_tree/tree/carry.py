@@ -120,8 +120,11 @@ def _global_forest(toks: list, order: np.ndarray, lcp: np.ndarray, lens: np.ndar
 def _units(tail_start: np.ndarray, lcp: np.ndarray, budget: int):
     """Ownership units of the global preorder: ``(start_row, stop_row, tree, is_chunk)``.
 
-    Trees of at most ``budget`` rows are one unit; a larger tree gives full chunks of ``budget``
-    rows (``is_chunk``) and a remainder (possibly none)."""
+    Trees of at most ``budget`` rows are one unit; a larger tree gives chunks (``is_chunk``) and a
+    remainder (possibly none). A chunk ends at the last sample tail that starts in the second half of
+    its ``budget`` rows (a branch point: the next chunk then reads the shared prefix only, not the cut
+    branch's first rows, so the chunks after a prompt read the prompt's owner and not each other), or
+    after exactly ``budget`` rows where none does (a long path)."""
     tree_first = np.flatnonzero(lcp == 0)
     starts = tail_start[tree_first]
     stops = np.append(starts[1:], tail_start[-1])
@@ -130,10 +133,15 @@ def _units(tail_start: np.ndarray, lcp: np.ndarray, budget: int):
         if b - a <= budget:
             units.append((a, b, t, False))
             continue
-        full = (b - a) // budget
-        units += [(a + k * budget, a + (k + 1) * budget, t, True) for k in range(full)]
-        if a + full * budget < b:
-            units.append((a + full * budget, b, t, False))
+        s = a
+        while b - s > budget:
+            end = s + budget
+            k = int(np.searchsorted(tail_start, end, side="right")) - 1  # the last tail starting at or before end
+            cut = int(tail_start[k]) if tail_start[k] > s + budget // 2 else end
+            units.append((s, cut, t, True))
+            s = cut
+        if s < b:
+            units.append((s, b, t, False))
     return units, starts
 
 

@@ -271,9 +271,10 @@ def _part_replay():
     return res
 
 
-def _part_carry(rank, oracle):
+def _part_carry(rank, oracle, cut="never"):
     """``build_microbatches(..., carry=True)`` at a budget below the longest rollout and the shared
-    trees, DP 2: every row once, chains on one rank, outputs and gradients equal unpacked stock."""
+    trees, DP 2: every row once, chains on one rank (``cut`` "never"; "always": every microbatch loose, the
+    carried state and its gradient crossing ranks), outputs and gradients equal unpacked stock."""
     import torch.distributed as dist
 
     from megatron_tree import rl
@@ -283,12 +284,12 @@ def _part_carry(rank, oracle):
     tree, cfg = _tree_model(1, oracle["state"])
     ddp = wrap_ddp(tree, cfg)
     batch = rl.RolloutBatch.from_lists(toks, loss_mask=masks, advantages=adv, old_logprobs=old, ref_logprobs=ref)
-    mbs = rl.build_microbatches(batch, 8, dp_rank=rank, dp_size=2, carry=True)
+    mbs = rl.build_microbatches(batch, 8, dp_rank=rank, dp_size=2, carry=True, carry_cut=cut)
     ddp.zero_grad_buffer()
     out = rl.forward_backward(ddp, mbs, loss="grpo", clip_eps=CLIP, kl_coef=KL, entropy_coef=ENT)
     tree_grads = _grads(ddp)
     items = sum(1 + (mb.carry is not None and len(mb.carry.exported) > 0) for mb in mbs.microbatches)
-    res = dict(ids=mbs.rollout_ids.tolist(), items=items, owned=[mb.owned_rows for mb in mbs.microbatches],
+    res = dict(ids=mbs.rollout_ids.tolist(), items=items, syncs=len(getattr(mbs.carry_schedule, "syncs", ())), owned=[mb.owned_rows for mb in mbs.microbatches],
                carried=sum(len(mb.carry.carried) for mb in mbs.microbatches if mb.carry is not None),
                grads={n: (tree_grads[n], g) for n, g in oracle["grpo"].items()})
     for name, k in (("logprobs", 1), ("entropy", 2), ("loss", 3)):
@@ -309,14 +310,15 @@ def _body():
     oracle = _oracle()
     res = {}
     parts = (("dp", lambda: _part_dp(rank, oracle)), ("cp", lambda: _part_cp(oracle)), ("pp", lambda: _part_pp(oracle)),
-             ("replay", _part_replay), ("carry", lambda: _part_carry(rank, oracle)))
+             ("replay", _part_replay), ("carry", lambda: _part_carry(rank, oracle)),
+             ("carry_cut", lambda: _part_carry(rank, oracle, "always")))
     for name, fn in parts:
         try:
             res[name] = fn()
         except Exception:  # noqa: BLE001 - reported by the tests of that part
             res[name] = {"error": traceback.format_exc()}
         ps.destroy_model_parallel()
-        if name != "carry":
+        if name != parts[-1][0]:
             ps.initialize_model_parallel(context_parallel_size=2 if name == "dp" else 1,
                                          pipeline_model_parallel_size=2 if name == "cp" else 1)
             model_parallel_cuda_manual_seed(1234)
@@ -403,10 +405,15 @@ def test_bad_rollouts_are_named():
         rl.RolloutBatch.from_lists([[1, 2], [3, 4]], loss_mask=[[False, True], [True, True]])
 
 
+@pytest.mark.parametrize("part", ["carry", "carry_cut"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_carry_outputs_and_gradients_equal_unpacked_stock(results, rank):
-    a, b = _part(results, 0, "carry"), _part(results, 1, "carry")
-    assert sorted(a["ids"] + b["ids"]) == list(range(7)) and a["items"] == b["items"]
+def test_carry_outputs_and_gradients_equal_unpacked_stock(results, rank, part):
+    a, b = _part(results, 0, part), _part(results, 1, part)
+    assert sorted(a["ids"] + b["ids"]) == list(range(7))
+    if part == "carry":
+        assert a["items"] == b["items"] and a["syncs"] == b["syncs"] == 0
+    else:  # the carried state crossed ranks
+        assert a["syncs"] == b["syncs"] > 0
     assert max(a["owned"] + b["owned"]) <= 8 and a["carried"] + b["carried"] > 40  # the 40-token rollout is cut
     r = (a, b)[rank]
     for name in ("logprobs", "entropy", "loss"):

@@ -42,6 +42,15 @@ def main() -> None:
     rows_table()
     if args.dp:
         dp_table()
+        if args.time:
+            print("\nDP 2 (gloo, CPU), grpo/8 (1024 + 16 x ~256) at 2,048: step time of the slower rank")
+            print(f"{'workload':<20} {'packing':<13} {'rows':>8} {'mbs':>4} {'syncs':>5} {'step s':>7} {'x unl.':>6} "
+                  f"{'loss':>9}")
+            for name, res in dp2_times().items():
+                unl = next(r["step_s"] for r in res if r["packing"] == "unlimited")
+                for r in res:
+                    print(f"{name:<20} {r['packing']:<13} {r['rows']:>8,} {r['microbatches']:>4} {r['syncs']:>5} "
+                          f"{r['step_s']:>7.2f} {r['step_s'] / unl:>6.2f} {r['loss']:>9.6f}")
     if args.time:
         print(f"\n{'workload':<28} {'budget':>8} {'packing':>9} {'rows':>8} {'extra fw':>8} {'mbs':>4} {'step s':>7} "
               f"{'x unl.':>6} {'loss':>9} {'peak MiB':>9} {'predicted':>9}")
@@ -226,6 +235,90 @@ def _step_time_body(cases, repeats):
             extra = sum(m.owned_rows for m in mbs if packing == "carry" and m.carry is not None and len(m.carry.exported))
             out.append(dict(workload=name, budget=budget, packing=packing, rows=rows, microbatches=len(mbs),
                             step_s=best, loss=loss, store=store, store_predicted=predicted, extra=extra))
+    return out
+
+
+def _dp_time_body(samples, budget, repeats):
+    """On each of two gloo ranks: the same tiny model, one step per packing over the two DP ranks; the step time is
+    the slower rank's (best of ``repeats``). split / unlimited: microbatches balanced by rows with equal counts;
+    carry: groups whole on a rank (--tree-carry-cut never), cut over both (auto, then every microbatch: always),
+    with kept graphs."""
+    import time as _time
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.cp.planning.carry_ranks import rank_schedule
+    from megatron_tree.data.sharding import balance
+    from megatron_tree.megatron.carry import carry_items, carry_rank_items
+    from megatron_tree.training.megatron_init import init_megatron
+    from megatron_tree.training.models import (ModelArgs, build_model, forward_backward, make_config, report_totals,
+                                               wrap_ddp)
+    from megatron_tree.tree import padding_microbatch
+    from megatron_tree.tree.carry import assign_carry_ranks
+    from megatron_tree.tree.packing import PrefixPlan
+
+    init_megatron(seed=0, kernels=True)
+    rank, group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+    margs = ModelArgs(kind="gpt", num_layers=2, vocab_size=1024, max_position=max(len(s) for s in samples) + 8)
+    config = make_config(margs, dtype=torch.float32)
+    torch.manual_seed(0)
+    ddp = wrap_ddp(build_model(config, margs), config)
+    pad = padding_microbatch(budget, num_rows=8)
+    out = []
+    for packing in ("split", "carry never", "carry auto", "carry always", "kept auto", "unlimited"):
+        if packing in ("split", "unlimited"):  # unlimited: every tree whole, one per microbatch at most
+            largest = -(-int(PrefixPlan([np.asarray(s.tokens) for s in samples]).tree_rows().max()) // 8) * 8
+            mbs = pack(samples, budget if packing == "split" else largest, pad_to_multiple_of=8)
+            mine = balance([m.num_rows for m in mbs], 2)
+            n = max(len(x) for x in mine)
+            make = lambda: [mbs[i] for i in mine[rank]] + [pad] * (n - len(mine[rank]))  # noqa: E731
+            rows = sum(m.num_rows for m in mbs)
+            syncs = 0
+        else:
+            cut = packing.split()[1]
+            mbs = pack(samples, budget, carry=True, pad_to_multiple_of=8)
+            ranks = assign_carry_ranks(mbs, 2, cut=cut)
+            schedule = rank_schedule(mbs, ranks)
+            keep = {i for i in ranks[rank] if len(mbs[i].carry.exported)} if packing.startswith("kept") else None
+            syncs = len(schedule.syncs)
+            if schedule.syncs:
+                make = lambda: carry_rank_items(mbs, schedule, rank, pad, group, keep=keep)  # noqa: E731
+            else:  # each group on one rank: the same item count on both (padding microbatches)
+                count = [sum(1 + (len(mbs[i].carry.exported) > 0) for i in r) for r in ranks]
+                make = lambda: carry_items([mbs[i] for i in ranks[rank]] + [pad] * (max(count) - count[rank]),  # noqa: E731
+                                           keep=keep)
+            rows = sum(m.owned_rows for m in mbs)
+        best, loss = float("inf"), None
+        for _ in range(repeats):
+            ddp.zero_grad_buffer()
+            items = make()
+            dist.barrier()
+            t0 = _time.perf_counter()
+            reports = forward_backward(ddp, items, loss_type="sft")
+            t = torch.tensor([_time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            best = min(best, float(t))
+            tot = report_totals(reports)
+            tot = torch.zeros(2, dtype=torch.float64) if tot is None else tot.detach().to(torch.float64).clone()
+            dist.all_reduce(tot)
+            loss = float(tot[0] / tot[1])
+        out.append(dict(packing=packing, rows=rows, microbatches=len(mbs), step_s=best, loss=loss, syncs=syncs))
+    return out
+
+
+def dp2_times(repeats: int = 2) -> dict:
+    """GRPO/8 (1024 + 16 x ~256) at a 2,048 budget over two gloo DP ranks on CPU: four groups (each fits one rank's
+    share) and one group (over a share: auto cuts it)."""
+    from megatron_tree.training.launch import run_distributed
+
+    out = {}
+    for groups in (4, 1):
+        small = grpo(prompt=1024, completions=16, groups=groups, vocab=1024)
+        small = [_sample(s[: 1024 + (len(s) - 1024) // 8]) for s in small]
+        out[f"grpo/8, {groups} group{'s' if groups > 1 else ''}"] = run_distributed(_dp_time_body, 2, small, 2048,
+                                                                                     repeats, timeout=3600)[0]
     return out
 
 

@@ -218,6 +218,12 @@ class RankMicrobatches:
     max_tokens_per_mb: int
     carry: bool = False  # ``build_microbatches(..., carry=True)``: `forward_backward` runs carry items
     dp_size: int = 1  # > 1: ``batch`` is the global batch, sharded over DP ranks by `build_microbatches`
+    # carry groups cut over the DP ranks (``carry_cut``): every rank's schedule (`cp.planning.carry_ranks`), the
+    # whole batch's microbatches it indexes, the padding microbatch of its padding items, this rank; else None
+    carry_schedule: object = None
+    carry_microbatches: tuple = ()
+    carry_pad: object = None
+    dp_rank: int = 0
 
     def __len__(self) -> int:
         return len(self.microbatches)
@@ -249,7 +255,8 @@ def _dp_group():
 
 def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: int = 0, dp_size: int = 1,
                        pad_to_multiple_of: int = 8, share_prefixes: bool = True, vocab_size: Optional[int] = None,
-                       equalize: bool = True, route_spec=None, carry: bool = False) -> RankMicrobatches:
+                       equalize: bool = True, route_spec=None, carry: bool = False,
+                       carry_cut: str = "auto") -> RankMicrobatches:
     """Pack ``batch`` into prefix-tree microbatches of at most ``max_tokens_per_mb`` rows and keep DP
     rank ``dp_rank``'s share.
 
@@ -269,8 +276,10 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
 
     ``carry``: every row of the batch computed once at this budget (``pack(..., carry=True)``, `tree.carry`):
     a rollout longer than the budget is cut into microbatches that read its earlier rows' layer state
-    instead of running alone; the microbatches linked by carry stay on one DP rank, and `forward_backward`
-    runs them as carry items (fill / run / restore, `megatron.carry`). Equalized by schedule items.
+    instead of running alone; the microbatches linked by carry stay on one DP rank unless ``carry_cut`` cuts a
+    group over several (`tree.carry.assign_carry_ranks`: "auto" cuts one over a rank's share of the rows, "never",
+    "always"; their carried state then crosses ranks at syncs, not under pipelining), and `forward_backward` runs
+    them as carry items (fill / run / restore, `megatron.carry`). Equalized by schedule items.
     """
     from ..data.sharding import balance, microbatch_cost
     from ..tree import pack, padding_microbatch
@@ -292,7 +301,7 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
                              "routes of every rollout (one without would be re-routed, not replayed)")
     kw = dict(pad_to_multiple_of=pad, vocab_size=vocab_size, route_aware=routed, route_spec=route_spec)
     if carry:
-        return _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw)
+        return _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw, carry_cut)
     normal, long = np.flatnonzero(lens <= budget), np.flatnonzero(lens > budget)
     mbs = []
     if len(normal):
@@ -322,13 +331,23 @@ def _most_over_dp(count: int, equalize: bool) -> int:
     return count
 
 
-def _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw) -> RankMicrobatches:
+def _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw, cut) -> RankMicrobatches:
+    from ..cp.planning.carry_ranks import PAD, rank_schedule
     from ..tree import pack, padding_microbatch
-    from ..tree.carry import assign_carry_groups
+    from ..tree.carry import assign_carry_ranks
 
     ids = np.arange(len(batch.samples))
     mbs = [_renumber(mb, ids) for mb in pack(batch.samples, budget, carry=True, **kw)] if len(ids) else []
-    mine = [mbs[j] for j in assign_carry_groups(mbs, dp_size)[dp_rank]] if mbs else []
+    ranks = assign_carry_ranks(mbs, dp_size, cut=cut) if mbs else [[] for _ in range(dp_size)]
+    mine = [mbs[j] for j in ranks[dp_rank]]
+    schedule = rank_schedule(mbs, ranks) if mbs and dp_size > 1 else None
+    if schedule is not None and schedule.syncs:  # the same items on every rank by construction (the same batch)
+        pad_mb = padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
+        mine += [pad_mb] * sum(p == PAD for _, p in schedule.items[dp_rank])
+        done = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
+        return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=done, max_tokens_per_mb=budget, carry=True,
+                                dp_size=dp_size, carry_schedule=schedule, carry_microbatches=tuple(mbs),
+                                carry_pad=pad_mb, dp_rank=dp_rank)
     # schedule items (`carry_items`: an exporting microbatch is a fill and a restore)
     count = _most_over_dp(max(sum(1 + (len(mb.carry.exported) > 0) for mb in mine), 1), equalize)
     have = sum(1 + (len(mb.carry.exported) > 0) for mb in mine)
@@ -498,9 +517,17 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
         for c in chunks:  # no route left over from an earlier forward whose backward never ran
             reset_routing_replay(c)
     if getattr(microbatches, "carry", False):  # fill / run, then the restores, one store (`megatron.carry`)
-        from ..megatron.carry import carry_items, kept_exporters
+        from ..megatron.carry import carry_items, carry_rank_items, kept_exporters
 
-        mbs = carry_items(list(mbs), keep=kept_exporters(list(mbs), inner.config, carry_memory_gib))
+        keep = kept_exporters(list(mbs), inner.config, carry_memory_gib)
+        if microbatches.carry_schedule is None:
+            mbs = carry_items(list(mbs), keep=keep)
+        elif int(inner.config.pipeline_model_parallel_size) > 1:
+            raise ValueError("carry groups cut over DP ranks do not run under pipelining (a sync needs every earlier "
+                             "item's backward done): build_microbatches(..., carry_cut='never')")
+        else:
+            mbs = carry_rank_items(list(microbatches.carry_microbatches), microbatches.carry_schedule,
+                                   microbatches.dp_rank, microbatches.carry_pad, _dp_group(), keep=keep)
     data = [iter(list(mbs)) for _ in chunks] if len(chunks) > 1 else iter(list(mbs))
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         reports = get_forward_backward_func()(
@@ -516,6 +543,11 @@ def forward_backward(model, microbatches: RankMicrobatches, *, loss="sft", loss_
         parts = [None] * ps.get_context_parallel_world_size()
         dist.all_gather_object(parts, part, group=ps.get_context_parallel_group())
         part = {k: np.concatenate([p[k] for p in parts]) for k in keys}
+    if getattr(microbatches, "carry_schedule", None) is not None:  # a rollout's rows may have been computed on
+        parts = [None] * microbatches.dp_size  # several DP ranks: each keeps its own rollouts' occurrences
+        dist.all_gather_object(parts, part, group=_dp_group())
+        mine = np.isin(np.concatenate([p["sample_index"] for p in parts]).astype(np.int64), microbatches.rollout_ids)
+        part = {k: np.concatenate([p[k] for p in parts])[mine] for k in keys}
     if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage has them
         box = [part]
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),

@@ -6,8 +6,10 @@ gives every row one *owner* microbatch:
 
 * a tree of at most ``budget`` rows is owned whole by one microbatch (first-fit-decreasing, as
   split packing does);
-* a larger tree (or one path longer than the budget) is cut, in preorder, into chunks of exactly
-  ``budget`` rows, each a microbatch of its own, and a remainder that joins the bins of whole trees.
+* a larger tree (or one path longer than the budget) is cut, in preorder, into chunks of at most
+  ``budget`` rows (ending at a branch point in the second half of the budget where there is one,
+  else after exactly ``budget`` rows), each a microbatch of its own, and a remainder that joins the
+  bins of whole trees.
 
 A chunk ``[a, b)`` of the preorder *reads* the ancestors of its first row ``a`` that earlier chunks
 own: in a preorder every row of ``[a, b)`` whose ancestor lies before ``a`` is a descendant of that

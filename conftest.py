@@ -30,6 +30,7 @@ import pytest
 #: Test modules that run no Megatron-Core code: the latest tier would repeat them unchanged.
 STACK_INDEPENDENT = {
     "test_backend_switch.py": "backend selection (ops)",
+    "test_carry_ranks.py": "carry over DP ranks: assignment, lock-step schedule, lifetimes (numpy) and plan's report",
     "test_cli_data.py": "stats / data CLI, no model",
     "test_cp_attention.py": "tree CP attention executor on plain torch",
     "test_cp_dsa.py": "tree CP DSA executor on plain torch",

@@ -640,8 +640,9 @@ def test_pretrain_tree_dsa_with_carry_equals_whole_trees(tmp_path):
     """DSA through Megatron-LM's pretrain() (the GPT example): the hooks' model provider prepares stock
     DSA's indexer for the host as `megatron-tree train` does (`megatron.dsa.prepare_stock_dsa`; on a CPU
     host stock's rotation asserted bfloat16 and the job failed at its first forward). DP2, 4 iterations:
-    --tree-carry at an 8-row budget (every tree cut, its K / V and index keys carried) reads the same
-    samples and gives the losses of whole trees at 64 rows (float32 rounding)."""
+    --tree-carry at an 8-row budget (every tree cut, its K / V and index keys carried; --tree-carry-cut always: every
+    microbatch loose over the two DP ranks, the carried state and its gradient crossing them at the hooks' syncs)
+    reads the same samples and gives the losses of whole trees at 64 rows (float32 rounding)."""
     data = _write_data(tmp_path / "train.jsonl")
     args = COMMON + DSA + ["--tree-data-path", str(data)]
     whole_samples: dict = {}
@@ -651,7 +652,8 @@ def test_pretrain_tree_dsa_with_carry_equals_whole_trees(tmp_path):
     carry_args[carry_args.index("--global-batch-size") + 1] = "16"  # more schedule items: fill + restore
     carry_args[carry_args.index("--tree-max-tokens-per-mb") + 1] = "8"
     carry_samples: dict = {}
-    rc, out, carry = _launch(tmp_path, "carry", GPT, carry_args + ["--tree-carry"], samples=carry_samples)
+    rc, out, carry = _launch(tmp_path, "carry", GPT, carry_args + ["--tree-carry", "--tree-carry-cut", "always"],
+                             samples=carry_samples)
     _check(rc, out, "DSA DP2 --tree-carry run")
     assert sorted(whole) == sorted(carry) == [1, 2, 3, 4] and carry_samples == whole_samples
     for it in whole:

@@ -30,6 +30,7 @@ Every function takes ``args`` (an argparse namespace); when it is not given, Meg
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 import functools
 from functools import partial
@@ -539,7 +540,24 @@ def _carry_forward_step(data_iterator, model, args, timers):
         psp = context_parallel_params(psp, model, strategy=args.tree_cp_planner)
         out = model(psp.input_ids.unsqueeze(0), psp.position_ids.unsqueeze(0), None, packed_seq_params=psp)
         return out, make_loss(psp.loss_map)
-    return carry_forward(item, model, make_loss, return_entropy=True, cp_strategy=args.tree_cp_planner)
+    out, item_loss = carry_forward(item, model, make_loss, return_entropy=True, cp_strategy=args.tree_cp_planner)
+    if item.phase in ("fill", "keep"):  # (a release hands on the keep's real loss function)
+        return out, partial(_fill_report, item_loss, make_loss, item.mb.loss_map)
+    return out, item_loss
+
+
+def _fill_report(fill_loss, make_loss, loss_map, output):
+    """A fill's (or keep's) ``(zero loss, 0 tokens, report)`` with every key a real item's report has, as zeros.
+    Megatron-LM's ``train_step`` all-reduces one value per key of a step's first microbatch's report over DP: the
+    ranks' first items must report the same keys, and carry over DP ranks may start one rank with a fill and another
+    with a run or a padding microbatch."""
+    loss, num, report = fill_loss(output)
+    none = torch.zeros(0, dtype=torch.int64)
+    empty = type(loss_map)(**{f.name: (None if getattr(loss_map, f.name) is None else getattr(loss_map, f.name)[none])
+                              for f in dataclasses.fields(loss_map)})
+    z = torch.zeros(0, dtype=output.dtype, device=output.device)
+    _, _, full = make_loss(empty)((z, z))
+    return loss, num, {**{k: torch.zeros_like(v) for k, v in full.items()}, **report}
 
 
 # -------------------------------------------------------------------------------------------- data

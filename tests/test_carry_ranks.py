@@ -130,3 +130,56 @@ def test_work_model_prices_split_packing_as_ranks_that_never_wait():
     work = CarryWork(geometry=None, hidden=64, layers=2)
     one, two = split_step_ms(mbs, 1, work), split_step_ms(mbs, 2, work)
     assert sum(two["rank_ms"]) == pytest.approx(one["step_ms"]) and two["step_ms"] < one["step_ms"]
+
+
+def _store_body(pattern, keep):
+    """DP 2, float64, every microbatch loose: the store each rank held item by item (state, accumulators; copies of
+    the other rank's owners included) against `rank_store_timeline`, and the step's loss against whole trees."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.cp.planning.carry_ranks import rank_store_timeline
+    from megatron_tree.megatron.carry import carry_geometry, carry_rank_items
+    from megatron_tree.training.megatron_init import init_megatron
+    from megatron_tree.training.models import ModelArgs, build_model, forward_backward, make_config, report_totals
+    from megatron_tree.training.models import wrap_ddp
+    from megatron_tree.tree import padding_microbatch
+
+    init_megatron(seed=7, kernels=True)
+    torch.set_default_dtype(torch.float64)
+    margs = ModelArgs(kind="hybrid", num_layers=len(pattern))
+    margs.pattern = pattern
+    config = make_config(margs, dtype=torch.float64)
+    ddp = wrap_ddp(build_model(config, margs), config)
+    samples = _grpo(seed=3, groups=1, prompt=14, completions=5, tail=10)
+    mbs = pack(samples, 12, carry=True, pad_to_multiple_of=4)
+    ranks = assign_carry_ranks(mbs, 2, cut="always")
+    schedule = rank_schedule(mbs, ranks)
+    rank = ps.get_data_parallel_rank()
+    kept = {i for i in ranks[rank] if len(mbs[i].carry.exported)} if keep else None
+    items = carry_rank_items(mbs, schedule, rank, padding_microbatch(12, num_rows=4), ps.get_data_parallel_group(),
+                             keep=kept)
+    tot = report_totals(forward_backward(ddp, items, loss_type="sft")).clone()
+    dist.all_reduce(tot)
+    geom = carry_geometry(ddp.module)
+    # held as each carry item began (after its sync, before its releases): what the item before held at its end
+    measured = [(b, a) for p, b, a in items[0].store.history if p > 0]
+    timeline = rank_store_timeline(mbs, schedule.with_keep(rank, kept), rank, geom)
+    predicted = [timeline[p - 1] for p, _, _ in items[0].store.history if p > 0]
+    whole = report_totals(forward_backward(ddp, pack(samples, 1 << 20, pad_to_multiple_of=4)[rank::2] or
+                                           [padding_microbatch(12, num_rows=4)], loss_type="sft")).clone()
+    dist.all_reduce(whole)
+    ps.destroy_model_parallel()
+    torch.set_default_dtype(torch.float32)
+    return measured, predicted, float(tot[0] / tot[1]), float(whole[0] / whole[1]), len(schedule.syncs)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_store_held_on_each_rank_is_the_planned_timeline(keep):
+    from dist import run_distributed
+
+    for measured, predicted, loss, whole, syncs in run_distributed(_store_body, 2, "MG*E", keep, timeout=600):
+        assert syncs > 0 and max(b for b, _ in measured) > 0
+        assert len(measured) == len(predicted) and measured == predicted, (measured, predicted)
+        assert loss == pytest.approx(whole, rel=1e-12)

@@ -35,7 +35,7 @@ from .model import unwrap_model as _unwrap
 from .moe_balance import refuse_aux_losses_under_carry
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
-__all__ = ["tree_forward_step", "carry_forward", "carry_cp", "pending_backwards", "planned", "dsa_work",
+__all__ = ["tree_forward_step", "carry_forward", "begin_carry_item", "carry_cp", "pending_backwards", "planned", "dsa_work",
            "context_parallel_params",
            "check_same_plan", "gdn_island_plan", "uses_gdn_islands", "island_plan_fn"]
 
@@ -179,9 +179,8 @@ def tree_forward_step(data_iterator, model, *, loss_type: str = "sft", clip_eps:
     (``sequence_ratios``, ``report_occurrences``: GSPO's two passes). ``occurrence_ids``: see `TreePackedSeqParams`
     (a distillation step's teacher top-k ids)."""
     item = next(data_iterator)
-    if isinstance(item, CarryItem):  # carry groups cut over data-parallel ranks: a sync may begin this item
-        item.store.exchange(item.position)
     if isinstance(item, CarryItem) and item.mb.carry is None:
+        begin_carry_item(item, model)
         item = item.mb  # a padding microbatch of a carry step runs as usual
     if isinstance(item, CarryItem):
         return _carry_forward_step(item, model, device=device, loss_type=loss_type, clip_eps=clip_eps,
@@ -234,6 +233,16 @@ def pending_backwards(model) -> int:
     return pp - dist.get_rank(group) - 1
 
 
+def begin_carry_item(item, model) -> int:
+    """A carry schedule item (a padding one too) begins: the sync of carry groups cut over data-parallel ranks
+    planned here runs (`CarryStore.exchange`), then the store releases what the items whose backward is done no
+    longer need (`CarryStore.advance`). Returns the backward passes 1F1B may still owe (`pending_backwards`)."""
+    pending = pending_backwards(model)
+    item.store.exchange(item.position)
+    item.store.advance(item.position - pending)
+    return pending
+
+
 def carry_cp(model, layout, strategy: str = "balanced"):
     """``(plan, group, pad_to_multiple_of, pipelined)`` of a carry microbatch under tree CP (`carry_view`'s
     ``cp``), or None without CP. The plan covers the whole layout, carried rows included (they hold
@@ -261,9 +270,7 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
     Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
     refuse_aux_losses_under_carry(config)
-    pending = pending_backwards(model)
-    item.store.exchange(item.position)  # carry groups cut over data-parallel ranks: a sync may begin here
-    item.store.advance(item.position - pending)  # the items whose backward is done
+    pending = begin_carry_item(item, model)
     if item.phase == "release":  # no forward: the keep's output and loss function, its graph kept alive
         return item.store.kept.pop(item.mb.carry.index)
     if item.phase == "keep" and (pending or config.pipeline_model_parallel_size > 1 or config.recompute_granularity):

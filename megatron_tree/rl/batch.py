@@ -396,7 +396,7 @@ def _loss_func(loss_map, output, *, loss, loss_fn, loss_kwargs, agg=None):
 def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss_kwargs, agg=None,
                   occurrence_ids=None):
     from ..megatron.carry import CarryItem
-    from ..megatron.forward_step import carry_forward, context_parallel_params
+    from ..megatron.forward_step import begin_carry_item, carry_forward, context_parallel_params
     from ..megatron.packed_seq import tree_packed_seq_params
 
     mb = next(data_iterator)
@@ -405,7 +405,7 @@ def _forward_step(data_iterator, model, *, cp_strategy: str, loss, loss_fn, loss
             return carry_forward(mb, model, lambda lm: partial(_loss_func, lm, loss=loss, loss_fn=loss_fn,
                                                                loss_kwargs=loss_kwargs, agg=agg), return_entropy=True,
                                  cp_strategy=cp_strategy, occurrence_ids=occurrence_ids)
-        mb.store.exchange(mb.position)  # a sync of carry groups cut over DP ranks may begin here
+        begin_carry_item(mb, model)  # a sync of carry groups cut over DP ranks may begin here
         mb = mb.mb  # a padding microbatch
     dev = next(model.parameters()).device
     psp = context_parallel_params(tree_packed_seq_params(mb, dev, return_entropy=True, occurrence_ids=occurrence_ids),

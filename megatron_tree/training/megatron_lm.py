@@ -522,7 +522,7 @@ def _carry_forward_step(data_iterator, model, args, timers):
     pipelining every stage reads the step and runs the same items on its own layers' store; under tree
     CP every CP rank plans each item with ``--tree-cp-planner`` (`forward_step.carry_cp`); interleaved
     stages are refused (`arguments.validate_tree_args`)."""
-    from ..megatron.forward_step import carry_forward, context_parallel_params
+    from ..megatron.forward_step import begin_carry_item, carry_forward, context_parallel_params
 
     item = _next_carry_item(data_iterator)
     if timers is not None:
@@ -533,7 +533,7 @@ def _carry_forward_step(data_iterator, model, args, timers):
         entropy_coef=float(getattr(args, "tree_entropy_coef", 0.0) or 0.0),
         check_for_nan=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
     if item.mb.carry is None:  # a padding microbatch of the step
-        item.store.exchange(item.position)  # (a sync of carry groups cut over DP ranks may begin here)
+        begin_carry_item(item, model)  # (a sync of carry groups cut over DP ranks may begin here)
         from ..megatron.packed_seq import tree_packed_seq_params
 
         psp = tree_packed_seq_params(item.mb, next(model.parameters()).device, return_entropy=True)

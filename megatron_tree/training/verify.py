@@ -498,13 +498,13 @@ def _plant_nan(ddp, store: list, mine: list) -> None:
 
 def _logits_step(store, cp_strategy, data_iterator, model):
     from ..megatron.carry import CarryItem
-    from ..megatron.forward_step import carry_forward, context_parallel_params
+    from ..megatron.forward_step import begin_carry_item, carry_forward, context_parallel_params
     from ..megatron.packed_seq import tree_packed_seq_params
 
     item = next(data_iterator)
     if isinstance(item, CarryItem):
         if item.mb.carry is None:
-            item.store.exchange(item.position)  # a sync of carry groups cut over DP ranks may begin here
+            begin_carry_item(item, model)  # a sync of carry groups cut over DP ranks may begin here
             item = item.mb  # a padding microbatch
         else:  # this microbatch's own rows (this CP rank's under CP): logits keyed by their step-global rows
             def carry_logits(view):

@@ -192,19 +192,26 @@ def rank_lifetimes(microbatches: list, schedule: RankSchedule, rank: int) -> dic
     """``{owner: (fill, first_row_read, first_state_read, last_read, restore)}`` positions for ``rank``'s carry
     store (`CarryStore.set_lifetimes`), from its items in ``schedule``. Beside `carry_lifetimes` of its own
     owners: an owner whose state another rank reads lives at least until the sync that sends it; a remote owner's
-    copy arrives at its sync (its "fill") and its accumulators live until the sync that returns them (its
-    "restore"); the store runs a sync before releasing (`CarryStore.exchange` then `advance`)."""
+    copy arrives at its sync (its "fill": counted from the item before, whose end the sync follows) and its
+    accumulators live until the sync that returns them (its "restore"); an owner's accumulators hold its remote
+    readers' sum from that sync on; the store runs a sync before releasing (`CarryStore.exchange`, then
+    `advance`)."""
     order = sorted({i for i, _ in schedule.items[rank]})  # -1 (padding) first
     at = {i: j for j, i in enumerate(order)}
     mbs = [microbatches[i] if i >= 0 else _Pad() for i in order]
-    arrive = {t.owner: pos for pos, ts in schedule.syncs.items() for t in ts if t.kind == "state" and rank in t.ranks}
+    arrive = {t.owner: pos - 1 for pos, ts in schedule.syncs.items() for t in ts if t.kind == "state" and rank in t.ranks}
     leave = {t.owner: pos for pos, ts in schedule.syncs.items() for t in ts if t.kind == "grad" and rank in t.ranks}
     out = carry_lifetimes(mbs, [(at[i], p) for i, p in schedule.items[rank]], arrive=arrive, leave=leave)
-    for pos, moves in schedule.syncs.items():  # an owner's state lives until the sync that sends it
+    for pos, moves in schedule.syncs.items():
         for t in moves:
-            if t.kind == "state" and t.src == rank:
-                f, fr, fs, last, restore = out[t.owner]
+            if t.src != rank:
+                continue
+            f, fr, fs, last, restore = out[t.owner]
+            if t.kind == "state":  # its state lives until the sync that sends it
                 out[t.owner] = (f, fr, fs, max(last, pos - 1), restore)
+            else:  # its accumulators (every state tensor's) hold the remote readers' sum from here on
+                first = lambda x: pos - 1 if x < 0 else min(x, pos - 1)  # noqa: E731
+                out[t.owner] = (f, first(fr), first(fs), last, restore)
     return out
 
 

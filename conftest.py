@@ -30,7 +30,6 @@ import pytest
 #: Test modules that run no Megatron-Core code: the latest tier would repeat them unchanged.
 STACK_INDEPENDENT = {
     "test_backend_switch.py": "backend selection (ops)",
-    "test_carry_ranks.py": "carry over DP ranks: assignment, lock-step schedule, lifetimes (numpy) and plan's report",
     "test_cli_data.py": "stats / data CLI, no model",
     "test_cp_attention.py": "tree CP attention executor on plain torch",
     "test_cp_dsa.py": "tree CP DSA executor on plain torch",
@@ -55,6 +54,8 @@ STACK_INDEPENDENT = {
 #: node-id patterns (fnmatch) of cases the latest tier leaves out, with the case that covers their
 #: Megatron-Core-dependent part there.
 MAIN_TIER_ONLY = {
+    "test_carry_ranks.py::test_store_held*": "the store under DP cuts item by item; the latest tier runs cuts through "
+                                             "pretrain() (test_launch_lm) and the rl API (test_rl)",
     "test_cp_gdn.py::test_halo_taps_follow_the_tree_path*": "plain-torch CP op; the module test runs in latest",
     "test_cp_gdn.py::test_plan_scan_delivers_every_entry_state*": "plain-torch CP op",
     "test_cp_gdn.py::test_forest_op*": "plain-torch forest op",

@@ -96,13 +96,14 @@ def test_pipeline_hands_every_rank_the_same_schedule_and_each_sample_once():
 
     samples = [Sample(tokens=np.asarray(t), loss_mask=np.r_[False, np.ones(len(t) - 1, bool)]) for t in _grpo()]
     steps = [list(TreeDataPipeline(samples, max_tokens_per_mb=16, global_batch_samples=len(samples), dp_rank=r,
-                                   dp_size=2, carry=True, carry_cut="always", num_epochs=1)) for r in (0, 1)]
+                                   dp_size=2, carry=True, carry_cut="always", carry_schedule_fn=rank_schedule,
+                                   num_epochs=1)) for r in (0, 1)]
     for s0, s1 in zip(*steps):
         assert s0.carry_schedule is not None and s0.carry_schedule.items == s1.carry_schedule.items
         assert sorted(s0.rank_sample_ids + s1.rank_sample_ids) == sorted(s0.sample_ids)
         for s in (s0, s1):  # its items: its microbatches, then padding for the rest
             n = s.carry_schedule.num_items
-            pads = sum(p == PAD for _, p in s.carry_schedule.items[s.dp_rank])
+            pads = s.carry_schedule.num_pads(s.dp_rank)
             assert s.num_padding_microbatches == pads
             assert len(s.microbatches) - pads + sum(len(mb.carry.exported) > 0 for mb in s.microbatches
                                                     if mb.carry is not None) == n - pads

@@ -155,17 +155,6 @@ class TreeStep:
     carry_microbatches: tuple = ()
     carry_pad: object = None
 
-    def carry_items(self, group, keep=None, store=None) -> list:
-        """This rank's carry schedule items (`megatron.carry`): its groups whole (`carry_items`) or, when groups
-        are cut over the DP ranks (``carry_schedule``), the items of every rank's common schedule, whose syncs run
-        over the data-parallel ``group`` (`carry_rank_items`)."""
-        from ..megatron.carry import carry_items, carry_rank_items
-
-        if self.carry_schedule is None:
-            return carry_items(self.microbatches, keep=keep, store=store)
-        return carry_rank_items(list(self.carry_microbatches), self.carry_schedule, self.dp_rank, self.carry_pad,
-                                group, keep=keep, store=store)
-
     @property
     def microbatches_per_rank(self) -> int:
         return len(self.microbatches)
@@ -266,7 +255,9 @@ class TreeDataPipeline:
     carry                 pack with ``carry=True`` (`tree.carry`: every row once per step at any budget, samples
                           longer than the budget allowed); a carry group stays on one DP rank, in step order,
                           unless ``carry_cut`` cuts it over ranks (`tree.carry.assign_carry_ranks`: "auto", the
-                          default, cuts a group over one rank's share of the rows; "never"; "always"), and
+                          default, cuts a group over one rank's share of the rows; "never"; "always") and
+                          ``carry_schedule_fn(microbatches, ranks)`` schedules the ranks' items and syncs
+                          (`cp.planning.carry_ranks.rank_schedule`; without it no group is cut), and
                           every rank gets the same number of schedule items (`megatron.carry.carry_items`:
                           an exporting microbatch counts twice), topped up with padding microbatches
 
@@ -284,7 +275,8 @@ class TreeDataPipeline:
                  share_prefixes: bool = True, lookahead: int = 0,
                  plan_fn: Callable[[TreeMicrobatch], Any] | None = None, sources: Sequence[str] | None = None,
                  read_report: ReadReport | None = None, route_aware: bool = False, route_spec=None,
-                 mtp_tail: int = 0, carry: bool = False, carry_cut: str = "auto", loss_agg: str = "token-mean",
+                 mtp_tail: int = 0, carry: bool = False, carry_cut: str = "auto", carry_schedule_fn=None,
+                 loss_agg: str = "token-mean",
                  loss_agg_norm: float | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
@@ -322,7 +314,7 @@ class TreeDataPipeline:
         self.route_aware, self.route_spec = bool(route_aware), route_spec
         self.mtp_tail = int(mtp_tail)
         self.carry = bool(carry)
-        self.carry_cut = carry_cut
+        self.carry_cut, self.carry_schedule_fn = carry_cut, carry_schedule_fn
         loss_agg_factors([1], loss_agg, loss_agg_norm)  # a bad mode or norm is an error now
         self.loss_agg, self.loss_agg_norm = loss_agg, loss_agg_norm
         if self.carry and (mtp_tail or not share_prefixes):
@@ -543,18 +535,18 @@ class TreeDataPipeline:
         rows is cut over ranks, its carried state crossing them at the syncs of `rank_schedule`); every rank then
         runs the same number of schedule items (an exporting microbatch is a fill and a restore), padding
         microbatches making up the difference."""
-        from ..cp.planning.carry_ranks import PAD, rank_schedule
         from ..tree.carry import assign_carry_ranks
 
-        assign = assign_carry_ranks(mbs, self.dp_size, cut=self.carry_cut)
-        schedule = rank_schedule(mbs, assign) if self.dp_size > 1 else None
+        cut = self.carry_cut if self.carry_schedule_fn is not None else "never"
+        assign = assign_carry_ranks(mbs, self.dp_size, cut=cut)
+        schedule = self.carry_schedule_fn(mbs, assign) if self.dp_size > 1 and cut != "never" else None
         if schedule is not None and not schedule.syncs:
             schedule = None  # no group is cut: each rank runs its groups whole (`megatron.carry.carry_items`)
         items = [sum(1 + (len(mbs[i].carry.exported) > 0) for i in a) for a in assign]
         if schedule is not None:  # (its padding items are padding microbatches here)
             if self.microbatches_per_rank is not None and schedule.num_items < self.microbatches_per_rank:
                 schedule = schedule.padded(self.microbatches_per_rank)  # padding items at the end
-            items = [sum(p != PAD for _, p in schedule.items[r]) for r in range(self.dp_size)]
+            items = [schedule.num_items - schedule.num_pads(r) for r in range(self.dp_size)]
             if self.microbatches_per_rank is not None and schedule.num_items > self.microbatches_per_rank:
                 raise ValueError(f"epoch {state['epoch']} step {state['epoch_step']}: carry cut over DP ranks runs "
                                  f"{schedule.num_items} schedule items per rank but microbatches_per_rank="

@@ -30,7 +30,7 @@ from ..cp.execution.carry import CarryStore, CarryView
 from ..cp.planning.carry import carry_lifetimes, carry_phases
 from .packed_seq import _padding, local_loss_map
 
-__all__ = ["CarryItem", "carry_items", "carry_rank_items", "carry_view", "fill_output", "carry_geometry", "kept_exporters",
+__all__ = ["CarryItem", "carry_items", "carry_rank_items", "step_carry_items", "carry_view", "fill_output", "carry_geometry", "kept_exporters",
            "kept_graph_bytes", "default_carry_memory_gib"]
 
 
@@ -80,6 +80,16 @@ def carry_rank_items(microbatches: list, schedule, rank: int, pad_mb, group, sto
     store.set_lifetimes(rank_lifetimes(microbatches, schedule, rank))
     return [CarryItem(microbatches[i] if i >= 0 else pad_mb, p if i >= 0 else "run", store, k)
             for k, (i, p) in enumerate(schedule.items[rank])]
+
+
+def step_carry_items(step, group, keep=None, store: CarryStore | None = None) -> list[CarryItem]:
+    """A `data.pipeline.TreeStep`'s carry schedule items on its rank: its groups whole (`carry_items` of
+    ``step.microbatches``) or, when the pipeline cut groups over the DP ranks (``step.carry_schedule``), the rank's
+    items of the common schedule, whose syncs run over the data-parallel ``group`` (`carry_rank_items`)."""
+    if step.carry_schedule is None:
+        return carry_items(step.microbatches, keep=keep, store=store)
+    return carry_rank_items(list(step.carry_microbatches), step.carry_schedule, step.dp_rank, step.carry_pad, group,
+                            keep=keep, store=store)
 
 
 def carry_view(psp, mb, phase: str, store: CarryStore, cp=None):

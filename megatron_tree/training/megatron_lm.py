@@ -592,12 +592,12 @@ class MicrobatchStream:
             if self.carry:  # fill / run, then restores, sharing the step's store (`megatron.carry`)
                 from megatron.core import parallel_state as ps
 
-                from ..megatron.carry import kept_exporters
+                from ..megatron.carry import kept_exporters, step_carry_items
 
                 mbs = self.step.microbatches
                 keep = None if self.args is None else kept_exporters(mbs, self.args,
                                                                      getattr(self.args, "tree_carry_memory", None))
-                self._pending.extend(self.step.carry_items(ps.get_data_parallel_group(), keep=keep))
+                self._pending.extend(step_carry_items(self.step, ps.get_data_parallel_group(), keep=keep))
             else:
                 self._pending.extend(self.step.microbatches)
         return self._pending.popleft()
@@ -654,6 +654,7 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
 
     Token ids are checked against `user_vocab_size` while reading (an offending sample is named by
     ``file:line``; ``--tree-bad-sample skip`` drops it and ``pipe.read_report`` records it)."""
+    from ..cp.planning.carry_ranks import rank_schedule
     from ..data.pipeline import TreeDataPipeline  # lazily: the data layer is optional for model-only use
     from ..megatron.mtp import mtp_tail_rows  # the args carry the config's MTP / DSA fields under the same names
 
@@ -672,6 +673,7 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
         mtp_tail=mtp_tail_rows(args), carry=bool(getattr(args, "tree_carry", False)),
         carry_cut=(getattr(args, "tree_carry_cut", "auto") if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
                    else "never"),  # a sync needs every earlier item's backward done: not under 1F1B
+        carry_schedule_fn=rank_schedule,
         loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None),
         **_route_kwargs(args))
     _skip_steps(pipe, start_step)

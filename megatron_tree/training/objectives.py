@@ -158,14 +158,14 @@ def stats_reports(ddp, step, items, args, loss_kwargs) -> list:
     reported (``report_occurrences``). One forward of the step, no backward."""
     from megatron.core import parallel_state as ps
 
-    from ..megatron.carry import kept_exporters
+    from ..megatron.carry import kept_exporters, step_carry_items
     from ..megatron.model import unwrap_model
     from .models import forward_backward
 
     stats_items = items
     if getattr(args, "tree_carry", False):  # a fresh store; kept exporters forward once here too
         keep = kept_exporters(step.microbatches, unwrap_model(ddp).config, getattr(args, "tree_carry_memory", None))
-        stats_items = step.carry_items(ps.get_data_parallel_group(), keep=keep)
+        stats_items = step_carry_items(step, ps.get_data_parallel_group(), keep=keep)
     kw = dict(loss_kwargs, loss_type="sft", entropy_coef=0.0, report_occurrences=True)
     with torch.no_grad():
         return forward_backward(ddp, stats_items, forward_only=True, **kw)

@@ -1172,7 +1172,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from ..megatron.carry import kept_exporters
+    from ..megatron.carry import kept_exporters, step_carry_items
     from .models import build_hf_model, build_model, forward_backward, make_config, wrap_ddp
 
     rank = dist.get_rank()
@@ -1223,6 +1223,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters, wd_incr_style="constant")
 
+    from ..cp.planning.carry_ranks import rank_schedule
+
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     kw = dict(max_tokens_per_mb=args.tree_max_tokens_per_mb, global_batch_samples=args.tree_global_batch_samples,
               dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, num_epochs=None,
@@ -1230,6 +1232,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
               lookahead=args.tree_lookahead, carry=bool(getattr(args, "tree_carry", False)),
               # carry groups cut over DP ranks: not under 1F1B (a sync needs every earlier item's backward done)
               carry_cut=getattr(args, "tree_carry_cut", "auto") if args.pipeline_model_parallel_size == 1 else "never",
+              carry_schedule_fn=rank_schedule,
               loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None))
     from ..megatron.mtp import mtp_tail_rows
 
@@ -1304,7 +1307,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                 items = list(zip(step.microbatches, step.plans)) if step.plans else step.microbatches
                 if getattr(args, "tree_carry", False):  # fill / run, then the restores, one store per step
                     kept = kept_exporters(step.microbatches, model.config, getattr(args, "tree_carry_memory", None))
-                    items = step.carry_items(dp_group, keep=kept)
+                    items = step_carry_items(step, dp_group, keep=kept)
                 extra = {}
                 if args.tree_loss in ("gspo", "rm") + PAIR_LOSSES:  # per-sample statistics first, a forward-only pass
                     if args.tree_loss == "gspo":
@@ -1312,7 +1315,7 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
                     else:
                         extra["pair_factors"] = pair_stats_pass(ddp, step, items, args, loss_kwargs, samples)
                     if getattr(args, "tree_carry", False):  # the stats pass ran the step's carry items
-                        items = step.carry_items(dp_group, keep=kept)
+                        items = step_carry_items(step, dp_group, keep=kept)
                     if replay is not None:
                         reset_routing_replay(ddp)
                 if cp_group is not None:

@@ -78,6 +78,10 @@ class RankSchedule:
         items[rank] = [(i, rename.get(p, p) if i in keep else p) for i, p in items[rank]]
         return RankSchedule(items=items, syncs=self.syncs, rank_of=self.rank_of, segments=self.segments)
 
+    def num_pads(self, rank: int) -> int:
+        """``rank``'s padding items."""
+        return sum(p == PAD for _, p in self.items[rank])
+
     def padded(self, num_items: int) -> "RankSchedule":
         """This schedule with padding items at the end of every rank's up to ``num_items``."""
         extra = [(-1, PAD)] * (num_items - self.num_items)

@@ -144,6 +144,11 @@ def test_without_carry_a_long_sample_is_refused_and_carry_refuses_what_it_cannot
     args.experimental_attention_variant, args.num_layers_per_virtual_pipeline_stage = "dsa", 1
     with pytest.raises(ValueError, match="(?s)not interleaved virtual stages.*tail rows its indexer loss reads"):
         validate_tree_args(args)
+    # expert parallelism: DP ranks run different items at one position, the EP all-to-alls would not pair
+    args.experimental_attention_variant, args.num_layers_per_virtual_pipeline_stage, args.mtp_num_layers = None, None, 0
+    args.expert_model_parallel_size = 2
+    with pytest.raises(ValueError, match="expert parallelism .* is refused"):
+        validate_tree_args(args)
 
 
 def _train_body(cases):

@@ -289,7 +289,8 @@ def _part_carry(rank, oracle, cut="never"):
     out = rl.forward_backward(ddp, mbs, loss="grpo", clip_eps=CLIP, kl_coef=KL, entropy_coef=ENT)
     tree_grads = _grads(ddp)
     items = sum(1 + (mb.carry is not None and len(mb.carry.exported) > 0) for mb in mbs.microbatches)
-    res = dict(ids=mbs.rollout_ids.tolist(), items=items, syncs=len(getattr(mbs.carry_schedule, "syncs", ())), owned=[mb.owned_rows for mb in mbs.microbatches],
+    res = dict(ids=mbs.rollout_ids.tolist(), items=items, syncs=len(getattr(mbs.carry_schedule, "syncs", ())),
+               owned=[mb.owned_rows for mb in mbs.microbatches],
                carried=sum(len(mb.carry.carried) for mb in mbs.microbatches if mb.carry is not None),
                grads={n: (tree_grads[n], g) for n, g in oracle["grpo"].items()})
     for name, k in (("logprobs", 1), ("entropy", 2), ("loss", 3)):

@@ -30,8 +30,17 @@ from ..cp.execution.carry import CarryStore, CarryView
 from ..cp.planning.carry import carry_lifetimes, carry_phases
 from .packed_seq import _padding, local_loss_map
 
-__all__ = ["CarryItem", "carry_items", "carry_rank_items", "step_carry_items", "carry_view", "fill_output", "carry_geometry", "kept_exporters",
+__all__ = ["CARRY_EP_REFUSAL", "CarryItem", "carry_items", "carry_rank_items", "step_carry_items", "carry_view", "fill_output",
+           "carry_geometry", "kept_exporters",
            "kept_graph_bytes", "default_carry_memory_gib"]
+
+
+#: Why carry refuses expert parallelism (`train`, the hooks, `verify`, `rl` and `forward_step.carry_forward` say it)
+CARRY_EP_REFUSAL = ("--tree-carry with expert parallelism (--expert-model-parallel-size > 1) is refused: data-parallel "
+                    "ranks run different carry items at one schedule position (a fill, which runs the MoE layers "
+                    "forward only, beside a reader or a padding microbatch, which also run their backward), so the "
+                    "expert-parallel ranks' token all-to-alls would not pair (the step hangs); use "
+                    "--expert-model-parallel-size 1 with --tree-carry")
 
 
 @dataclass(frozen=True, eq=False)

@@ -29,14 +29,14 @@ from ..cp import PlanCache
 from ..cp.planning.gdn_layout import plan_gdn_layout
 from ..cp.planning.lru import lru_get
 from ..cp.planning.planner import layout_key
-from .carry import CarryItem, carry_view, fill_loss, fill_output
+from .carry import CARRY_EP_REFUSAL, CarryItem, carry_view, fill_loss, fill_output
 from .loss import tree_loss_func
 from .model import unwrap_model as _unwrap
 from .moe_balance import refuse_aux_losses_under_carry
 from .packed_seq import context_parallel_view, tree_packed_seq_params
 
-__all__ = ["tree_forward_step", "carry_forward", "begin_carry_item", "carry_cp", "pending_backwards", "planned", "dsa_work",
-           "context_parallel_params",
+__all__ = ["tree_forward_step", "carry_forward", "begin_carry_item", "carry_cp", "pending_backwards", "planned",
+           "dsa_work", "context_parallel_params",
            "check_same_plan", "gdn_island_plan", "uses_gdn_islands", "island_plan_fn"]
 
 # Plans made here (microbatches that arrive without one), shared by the pipeline stages of a process.
@@ -270,6 +270,8 @@ def carry_forward(item, model, make_loss, *, device=None, return_entropy: bool =
     Returns ``(output, loss_func)`` for the schedule."""
     config = _unwrap(model).config
     refuse_aux_losses_under_carry(config)
+    if int(getattr(config, "expert_model_parallel_size", 1) or 1) > 1:
+        raise ValueError(CARRY_EP_REFUSAL)
     pending = begin_carry_item(item, model)
     if item.phase == "release":  # no forward: the keep's output and loss function, its graph kept alive
         return item.store.kept.pop(item.mb.carry.index)

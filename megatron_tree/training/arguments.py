@@ -326,6 +326,10 @@ def validate_tree_args(args) -> argparse.Namespace:
                           "tail rows its indexer loss reads are not carried)")
         if _get(args, "tree_flat_packing"):
             errors.append("--tree-carry carries the state of shared rows: drop --tree-flat-packing")
+        if (_get(args, "expert_model_parallel_size") or 1) > 1:
+            from ..megatron.carry import CARRY_EP_REFUSAL
+
+            errors.append(CARRY_EP_REFUSAL)
         kinds, coeffs = _get(args, "moe_router_load_balancing_type"), _get(args, "moe_aux_loss_coeff")
         kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
         coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)

@@ -671,8 +671,9 @@ def build_pipeline(paths, args, *, dp_rank: int, dp_size: int, shuffle: bool = T
         pad_to_multiple_of=args.tree_pad_to_multiple_of, microbatches_per_rank=per_rank,
         lookahead=args.tree_lookahead, share_prefixes=not getattr(args, "tree_flat_packing", False),
         mtp_tail=mtp_tail_rows(args), carry=bool(getattr(args, "tree_carry", False)),
-        carry_cut=(getattr(args, "tree_carry_cut", "auto") if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
-                   else "never"),  # a sync needs every earlier item's backward done: not under 1F1B
+        # a sync needs every earlier item's backward done: not under 1F1B
+        carry_cut=("never" if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+                   else getattr(args, "tree_carry_cut", "auto")),
         carry_schedule_fn=rank_schedule,
         loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None),
         **_route_kwargs(args))

@@ -290,8 +290,8 @@ def carry_plan_report(samples, what: str, budget: int, args) -> str:
                         f"{', '.join(f'{k}={v}' for k, v in sorted(profile.about.items()))})")
     kept_bytes = _kept_bytes(args, profile)
     dp = max(1, args.dp)
-    work = CarryWork(geom, hidden=args.hidden_size, layers=sum(ch in "*DGM" for ch in args.pattern) or len(args.pattern),
-                     tflops=args.tflops, link_gbs=args.link_gbs)
+    work = CarryWork(geom, hidden=args.hidden_size, tflops=args.tflops, link_gbs=args.link_gbs,
+                     layers=sum(ch in "*DGM" for ch in args.pattern) or len(args.pattern))
     keep_fn = ((lambda rank: choose_kept(rank, kept_bytes, args.carry_memory * 2 ** 30, remote=True))
                if args.carry_memory > 0 else None)
     chosen = plan_carry_ranks(samples, budget, dp, work, cut=args.carry_cut if args.pp == 1 else "never",

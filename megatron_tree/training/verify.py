@@ -1341,6 +1341,10 @@ def run_verify_many(cfgs: list, *, timeout: float = 900.0) -> list:
                              "recomputation (--pp 1, --recompute none)")
         if cfg.fault in CARRY_FAULTS and not cfg.carry:
             raise ValueError(f"fault {cfg.fault} plants a bug in carry: it needs carry=True (--carry)")
+        if cfg.carry and cfg.ep > 1:
+            from ..megatron.carry import CARRY_EP_REFUSAL
+
+            raise ValueError(f"verify --carry --ep {cfg.ep}: {CARRY_EP_REFUSAL}")
         if cfg.carry:
             bad = [what for what, on in (("--inject-fault nan", cfg.fault == "nan"),) if on]
             if bad:

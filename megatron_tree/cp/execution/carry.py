@@ -68,7 +68,8 @@ class CarryStore:
         self.history: list = []  # [(position, state bytes, accumulator bytes)] held when each item began
         self.kept: dict = {}  # keep phase: {owner: (output, loss function)} until its release hands them on
         self.keep = None  # the exporters that keep their graph (`carry_phases`' ``keep``)
-        # carry groups cut over data-parallel ranks (`cp.planning.carry_ranks`): {position: [Transfer]}, the group
+        # carry groups cut over data-parallel ranks (`cp.planning.carry_ranks`): the syncs {position: [Transfer]},
+        # the data-parallel group they run over and this rank in it
         self.syncs: dict = {}
         self.dp_group = None
         self.dp_rank = 0

@@ -30,8 +30,8 @@ import numpy as np
 
 from .carry import WRITES, carry_lifetimes, carry_phases
 
-__all__ = ["Transfer", "RankSchedule", "rank_schedule", "rank_lifetimes", "rank_store_timeline", "schedule_ms", "CarryWork",
-           "split_step_ms", "plan_carry_ranks", "CarryRankPlan", "PAD"]
+__all__ = ["Transfer", "RankSchedule", "rank_schedule", "rank_lifetimes", "rank_store_timeline", "schedule_ms",
+           "CarryWork", "split_step_ms", "plan_carry_ranks", "CarryRankPlan", "PAD"]
 
 #: the phase of a padding item (a zero-loss microbatch every rank runs so that the syncs line up)
 PAD = "pad"
@@ -203,7 +203,8 @@ def rank_lifetimes(microbatches: list, schedule: RankSchedule, rank: int) -> dic
     order = sorted({i for i, _ in schedule.items[rank]})  # -1 (padding) first
     at = {i: j for j, i in enumerate(order)}
     mbs = [microbatches[i] if i >= 0 else _Pad() for i in order]
-    arrive = {t.owner: pos - 1 for pos, ts in schedule.syncs.items() for t in ts if t.kind == "state" and rank in t.ranks}
+    arrive = {t.owner: pos - 1 for pos, ts in schedule.syncs.items() for t in ts
+              if t.kind == "state" and rank in t.ranks}
     leave = {t.owner: pos for pos, ts in schedule.syncs.items() for t in ts if t.kind == "grad" and rank in t.ranks}
     out = carry_lifetimes(mbs, [(at[i], p) for i, p in schedule.items[rank]], arrive=arrive, leave=leave)
     for pos, moves in schedule.syncs.items():

@@ -94,8 +94,9 @@ def carry_rank_items(microbatches: list, schedule, rank: int, pad_mb, group, sto
 def step_carry_items(step, group, keep=None, store: CarryStore | None = None) -> list[CarryItem]:
     """A `data.pipeline.TreeStep`'s carry schedule items on its rank: its groups whole (`carry_items` of
     ``step.microbatches``) or, when the pipeline cut groups over the DP ranks (``step.carry_schedule``), the rank's
-    items of the common schedule, whose syncs run over the data-parallel ``group`` (`carry_rank_items`)."""
-    if step.carry_schedule is None:
+    items of the common schedule, whose syncs run over the data-parallel ``group`` (`carry_rank_items`). Any
+    object with ``microbatches`` (and, for cuts, the `TreeStep` carry fields) will do."""
+    if getattr(step, "carry_schedule", None) is None:
         return carry_items(step.microbatches, keep=keep, store=store)
     return carry_rank_items(list(step.carry_microbatches), step.carry_schedule, step.dp_rank, step.carry_pad, group,
                             keep=keep, store=store)

@@ -334,10 +334,7 @@ def assign_carry_groups(microbatches: list, dp_size: int) -> list[list[int]]:
     """Microbatch indices per data-parallel rank: a carry group never crosses ranks and keeps its
     order; groups and free microbatches go to the rank with the fewest owned rows so far (largest
     first). Every rank's list is in step order."""
-    units: dict = {}
-    for i, mb in enumerate(microbatches):
-        g = mb.carry.group if getattr(mb, "carry", None) is not None else -1
-        units.setdefault(("g", g) if g >= 0 else ("m", i), []).append(i)
+    units = _carry_units(microbatches)
     load = np.zeros(dp_size, np.int64)
     ranks: list[list[int]] = [[] for _ in range(dp_size)]
     sizes = {k: sum(microbatches[i].owned_rows for i in v) for k, v in units.items()}
@@ -362,10 +359,7 @@ def assign_carry_ranks(microbatches: list, dp_size: int, *, work=None, cut: str 
     if cut == "never" or dp_size == 1:
         return assign_carry_groups(microbatches, dp_size)
     w = np.array([float(work(mb)) if work is not None else float(mb.owned_rows) for mb in microbatches])
-    units: dict = {}
-    for i, mb in enumerate(microbatches):
-        g = mb.carry.group if getattr(mb, "carry", None) is not None else -1
-        units.setdefault(("g", g) if g >= 0 else ("m", i), []).append(i)
+    units = _carry_units(microbatches)
     share = w.sum() / dp_size
     pieces = []
     for idx in units.values():
@@ -382,6 +376,15 @@ def assign_carry_ranks(microbatches: list, dp_size: int, *, work=None, cut: str 
         ranks[r] += p
         load[r] += w[p].sum()
     return [sorted(x) for x in ranks]
+
+
+def _carry_units(microbatches: list) -> dict:
+    """``{key: [step indices]}``: each carry group's microbatches, and each microbatch without carry alone."""
+    units: dict = {}
+    for i, mb in enumerate(microbatches):
+        g = mb.carry.group if getattr(mb, "carry", None) is not None else -1
+        units.setdefault(("g", g) if g >= 0 else ("m", i), []).append(i)
+    return units
 
 
 def _chains(group: list, idx: list) -> list[list[int]]:

@@ -24,6 +24,7 @@ the slowest rank's items, plus each sync's transfers).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,7 +77,7 @@ class RankSchedule:
         rename = {"fill": "keep", "restore": "release"}
         items = list(self.items)
         items[rank] = [(i, rename.get(p, p) if i in keep else p) for i, p in items[rank]]
-        return RankSchedule(items=items, syncs=self.syncs, rank_of=self.rank_of, segments=self.segments)
+        return dataclasses.replace(self, items=items)
 
     def num_pads(self, rank: int) -> int:
         """``rank``'s padding items."""
@@ -85,8 +86,7 @@ class RankSchedule:
     def padded(self, num_items: int) -> "RankSchedule":
         """This schedule with padding items at the end of every rank's up to ``num_items``."""
         extra = [(-1, PAD)] * (num_items - self.num_items)
-        return RankSchedule(items=[x + extra for x in self.items], syncs=self.syncs, rank_of=self.rank_of,
-                            segments=self.segments)
+        return dataclasses.replace(self, items=[x + extra for x in self.items])
 
     def cut_owners(self) -> list:
         """The owners whose state crosses ranks."""

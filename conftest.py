@@ -31,6 +31,8 @@ import pytest
 STACK_INDEPENDENT = {
     "test_backend_switch.py": "backend selection (ops)",
     "test_cli_data.py": "stats / data CLI, no model",
+    "test_data_images.py": "image records through the readers (PIL, a test-double processor), no model",
+    "test_tree_images.py": "image identity, multimodal positions and image slots of packing (numpy)",
     "test_cp_attention.py": "tree CP attention executor on plain torch",
     "test_cp_dsa.py": "tree CP DSA executor on plain torch",
     "test_cp_planner.py": "pure-numpy planner and its CLI report",

@@ -11,7 +11,12 @@ def _load_samples(args):
     from .data.synthetic import make_preset
 
     if args.data:
-        return read_jsonl(args.data), args.data
+        vision = None
+        if getattr(args, "hf_model", None):
+            from .data.images import VisionInput
+
+            vision = VisionInput.from_hf(args.hf_model)
+        return read_jsonl(args.data, vision=vision), args.data
     return make_preset(args.preset, seed=args.seed, scale=args.scale), f"preset {args.preset} (seed {args.seed})"
 
 
@@ -42,7 +47,7 @@ def cmd_stats(args) -> int:
         ("attention pairs saved", f"{saved:.1%} ({tot['attention_pair_ratio']:.2f}x fewer)"),
         ("loss targets", f"{tot['num_targets']:,}"),
     ]
-    rows += _route_rows(samples)
+    rows += _route_rows(samples) + _image_rows(mbs, samples)
     w = max(len(k) for k, _ in rows)
     print("megatron-tree sharing report")
     print("-" * (w + 24))
@@ -84,13 +89,30 @@ def _carry_report(samples, what: str, budget: int, pad: int) -> int:
             ("rows stored for later microbatches", f"{c['stored_rows']:,}"),
             ("microbatches that fill + restore", f"{sum(len(mb.carry.exported) > 0 for mb in mbs)} "
                                                  "(one extra forward each, no saved activations)"),
-            ("longest carry chain (microbatches read)", f"{chains}")]
+            ("longest carry chain (microbatches read)", f"{chains}")] + _image_rows(mbs, samples)
     w = max(len(k) for k, _ in rows)
     print("megatron-tree carry report")
     print("-" * (w + 24))
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
     return 0
+
+
+def _image_rows(mbs, samples) -> list:
+    """Report lines on images (none without image records): image tokens and vision-encoder work per
+    record vs what the microbatches encode (each distinct occurrence once)."""
+    from .tree.images import image_stats
+
+    if not any(getattr(s, "images", None) for s in samples):
+        return []
+    st = image_stats(mbs, samples)
+    saved = lambda a, b: f"{1 - b / max(a, 1):.1%} saved"
+    return [("images (records / encoded / distinct)", f"{st['images_flat']:,} / {st['images_tree']:,} / "
+                                                       f"{st['distinct_images']:,}"),
+            ("image tokens flat / tree", f"{st['image_tokens_flat']:,} / {st['image_tokens_tree']:,} "
+                                         f"({saved(st['image_tokens_flat'], st['image_tokens_tree'])})"),
+            ("encoder patches flat / tree", f"{st['patches_flat']:,} / {st['patches_tree']:,} "
+                                            f"({saved(st['patches_flat'], st['patches_tree'])})")]
 
 
 def _route_rows(samples) -> list:
@@ -210,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--carry", action="store_true",
                     help="plan carry (every row once per step: pack(..., carry=True)) and report rows computed beside "
                          "split packing and the unlimited budget")
+    st.add_argument("--hf-model", default=None,
+                    help="a vision-language HF checkpoint directory: read the records' images with its image processor "
+                         "and placeholder token, and report image tokens and encoder work")
     st.set_defaults(func=cmd_stats)
     vf = sub.add_parser("verify", help="tree-packed vs per-sample training of a tiny model: logits, loss, grads, step")
     vf.add_argument("--model", choices=["gpt", "hybrid", "mla", "dsa", "mamba", "qwen3next"], default="gpt",

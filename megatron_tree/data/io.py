@@ -2,7 +2,8 @@
 
 Recognised keys are `Sample`'s fields (tokens, loss_mask, advantage, old_logprobs, ref_logprobs,
 weight, group, routed_experts: a list per token of ``[moe_layers][topk]`` expert ids, as vLLM / SGLang
-report them for routing replay); other keys go to ``meta``. A bad line raises `DataError` (a
+report them for routing replay; images: the image paths of a vision-language record, absolute or relative
+to the file, in order of appearance, read with a `data.images.VisionInput`); other keys go to ``meta``. A bad line raises `DataError` (a
 ValueError) naming ``file:line`` (the file as the caller spelled it, 1-based line;
 ``file:line:column: invalid JSON: ...`` when the line does not parse, ``file:line:column: invalid
 UTF-8: ...`` when it does not decode) and the rule it breaks (``bad_sample="error"``), or is skipped
@@ -29,7 +30,8 @@ import numpy as np
 
 from ..tree.sample import Sample, validate_sample
 
-_FIELDS = ("tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight", "group", "routed_experts")
+_FIELDS = ("tokens", "loss_mask", "advantage", "old_logprobs", "ref_logprobs", "weight", "group", "routed_experts",
+           "images")
 
 
 class DataError(ValueError):
@@ -221,7 +223,7 @@ def _typed(rec: dict, where: str, bools: bool) -> dict:
     kw = {}
     for f in _FIELDS:
         v = rec.get(f)
-        if v is None:
+        if v is None or f == "images":  # images: read by `data.images.VisionInput.refs`
             continue
         if f == "tokens":
             v = _ints(v, f, where, 1, "integers", "a list of integers", bools)
@@ -267,11 +269,14 @@ def near_field(key: str):
 
 
 def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None, route_spec=None,
-                       require_routes: bool = False, maybe_bools: bool = True) -> Sample:
+                       require_routes: bool = False, maybe_bools: bool = True, vision=None,
+                       base_dir: str | None = None) -> Sample:
     """The `Sample` of one record (a dict of Sample fields, other keys become ``meta``), or `DataError`
     naming ``where``. ``require_routes``: a record without ``routed_experts`` is refused (routing
     replay). ``maybe_bools=False`` promises the record holds no JSON boolean (the JSONL reader knows
-    it from the line's text), which saves scanning large ``routed_experts`` nestings for one."""
+    it from the line's text), which saves scanning large ``routed_experts`` nestings for one.
+    ``vision`` (`data.images.VisionInput`): read the record's ``images`` (paths from ``base_dir``, or
+    bytes) and match them with its placeholder tokens; without it a record with images is refused."""
     if not isinstance(rec, dict):
         kind = _KINDS.get(type(rec), type(rec).__name__)
         raise DataError(f"{where}: expected a JSON object (one record per line), got {kind}")
@@ -284,6 +289,14 @@ def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None, 
         raise DataError(f"{where}: tokens is null" if "tokens" in rec else f"{where}: missing required key 'tokens'")
     kw = _typed(rec, where, maybe_bools)
     meta = {k: v for k, v in rec.items() if k not in _FIELDS}
+    if vision is not None:
+        try:
+            kw["images"] = vision.refs(where, kw["tokens"], rec.get("images") or [], base_dir)
+        except ValueError as e:
+            raise DataError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+    elif rec.get("images"):
+        raise DataError(f"{where}: has images, but no vision-language model reads them (give the VLM checkpoint, "
+                        "--hf-model): its image processor and placeholder token define the image rows")
     try:
         s = Sample(**kw, meta=meta)
     except (TypeError, ValueError) as e:
@@ -296,13 +309,15 @@ def sample_from_record(rec: dict, where: str, *, vocab_size: int | None = None, 
 
 
 def collect_samples(records, *, vocab_size: int | None = None, bad_sample: str = "error",
-                    report: ReadReport | None = None, route_spec=None, require_routes: bool = False) -> list[Sample]:
+                    report: ReadReport | None = None, route_spec=None, require_routes: bool = False,
+                    vision=None, base_dir: str | None = None) -> list[Sample]:
     """Samples from ``records``: an iterable of ``(where, make_record)``; ``make_record()`` returns a
     dict of Sample fields (other keys become ``meta``) or ``(dict, maybe_bools)``, or raises ValueError
     naming ``where``. The one place that applies the bad-sample policy for every file format: a refused
     record raises `DataError` (its message starts with ``where``) or is skipped and recorded.
     ``route_spec`` (`megatron_tree.tree.routes.RouteSpec`): the model's MoE layers / top-k / experts
-    that a record's ``routed_experts`` must match; ``require_routes``: every record must carry them."""
+    that a record's ``routed_experts`` must match; ``require_routes``: every record must carry them;
+    ``vision`` / ``base_dir``: see `sample_from_record`."""
     if bad_sample not in ("error", "skip"):
         raise ValueError(f"bad_sample must be 'error' or 'skip', got {bad_sample!r}")
     report = report if report is not None else ReadReport()
@@ -312,7 +327,7 @@ def collect_samples(records, *, vocab_size: int | None = None, bad_sample: str =
             rec = make_record()
             rec, bools = rec if isinstance(rec, tuple) else (rec, True)
             s = sample_from_record(rec, where, vocab_size=vocab_size, route_spec=route_spec,
-                                   require_routes=require_routes, maybe_bools=bools)
+                                   require_routes=require_routes, maybe_bools=bools, vision=vision, base_dir=base_dir)
         except ValueError as e:
             msg = str(e)
             err = e if isinstance(e, DataError) and msg.startswith(where) else \
@@ -327,12 +342,14 @@ def collect_samples(records, *, vocab_size: int | None = None, bad_sample: str =
 
 
 def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error",
-               report: ReadReport | None = None, route_spec=None, require_routes: bool = False) -> list[Sample]:
+               report: ReadReport | None = None, route_spec=None, require_routes: bool = False,
+               vision=None) -> list[Sample]:
     """Samples of a JSONL file, in file order. Locations read ``path:line`` with ``path`` as given
     (not resolved, not shortened to its base name), so a message points at the file the user named.
     Lines are split at ``\\n`` only (as ``sed -n Np`` counts them) and decoded as UTF-8 one by one (a
     byte-order mark on the first line is dropped): a byte that does not decode is the error of its
-    line, with its column. Lines holding only JSON whitespace are not records."""
+    line, with its column. Lines holding only JSON whitespace are not records. ``vision``
+    (`data.images.VisionInput`): image paths are read relative to the file's directory."""
     name = os.fspath(path)
 
     def records():
@@ -345,7 +362,8 @@ def read_jsonl(path, *, vocab_size: int | None = None, bad_sample: str = "error"
                     yield where, lambda raw=raw, where=where: _parse_json(raw, where)
 
     return collect_samples(records(), vocab_size=vocab_size, bad_sample=bad_sample, report=report,
-                           route_spec=route_spec, require_routes=require_routes)
+                           route_spec=route_spec, require_routes=require_routes, vision=vision,
+                           base_dir=os.path.dirname(os.path.abspath(name)))
 
 
 def _unique_keys(pairs):
@@ -380,6 +398,13 @@ def _parse_json(raw: bytes, where: str):
     return rec, (b"true" in raw or b"false" in raw)
 
 
+def _image_path(s, im) -> str:
+    if not os.path.isfile(im.source):
+        raise ValueError(f"sample with tokens {s.tokens[:8].tolist()}...: image {im.source!r} is not a file (it came "
+                         "as bytes): JSONL names images by path")
+    return os.path.abspath(im.source)
+
+
 def write_jsonl(samples, path) -> None:
     """Write samples in the format `read_jsonl` reads (``meta`` as the record's other keys, as it reads them)."""
     with open(path, "w") as f:
@@ -387,6 +412,8 @@ def write_jsonl(samples, path) -> None:
             rec = {"tokens": s.tokens.tolist()}
             for k in _FIELDS[1:]:
                 v = getattr(s, k)
+                if k == "images" and v:
+                    v = [_image_path(s, im) for im in v]
                 if v is not None:
                     rec[k] = v.tolist() if hasattr(v, "tolist") else v
             rec.update((k, v) for k, v in (s.meta or {}).items() if k not in rec)

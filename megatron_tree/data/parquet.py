@@ -10,6 +10,9 @@ Columns (one row per sample; any other column is carried into ``Sample.meta``):
   group         any scalar           group id (e.g. GRPO prompt group)
   routed_experts  list<list<list<int>>>  optional: per token, per MoE layer, the top-k expert ids
                                      (routing replay; `megatron_tree.tree.routes`)
+  images        list<binary|string>  optional: a vision-language record's images in order of appearance,
+                                     encoded bytes (or paths relative to the file), read with a
+                                     `data.images.VisionInput`
 
 A bad row (empty or null tokens, a null inside a list, a length mismatch, a non-finite advantage at a
 target, a token id >= vocab size, ...) raises `DataError` (a ValueError) naming ``file:row R`` (R =
@@ -34,7 +37,7 @@ from .io import DataError, ReadReport, collect_samples, near_field
 
 _LIST_FIELDS = ("tokens", "loss_mask", "old_logprobs", "ref_logprobs")
 _SCALAR_OR_LIST_FIELDS = ("advantage", "weight")
-_FIELDS = _LIST_FIELDS + _SCALAR_OR_LIST_FIELDS + ("group", "routed_experts")
+_FIELDS = _LIST_FIELDS + _SCALAR_OR_LIST_FIELDS + ("group", "routed_experts", "images")
 
 
 def _pa():
@@ -170,6 +173,10 @@ def _check_columns(pa, schema, name: str) -> None:
         elif f in _SCALAR_OR_LIST_FIELDS and not (numbers(t) or (_is_list(pa, t) and numbers(t.value_type))):
             raise DataError(f"{name}: column '{f}' must be a float column (one value per sample) or a list<float> "
                             f"column (one per token), got type {t}")
+        elif f == "images" and not (_is_list(pa, t) and (pa.types.is_binary(t.value_type) or pa.types.is_string(
+                t.value_type) or pa.types.is_large_binary(t.value_type) or pa.types.is_large_string(t.value_type))):
+            raise DataError(f"{name}: column 'images' must be a list<binary> column (encoded images; list<string>: "
+                            f"paths), got type {t}")
         elif f == "routed_experts":
             inner = t
             for _ in range(3):
@@ -183,9 +190,10 @@ def _check_columns(pa, schema, name: str) -> None:
 
 def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "error",
                  report: ReadReport | None = None, batch_size: int = 4096, route_spec=None,
-                 require_routes: bool = False) -> list[Sample]:
+                 require_routes: bool = False, vision=None) -> list[Sample]:
     """Samples of a Parquet file, in row order (see the module docstring for columns and policy).
-    ``require_routes``: a row without ``routed_experts`` is refused (routing replay)."""
+    ``require_routes``: a row without ``routed_experts`` is refused (routing replay); ``vision``
+    (`data.images.VisionInput`): each row's ``images`` (encoded bytes, or paths relative to the file)."""
     if bad_sample not in ("error", "skip"):
         raise ValueError(f"bad_sample must be 'error' or 'skip', got {bad_sample!r}")
     pa, _, pq = _pa()
@@ -226,7 +234,8 @@ def read_parquet(path, *, vocab_size: int | None = None, bad_sample: str = "erro
                 done += batch.num_rows
                 break
             out += _batch_samples(pa, batch, name, row0 + done, vocab_size=vocab_size, bad_sample=bad_sample,
-                                  report=report, route_spec=route_spec, require_routes=require_routes)
+                                  report=report, route_spec=route_spec, require_routes=require_routes,
+                                  vision=vision, base_dir=os.path.dirname(os.path.abspath(name)))
             done += batch.num_rows
         if not failed and done != n_rows:  # the footer's row count is damaged: no row number can be trusted
             held = f"{done} rows" if done < n_rows else f"more than {n_rows} rows"
@@ -243,7 +252,7 @@ def _batch_samples(pa, batch, name: str, row0: int, **kw) -> list[Sample]:
         if f not in batch.schema.names:
             continue
         arr = batch.column(f)
-        if f == "group":
+        if f in ("group", "images"):
             cols[f] = arr.to_pylist()
         elif f == "routed_experts":
             try:
@@ -298,4 +307,14 @@ def write_parquet(samples, path, *, row_group_size: int | None = None) -> None:
     if any(s.routed_experts is not None for s in samples):
         data["routed_experts"] = pa.array([None if s.routed_experts is None else np.asarray(s.routed_experts).tolist()
                                            for s in samples], type=pa.list_(pa.list_(pa.list_(pa.int64()))))
+    if any(s.images for s in samples):
+        data["images"] = pa.array([[_image_bytes(im) for im in (s.images or ())] for s in samples],
+                                  type=pa.list_(pa.binary()))
     pq.write_table(pa.table(data), path, row_group_size=row_group_size, write_page_checksum=True)
+
+
+def _image_bytes(im) -> bytes:
+    if not os.path.isfile(im.source):
+        raise ValueError(f"image {im.source!r} is not a file: write_parquet stores the bytes of image files")
+    with open(im.source, "rb") as f:
+        return f.read()

@@ -60,7 +60,8 @@ _OPTIONAL_FIELDS = {"advantage": "advantages", "old_logprobs": "old_logprobs", "
 
 # ---------------------------------------------------------------------------------------------- readers
 def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "error",
-                 report: ReadReport | None = None, route_spec=None, require_routes: bool = False) -> list[Sample]:
+                 report: ReadReport | None = None, route_spec=None, require_routes: bool = False,
+                 vision=None) -> list[Sample]:
     """Samples of one or more files, in the order given, then file order.
 
     ``.jsonl`` / ``.json`` files go to `io.read_jsonl`, ``.parquet`` / ``.pq`` to
@@ -72,6 +73,8 @@ def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "err
     ``routed_experts`` must match (`megatron_tree.tree.routes.RouteSpec`); ``require_routes``
     (routing replay): a record without ``routed_experts`` is a bad record like any other. A refused
     record or file raises `io.DataError` (a ValueError) whose message starts with its location.
+    ``vision`` (`data.images.VisionInput`): records' ``images`` are read, keyed by content and matched
+    with their placeholder tokens.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -88,12 +91,12 @@ def read_samples(paths, *, vocab_size: int | None = None, bad_sample: str = "err
         suffix = Path(f).suffix
         if suffix in (".jsonl", ".json"):
             out += read_jsonl(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report, route_spec=route_spec,
-                              require_routes=require_routes)
+                              require_routes=require_routes, vision=vision)
         elif suffix in (".parquet", ".pq"):
             from .parquet import read_parquet
 
             out += read_parquet(f, vocab_size=vocab_size, bad_sample=bad_sample, report=report, route_spec=route_spec,
-                                require_routes=require_routes)
+                                require_routes=require_routes, vision=vision)
         else:
             raise ValueError(f"{f}: unknown file type {suffix!r} (expected .jsonl, .json, .parquet or .pq)")
     return out

@@ -78,6 +78,10 @@ class TreeMicrobatch:
                 0 without): the trailing positions stock multi-token prediction runs its depth-k layer
                 on (token 0, stock's rolled-in id), never shared, in no sample's ``sample_rows`` and
                 no loss map; ``tail_rows(i)`` [K] gives sample i's, `mtp_tail_stats` their weights
+    rope_positions  [3, N] int64 multimodal RoPE ``(t, h, w)`` position of every row (0 on padding), or
+                None: set by `pack` when a sample has ``images`` (`tree.images.row_rope_positions`)
+    image_slots `tree.images.ImageSlots` or None: the distinct image occurrences among the rows this
+                microbatch computes (what its vision encoder runs on)
     step_weight_by_depth  [D] float64 or None: the loss weights of every target of the optimizer step this
                 microbatch belongs to (all DP ranks), by source-row depth; set by the data pipeline
                 (`TreeStep.target_weight_by_depth`) so that a step-wide mean (Megatron-LM's logged MTP
@@ -95,6 +99,8 @@ class TreeMicrobatch:
     step_weight_by_depth: np.ndarray | None = None
     carry: "object | None" = None  # `tree.carry.CarryInfo` of a ``pack(..., carry=True)`` microbatch
     _path_ids: tuple[int, ...] | None = None  # carry: the samples ``sample_rows`` knows (else ``sample_ids``)
+    rope_positions: torch.Tensor | None = None  # [3, N] multimodal (t, h, w) positions (records with images)
+    image_slots: "object | None" = None  # `tree.images.ImageSlots`: the image occurrences its own rows hold
 
     @property
     def owned_rows(self) -> int:
@@ -167,7 +173,8 @@ class TreeMicrobatch:
         return TreeMicrobatch(self.layout.to(device), self.loss_map.to(device), self.sample_ids, self.stats,
                               self._path_rows, self._path_offsets,
                               None if self.routes is None else self.routes.to(device), self._tail_rows,
-                              self.step_weight_by_depth, self.carry, self._path_ids)
+                              self.step_weight_by_depth, self.carry, self._path_ids,
+                              None if self.rope_positions is None else self.rope_positions.to(device), self.image_slots)
 
     def __repr__(self) -> str:
         s = self.stats

@@ -29,6 +29,12 @@ Route-aware packing (``route_aware=True``, routing replay): steps 1-5 run on sym
 (`routes.route_symbols`: one symbol per (token, routes) position), so two samples share a row only
 where their tokens and their MoE routes agree; the layout keeps the tokens and the microbatch
 carries each row's routes (``TreeMicrobatch.routes``).
+
+Vision-language records (``Sample.images``) are shared the same way on (token, image content key)
+symbols (`images.image_identity`), so two screenshots behind identical placeholder tokens never share a
+row; every microbatch then carries the multimodal RoPE position of each row
+(``TreeMicrobatch.rope_positions``) and the image occurrences its own rows hold
+(``TreeMicrobatch.image_slots``: each distinct occurrence encoded once).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from .layout import TreeLayout
 from .loss_map import LossMap
 from .microbatch import MicrobatchStats, TreeMicrobatch
 from .prefix import sort_and_lcp
+from .images import image_identity, image_slots, row_rope_positions
 from .routes import route_symbols, routes_shape, row_routes
 from .sample import Sample, as_sample, validate_sample
 
@@ -106,16 +113,16 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
                              "re-routed, not replayed)")
         routes_shape(samples)
         routes = [s.routed_experts for s in samples]
-        order, lcp = sort_and_lcp(route_symbols(toks, routes))
-    else:
-        order, lcp = sort_and_lcp(toks)
+    images = [s.images for s in samples] if any(s.images for s in samples) else None
+    order, lcp = sort_and_lcp(share_keys(toks, routes, images))
     if not share_prefixes:
         lcp[:] = 0
     if carry:
         from .carry import pack_carry
 
-        return pack_carry(samples, toks, order, lcp, max_tokens_per_mb, pad_multiple=pad_to_multiple_of,
-                          pad_id=pad_id, pad_to_budget=pad_to_budget, routes=routes)
+        out = pack_carry(samples, toks, order, lcp, max_tokens_per_mb, pad_multiple=pad_to_multiple_of,
+                         pad_id=pad_id, pad_to_budget=pad_to_budget, routes=routes)
+        return [with_images(mb, samples) for mb in out] if images else out
     lens = np.array([len(t) for t in toks], dtype=np.int64)[order] + mtp_tail  # a tail is never shared
     units, bins, bin_rows = _plan_bins(lens, lcp, max_tokens_per_mb)
     out = []
@@ -125,7 +132,28 @@ def pack(samples: Sequence, max_tokens_per_mb: int, *, pad_to_multiple_of: int =
         assert int((lens[pos] - mb_lcp).sum()) == rows  # the bin's trie is what first-fit priced
         out.append(_build_microbatch(samples, toks, order[pos], mb_lcp, max_tokens_per_mb, pad_to_multiple_of,
                                      pad_id, pad_to_budget, routes, mtp_tail))
-    return out
+    return [with_images(mb, samples) for mb in out] if images else out
+
+
+def share_keys(toks: Sequence[np.ndarray], routes=None, images=None) -> list[np.ndarray]:
+    """The sequences packing sorts and shares on: the tokens, or with ``routes`` (``[len, moe_layers, topk]``
+    per sequence) and / or ``images`` (a list of `images.ImageRef` per sequence, or None) one int64 symbol
+    per position that is equal iff the token, its routes and the image content behind it are."""
+    if routes is None and images is None:
+        return list(toks)
+    cols = [[] for _ in toks]
+    if routes is not None:
+        cols = [c + [np.asarray(r, np.int64).reshape(len(r), -1)] for c, r in zip(cols, routes)]
+    if images is not None:
+        cols = [c + [image_identity(len(t), im)] for c, t, im in zip(cols, toks, images)]
+    return route_symbols(toks, [np.concatenate(c, 1) for c in cols])
+
+
+def with_images(mb: TreeMicrobatch, samples: Sequence[Sample]) -> TreeMicrobatch:
+    """``mb`` with its rows' multimodal RoPE positions and its own image occurrences (`tree.images`)."""
+    from dataclasses import replace
+
+    return replace(mb, rope_positions=row_rope_positions(mb, samples), image_slots=image_slots(mb, samples))
 
 
 class PrefixPlan:
@@ -138,12 +166,8 @@ class PrefixPlan:
     ``mtp_tail`` the tail rows of ``pack(..., mtp_tail=)``.
     """
 
-    def __init__(self, toks: Sequence[np.ndarray], routes=None, mtp_tail: int = 0):
-        if routes is not None:
-            toks, keys = toks, route_symbols(toks, routes)
-        else:
-            keys = toks
-        self.order, self.lcp = sort_and_lcp(keys)
+    def __init__(self, toks: Sequence[np.ndarray], routes=None, mtp_tail: int = 0, images=None):
+        self.order, self.lcp = sort_and_lcp(share_keys(toks, routes, images))
         self.lens = np.array([len(t) for t in toks], dtype=np.int64)[self.order] + mtp_tail
 
     def tree_rows(self) -> np.ndarray:

@@ -32,6 +32,9 @@ class Sample:
     routed_experts  [L, moe_layers, topk] int: the experts each MoE layer chose for token t when the
                   rollout was generated (routing replay, `megatron_tree.tree.routes`); entry t is the
                   routing of row t itself (not a target)
+    images        list of `megatron_tree.tree.images.ImageRef` in order of appearance (vision-language
+                  records): the placeholder run and content key of each image; rows are shared only
+                  where images agree too, and positions are multimodal (`tree.images`)
     """
 
     tokens: Any
@@ -43,9 +46,12 @@ class Sample:
     group: Any = None
     meta: dict = field(default_factory=dict)
     routed_experts: Any = None
+    images: Any = None
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens)
+        if self.images is not None:
+            self.images = list(self.images)
         if self.routed_experts is not None and not isinstance(self.routed_experts, np.ndarray):
             try:
                 self.routed_experts = np.asarray(self.routed_experts)
@@ -148,6 +154,22 @@ def validate_sample(index: int, s: Sample, *, max_tokens: int | None = None, voc
             raise ValueError(f"{name}: {f} has a non-finite value at a target position (token {at}: {float(v[at])})")
     if s.routed_experts is not None:
         s.routed_experts = validate_routes(name, s.routed_experts, L, route_spec)
+    if s.images:
+        _validate_images(name, s.images, L)
+
+
+def _validate_images(name: str, images: list, length: int) -> None:
+    from .images import ImageRef
+
+    end = 0
+    for k, im in enumerate(images):
+        if not isinstance(im, ImageRef):
+            raise ValueError(f"{name}: images[{k}] must be a tree.images.ImageRef (the data layer makes them from "
+                             f"paths or bytes), got {type(im).__name__}")
+        if im.start < end or im.length <= 0 or im.start + im.length > length:
+            raise ValueError(f"{name}: images[{k}] covers tokens {im.start}:{im.start + im.length}, which must lie "
+                             f"inside the {length} tokens, after image {k - 1}'s end ({end}), and not be empty")
+        end = im.start + im.length
 
 
 def samples_from(seq: Sequence) -> list[Sample]:

@@ -1,0 +1,140 @@
+"""Images of vision-language records: decoding, content keys, the checkpoint's image processor, and the
+one table of pixel values a step's encoder reads.
+
+A record names its images (JSONL: paths, absolute or relative to the file; Parquet: encoded bytes);
+`VisionInput.refs` decodes each, keys it by content (`content_key`: the decoded pixels, so the same
+screenshot saved twice is one image), runs the processor once per distinct content, and matches the
+images with the record's placeholder runs (`tree.images.image_refs`). The `ImageRef`s go on the
+`Sample`; the pixel values stay here, keyed by content (`VisionInput.pixels`). Every failure names
+the record (``file:line``) and the image (``images[k]``) before any rank starts.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..tree.images import ImageRef, image_refs
+
+__all__ = ["content_key", "VisionInput", "decode_image"]
+
+
+def decode_image(data: bytes, what: str):
+    """The RGB `PIL.Image` of encoded image bytes; ValueError naming ``what`` when they do not decode."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        im = Image.open(io.BytesIO(data))
+        im.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ValueError(f"{what}: not a decodable image ({type(e).__name__}: {e})") from None
+    return im.convert("RGB")
+
+
+def content_key(image) -> bytes:
+    """16-byte BLAKE2b digest of a decoded RGB image (size and pixels): equal iff the pixels are."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"RGB{image.size[0]}x{image.size[1]}:".encode())
+    h.update(image.tobytes())
+    return h.digest()
+
+
+@dataclass
+class VisionInput:
+    """What turns a record's image references into `ImageRef`s, and keeps their pixels.
+
+    image_token_id  the placeholder token the processor expands an image into
+    merge           the vision tower's spatial merge size
+    processor       callable like an HF image processor: ``processor(images=[PIL.Image], return_tensors="pt")``
+                    gives ``pixel_values`` [patches, C * temporal_patch * patch**2] and ``image_grid_thw`` [1, 3]
+    video_token_id  refused where a record holds it (videos are not supported yet)
+    """
+
+    image_token_id: int
+    merge: int
+    processor: object
+    video_token_id: int | None = None
+    _store: dict = field(default_factory=dict, repr=False)  # key -> (pixel_values, grid)
+
+    @classmethod
+    def from_hf(cls, hf_dir) -> "VisionInput":
+        """From a Hugging Face VLM checkpoint directory: its config's image / video token ids and merge size,
+        and its own image processor (``AutoImageProcessor``; the PIL backend where torchvision is absent)."""
+        from transformers import AutoConfig
+        from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+        cfg = AutoConfig.from_pretrained(hf_dir)
+        image_token_id = getattr(cfg, "image_token_id", None)
+        vision = getattr(cfg, "vision_config", None)
+        if image_token_id is None or vision is None:
+            raise ValueError(f"{hf_dir}: config {type(cfg).__name__} has no image_token_id / vision_config: records "
+                             "with images need a vision-language checkpoint")
+        try:
+            proc = AutoImageProcessor.from_pretrained(hf_dir)
+        except ImportError:  # the torchvision backend is the default; the PIL one needs nothing more
+            proc = AutoImageProcessor.from_pretrained(hf_dir, backend="pil")
+        merge = int(getattr(vision, "spatial_merge_size", getattr(proc, "merge_size", 2)))
+        if int(getattr(proc, "merge_size", merge)) != merge:
+            raise ValueError(f"{hf_dir}: the image processor merges {proc.merge_size} patches per side, the vision "
+                             f"config {merge}: tokens would not match the encoder's output")
+        return cls(image_token_id=int(image_token_id), merge=merge, processor=proc,
+                   video_token_id=getattr(cfg, "video_token_id", None))
+
+    def add(self, image, what: str) -> tuple[bytes, tuple]:
+        """``(key, grid)`` of a decoded image; processes it once per distinct content."""
+        key = content_key(image)
+        if key not in self._store:
+            try:
+                out = self.processor(images=[image], return_tensors="pt")
+            except Exception as e:  # the processor's own refusal (e.g. an image too small to patch)
+                raise ValueError(f"{what}: the image processor refused it ({type(e).__name__}: {e})") from None
+            grid = tuple(int(x) for x in torch.as_tensor(out["image_grid_thw"]).reshape(-1, 3)[0].tolist())
+            self._store[key] = (torch.as_tensor(out["pixel_values"]), grid)
+        return key, self._store[key][1]
+
+    def refs(self, where: str, tokens: np.ndarray, images, base_dir: str | None) -> list[ImageRef]:
+        """The `ImageRef`s of one record. ``images``: a list of paths (str; relative ones from ``base_dir``)
+        or encoded bytes, in order of appearance."""
+        if not isinstance(images, (list, tuple)):
+            raise ValueError(f"{where}: images must be a list of image paths (or encoded bytes), got "
+                             f"{type(images).__name__}")
+        if self.video_token_id is not None and bool((np.asarray(tokens) == self.video_token_id).any()):
+            raise ValueError(f"{where}: holds video placeholder token {self.video_token_id}: videos are not "
+                             "supported (images only)")
+        keys, grids, sources = [], [], []
+        for k, ref in enumerate(images):
+            what = f"{where}: images[{k}]"
+            if isinstance(ref, str):
+                path = ref if os.path.isabs(ref) or base_dir is None else os.path.join(base_dir, ref)
+                try:
+                    with open(path, "rb") as f:
+                        data = f.read()
+                except OSError as e:
+                    raise ValueError(f"{what}: cannot read {path!r} ({e.strerror or e})") from None
+                source = path
+            elif isinstance(ref, (bytes, bytearray, memoryview)):
+                data, source = bytes(ref), f"{where} images[{k}]"
+            else:
+                raise ValueError(f"{what}: must be a path (string) or encoded image bytes, got {type(ref).__name__}")
+            key, grid = self.add(decode_image(data, f"{what} ({source})"), f"{what} ({source})")
+            keys.append(key)
+            grids.append(grid)
+            sources.append(source)
+        return image_refs(where, np.asarray(tokens), self.image_token_id, keys, grids, self.merge, sources)
+
+    def pixels(self, keys) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values [sum patches, D], grid_thw [n, 3])`` of the images ``keys``, concatenated in order
+        (what an HF vision tower takes for n images)."""
+        vals = [self._store[bytes(k)] for k in keys]
+        if not vals:
+            return torch.zeros(0), torch.zeros(0, 3, dtype=torch.int64)
+        return torch.cat([v[0] for v in vals]), torch.tensor([v[1] for v in vals], dtype=torch.int64)
+
+    @property
+    def num_images(self) -> int:
+        """Distinct image contents read so far."""
+        return len(self._store)

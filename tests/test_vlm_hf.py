@@ -1,0 +1,131 @@
+"""Vision-language records against transformers itself: a tiny Qwen3-VL / Qwen3.5 checkpoint directory
+made by transformers (config + its own image processor), read through `VisionInput.from_hf`; the
+multimodal RoPE position of every tree row equals HF's ``get_rope_index`` of each record alone, on a
+forest where images sit in shared prompts and in branches."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+from megatron_tree.data.images import VisionInput  # noqa: E402
+from megatron_tree.data.io import read_jsonl  # noqa: E402
+from megatron_tree.tree import pack  # noqa: E402
+
+PATCH, MERGE = 16, 2
+
+
+def _checkpoint(family: str, path):
+    """Config and image processor of a tiny VLM (no weights: positions and images need none)."""
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64)
+    ids = dict(image_token_id=100, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
+    if family == "qwen3_vl":
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0]}, **ids)
+        model_cls = tf.Qwen3VLModel
+    else:
+        cfg = tf.Qwen3_5Config(text_config={**text, "layer_types": ["linear_attention", "full_attention"]},
+                               vision_config=vision, **ids)
+        model_cls = tf.Qwen3_5Model
+    cfg.save_pretrained(path)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96}, patch_size=PATCH,
+                             merge_size=MERGE, temporal_patch_size=2).save_pretrained(path)
+    return cfg, model_cls
+
+
+def _png(path, seed, w, h):
+    rng = np.random.default_rng(seed)
+    PIL.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_tree_positions_equal_hf_get_rope_index(family, tmp_path):
+    cfg, model_cls = _checkpoint(family, tmp_path / "ckpt")
+    vis = VisionInput.from_hf(tmp_path / "ckpt")
+    assert (vis.image_token_id, vis.merge, vis.video_token_id) == (100, MERGE, 101)
+    shots = [_png(tmp_path / f"s{k}.png", k, w, h) for k, (w, h) in enumerate([(64, 48), (40, 90), (64, 48), (70, 33)])]
+    proc = vis.processor
+    n_tokens = {}
+    for s in shots:
+        grid = proc(images=[PIL.open(s).convert("RGB")], return_tensors="pt")["image_grid_thw"][0]
+        n_tokens[s] = int(grid.prod()) // MERGE ** 2
+
+    def expand(parts):
+        toks, ims = [], []
+        for p in parts:
+            if isinstance(p, str):
+                toks += [102] + [100] * n_tokens[p] + [103]
+                ims.append(p)
+            else:
+                toks.append(p)
+        return {"tokens": toks, "images": ims}
+
+    rng = np.random.default_rng(0)
+    text = lambda n: [int(x) for x in rng.integers(1, 90, n)]
+    prompt = [1, 2, shots[0], 3, 4]
+    recs = [expand(prompt + text(3) + ([shots[1]] if r % 2 else [shots[3]]) + text(4)) for r in range(4)]
+    recs += [expand([1, 2, shots[2], 3, 4, 9]),  # other pixels, same size: same placeholders as the prompt
+             expand([5, 6, 7]), expand([1, 2, shots[1], shots[3], 8])]
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    samples = read_jsonl(f, vision=vis)
+
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    for budget, carry in ((1024, False), (24, True)):
+        mbs = pack(samples, budget, carry=carry)
+        for i, s in enumerate(samples):
+            ids = torch.as_tensor(s.tokens)[None]
+            keys = [im.key for im in s.images]
+            _, grid = vis.pixels(keys)
+            want, _ = model.get_rope_index(ids, mm_token_type_ids=(ids == 100).int(),
+                                           image_grid_thw=grid if len(keys) else None)
+            want = want[:, 0].numpy()
+            seen = 0
+            for mb in mbs:
+                known = mb.sample_ids if mb._path_ids is None else mb._path_ids
+                if i in known:
+                    rows = mb.sample_rows(i).numpy()
+                    np.testing.assert_array_equal(mb.rope_positions[:, rows].numpy(), want[:, :len(rows)])
+                    seen = max(seen, len(rows))
+            assert seen == len(s)
+    # the placeholder runs match the processor's grids; the encoder runs once per distinct occurrence
+    (mb,) = pack(samples, 1024)
+    occurrences = {(tuple(s.tokens[: im.start + im.length].tolist()), tuple(j.key for j in s.images[: k + 1]))
+                   for s in samples for k, im in enumerate(s.images)}
+    assert mb.image_slots.num_images == len(occurrences) == 8  # the prompt's image once for its 4 records
+
+
+def test_stats_reports_image_work(tmp_path, capsys):
+    """``stats --hf-model``: images read with the checkpoint's processor; a screenshot in a prompt shared by 4
+    records is encoded once."""
+    import re
+
+    from megatron_tree.cli import main
+
+    _checkpoint("qwen3_vl", tmp_path / "ckpt")
+    shot = _png(tmp_path / "shot.png", 0, 64, 48)
+    vis = VisionInput.from_hf(tmp_path / "ckpt")
+    grid = vis.processor(images=[PIL.open(shot).convert("RGB")], return_tensors="pt")["image_grid_thw"][0]
+    n = int(grid.prod()) // MERGE ** 2
+    prompt = [1, 102] + [100] * n + [103, 2]
+    recs = [{"tokens": prompt + [10 + r, 11], "images": ["shot.png"]} for r in range(4)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["stats", "--data", str(tmp_path / "d.jsonl"), "--hf-model", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    p = int(grid.prod())
+    assert re.search(r"images \(records / encoded / distinct\)\s+4 / 1 / 1\n", out)
+    assert re.search(rf"image tokens flat / tree\s+{4 * n} / {n} \(75.0% saved\)\n", out)
+    assert re.search(rf"encoder patches flat / tree\s+{4 * p} / {p} \(75.0% saved\)\n", out)

@@ -10,6 +10,7 @@ the record (``file:line``) and the image (``images[k]``) before any rank starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -133,6 +134,15 @@ class VisionInput:
         if not vals:
             return torch.zeros(0), torch.zeros(0, 3, dtype=torch.int64)
         return torch.cat([v[0] for v in vals]), torch.tensor([v[1] for v in vals], dtype=torch.int64)
+
+    def attach(self, mb):
+        """``mb`` with the pixels of its image slots (`tree.images.ImageSlots.pixel_values` / ``grid_thw``):
+        what the model's vision encoder runs on for this microbatch."""
+        slots = getattr(mb, "image_slots", None)
+        if slots is None:
+            return mb
+        pv, grid = self.pixels([r.key for r in slots.refs])
+        return dataclasses.replace(mb, image_slots=dataclasses.replace(slots, pixel_values=pv, grid_thw=grid))
 
     @property
     def num_images(self) -> int:

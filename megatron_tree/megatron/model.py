@@ -39,6 +39,7 @@ module hooks and are not supported with islands.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 
@@ -159,6 +160,20 @@ class _IslandHooks:
         return self.move(output, view, view.attention_view)
 
 
+class _OneRank:
+    """A one-rank stand-in for the CP group a rotary module slices its table over: a tree view hands it
+    this rank's own rows already, which stock's zigzag slicing must not cut again."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+_ONE_RANK = _OneRank()
+
+
 def _is_tree(psp) -> bool:
     return isinstance(psp, TreePackedSeqParams) and psp.layout is not None
 
@@ -219,6 +234,11 @@ class TreeLanguageModelMixin:
         (learned absolute embeddings get depth ``position_ids`` from the caller)."""
         if getattr(self.config, "multi_latent_attention", False):
             return None  # MLA builds its rotary inside attention: TreeMLASelfAttention indexes it by depth
+        if self.position_embedding_type == "mrope":
+            # multimodal RoPE: Megatron's MultimodalRotaryEmbedding of each row's (t, h, w) position on its
+            # path (records with images, `tree.images`), [n, 1, 1, dim]; the rows are this rank's already
+            pos = packed_seq_params.mrope_position_ids.unsqueeze(1)  # [3, 1, n]
+            return self.rotary_pos_emb(pos, self.mrope_section, cp_group=_ONE_RANK)
         if self.position_embedding_type in ("rope", "yarn"):
             # depth < number of rows, so a table of num_rows positions covers every depth; under CP
             # the rank's rows are indexed by their own depths (no zigzag slicing of the table)
@@ -234,7 +254,7 @@ class TreeLanguageModelMixin:
             return table[packed_seq_params.position_ids]
         if self.position_embedding_type in ("learned_absolute", "none"):
             return None
-        raise ValueError(f"tree training supports rope, yarn, learned_absolute or none position embeddings, "
+        raise ValueError(f"tree training supports rope, yarn, mrope, learned_absolute or none position embeddings, "
                          f"not {self.position_embedding_type!r}")
 
     def tree_embedding(self, input_ids, position_ids) -> torch.Tensor:
@@ -359,8 +379,14 @@ class TreeGPTModel(TreeLanguageModelMixin, GPTModel):
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
+        psp = packed_seq_params
+        if _is_tree(psp) and self.position_embedding_type == "mrope":
+            # stock builds its multimodal table from 3-D position_ids, zigzag-sliced over CP ranks: give it
+            # the rows' own positions and no slicing (the table is replaced below all the same)
+            position_ids = psp.mrope_position_ids.unsqueeze(1)
+            psp = dataclasses.replace(psp, cp_group=_ONE_RANK)
         out = super()._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
-                                  inference_context=inference_context, packed_seq_params=packed_seq_params,
+                                  inference_context=inference_context, packed_seq_params=psp,
                                   padding_mask=padding_mask)
         if _is_tree(packed_seq_params):
             rotary = self.tree_rotary_pos_emb(packed_seq_params)

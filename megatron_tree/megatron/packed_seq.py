@@ -53,6 +53,11 @@ class TreePackedSeqParams(PackedSeqParams):
                        logs each depth's loss to stock's tracker against it and Megatron's microbatch
                        count, so that Megatron-LM's ``mtp_k loss`` is the step's per-token mean (None:
                        stock's per-microbatch mean; ``megatron-tree train`` logs from its reports)
+    rope_positions     [3, N] int64 (global rows, or None): every row's multimodal RoPE (t, h, w) position
+                       (`TreeMicrobatch.rope_positions`, records with images); an ``mrope`` model reads its
+                       rows' through `mrope_position_ids` (the depth on every axis where it is None)
+    images             `tree.images.ImageSlots` (or None): the image occurrences among the microbatch's own
+                       rows, with their pixels, which `megatron.vision_language` encodes and scatters
     routes             [N, moe_layers, topk] int64 (global rows, or None): every row's MoE expert choices
                        for routing replay (``TreeMicrobatch.routes``, `megatron_tree.megatron.routing_replay`)
     return_entropy     True: the model's last stage returns ``(logprobs, entropy)``, both ``[M]`` per
@@ -96,6 +101,8 @@ class TreePackedSeqParams(PackedSeqParams):
     return_topk: int = 0
     occurrence_ids: Any = dataclasses.field(default=None, repr=False, compare=False)
     routes: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    rope_positions: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    images: Any = dataclasses.field(default=None, repr=False, compare=False)
     attention_view: Any = dataclasses.field(default=None, repr=False, compare=False)
     carry: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -175,6 +182,22 @@ class TreePackedSeqParams(PackedSeqParams):
         """[num_local_rows] depth of every row this rank holds (what RoPE is indexed by)."""
         return self._local(self.layout.position_ids, 0)
 
+    @property
+    def mrope_position_ids(self) -> torch.Tensor:
+        """[3, num_local_rows] multimodal RoPE position of every row this rank holds: ``rope_positions``, or
+        the depth on all three axes (a text-only batch: what HF's ``get_rope_index`` gives text)."""
+        if self.rope_positions is None:
+            return self.position_ids.unsqueeze(0).expand(3, -1)
+        return torch.stack([self._local(p, 0) for p in self.rope_positions])
+
+    def local_index(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keep, local)``: which of the global ``rows`` this rank holds, and their local indices."""
+        if self.local_rows is None:
+            return torch.ones_like(rows, dtype=torch.bool), rows
+        at = torch.searchsorted(self.local_rows, rows).clamp(max=max(len(self.local_rows) - 1, 0))
+        keep = self.local_rows[at] == rows if len(self.local_rows) else torch.zeros_like(rows, dtype=torch.bool)
+        return keep, at[keep]
+
 
 def get_tree_layout(packed_seq_params) -> TreeLayout:
     """The layout of a `TreePackedSeqParams`; a clear error for anything else."""
@@ -219,7 +242,10 @@ def tree_packed_seq_params(mb, device=None, *, cp_plan=None, cp_rank: int = 0,
                               row_inv_length=to(inv), sample_paths=to(paths),
                               return_entropy=return_entropy or return_topk > 0 or occurrence_ids is not None,
                               return_topk=return_topk, occurrence_ids=occurrence_ids, routes=to(routes),
-                              mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv))
+                              mtp_tail_index=to(tail_index), mtp_tail_inv_length=to(tail_inv),
+                              rope_positions=to(getattr(mb, "rope_positions", None)),
+                              images=None if getattr(mb, "image_slots", None) is None else mb.image_slots.to(
+                                  layout.device))
     if cp_plan is None or cp_plan.cp_size == 1:
         return psp
     return context_parallel_view(psp, cp_plan, cp_rank, pad_to_multiple_of=pad_to_multiple_of, gdn_plan=gdn_plan)
@@ -270,7 +296,8 @@ def context_parallel_view(psp: TreePackedSeqParams, cp_plan, cp_rank: int, *,
                               return_entropy=psp.return_entropy, return_topk=psp.return_topk,
                               occurrence_ids=psp.occurrence_ids, routes=psp.routes,
                               mtp_tail_index=psp.mtp_tail_index, mtp_tail_inv_length=psp.mtp_tail_inv_length,
-                              step_weight_by_depth=psp.step_weight_by_depth)
+                              step_weight_by_depth=psp.step_weight_by_depth, rope_positions=psp.rope_positions,
+                              images=psp.images)
     # Megatron's GPTModel builds (and TreeGPTModel then replaces) a rotary table of max_seqlen_q rows,
     # zigzag-sliced over CP ranks, which needs a multiple of 2 * cp
     out.max_seqlen_q = out.max_seqlen_kv = -(-layout.num_rows // (2 * cp_plan.cp_size)) * 2 * cp_plan.cp_size

@@ -21,7 +21,7 @@ the pixel values (`megatron_tree.data.images`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -167,6 +167,8 @@ class ImageSlots:
               carry cut the run: each owning microbatch then encodes the image and keeps its slice)
     image     [I] int64 index into ``refs``
     refs      tuple of `ImageRef`, one per entry (``key``, ``grid`` name the pixels to encode)
+    pixel_values  [sum patches, D] the entries' pixels in entry order, or None until the data layer
+              attaches them (`data.images.VisionInput.attach`); ``grid_thw`` [I, 3] their grids
 
     Scattering the encoder output of ``refs[e]``, tokens ``offsets[e]:offsets[e]+lengths[e]``, into rows
     ``rows[e]:rows[e]+lengths[e]`` for every e fills every image row the microbatch owns exactly once."""
@@ -175,6 +177,17 @@ class ImageSlots:
     lengths: np.ndarray
     offsets: np.ndarray
     refs: tuple
+    pixel_values: torch.Tensor | None = None
+    grid_thw: torch.Tensor | None = None
+
+    def to(self, device) -> "ImageSlots":
+        move = lambda t: None if t is None else t.to(device)
+        return replace(self, pixel_values=move(self.pixel_values), grid_thw=move(self.grid_thw))
+
+    @property
+    def tokens_per_image(self) -> np.ndarray:
+        """[I] placeholder tokens of each entry's whole image (the encoder's output rows for it)."""
+        return np.array([r.length for r in self.refs], np.int64)
 
     @property
     def num_images(self) -> int:

@@ -174,7 +174,8 @@ class TreeMicrobatch:
                               self._path_rows, self._path_offsets,
                               None if self.routes is None else self.routes.to(device), self._tail_rows,
                               self.step_weight_by_depth, self.carry, self._path_ids,
-                              None if self.rope_positions is None else self.rope_positions.to(device), self.image_slots)
+                              None if self.rope_positions is None else self.rope_positions.to(device),
+                              None if self.image_slots is None else self.image_slots.to(device))
 
     def __repr__(self) -> str:
         s = self.stats

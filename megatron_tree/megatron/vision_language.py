@@ -1,0 +1,123 @@
+"""`TreeVisionLanguageModel`: a vision encoder and a tree language model, each image occurrence encoded
+once per microbatch.
+
+A vision-language record holds each image as a run of placeholder tokens (`tree.images`). Per record,
+a Qwen-VL style model embeds the tokens, replaces the placeholder rows with the vision encoder's
+output for the record's images, and runs the language model with multimodal RoPE positions. On a
+tree the same happens once per distinct occurrence: the microbatch's `ImageSlots` (its own rows'
+distinct placeholder runs, with their pixels) go through the encoder, and each slot's output rows are
+scattered into the rows the slot names. A screenshot shared by 16 rollouts is encoded once, and its
+gradient (when the encoder trains) is the sum of the 16 records' gradients, as in per-record training.
+
+Views: under tree CP (or carry) a rank holds some rows only (``packed_seq_params.local_rows``); it
+encodes the images that have rows there and scatters those rows (the encoder's output of an image is
+the same on every rank). Under sequence parallelism the language model's embedding does not scatter
+(``scatter_embedding_sequence_parallel=False``): the images go into the whole local sequence, then
+it is scattered, as Megatron's LLaVA does. Pipeline parallelism: the encoder lives on the first stage.
+
+The encoder is any module ``encoder(pixel_values [P, D], grid_thw [I, 3]) -> [sum_i tokens_i, hidden]``
+with the image's tokens in placeholder order (an HF Qwen-VL vision tower's merged output), or a tuple
+whose first element is that tensor.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+
+__all__ = ["TreeVisionLanguageModel", "scatter_image_rows"]
+
+
+def scatter_image_rows(embeddings: torch.Tensor, psp, encoder) -> torch.Tensor:
+    """``embeddings`` [n, 1, h] of this rank's rows with every image row it holds replaced by the encoder's
+    output (`tree.images.ImageSlots` in ``psp.images``); rows are local (``psp.local_index``)."""
+    slots = getattr(psp, "images", None)
+    if slots is None or slots.num_images == 0:
+        return embeddings
+    if slots.pixel_values is None:
+        raise ValueError("the microbatch's image slots carry no pixels: attach them with "
+                         "megatron_tree.data.images.VisionInput.attach(mb) before the forward")
+    dev = embeddings.device
+    starts = torch.as_tensor(slots.rows, device=dev)
+    lengths, offsets = slots.lengths, slots.offsets
+    # which entries have rows on this rank: encode only those
+    rows_of = [torch.arange(int(r), int(r) + int(n), device=dev) for r, n in zip(starts.tolist(), lengths.tolist())]
+    held = [psp.local_index(r) for r in rows_of]
+    need = [e for e, (keep, _) in enumerate(held) if bool(keep.any())]
+    if not need:
+        return embeddings
+    patches = np.array([int(np.prod(r.grid)) for r in slots.refs], np.int64)
+    p_off = np.concatenate([[0], np.cumsum(patches)])
+    pix = torch.cat([slots.pixel_values[p_off[e]: p_off[e + 1]] for e in need])
+    out = encoder(pix, slots.grid_thw[need])
+    out = out[0] if isinstance(out, tuple) else out
+    tok = slots.tokens_per_image[need]
+    if out.shape[0] != int(tok.sum()):
+        raise ValueError(f"the vision encoder gave {out.shape[0]} rows for {len(need)} images holding {int(tok.sum())} "
+                         "placeholder tokens: its merge size must match the records' (the processor's)")
+    t_off = np.concatenate([[0], np.cumsum(tok)])
+    idx, vals = [], []
+    for j, e in enumerate(need):
+        keep, local = held[e]
+        first = t_off[j] + int(offsets[e])
+        rows = out[first: first + int(lengths[e])]
+        idx.append(local)
+        vals.append(rows[keep])
+    idx, vals = torch.cat(idx), torch.cat(vals).to(embeddings.dtype)
+    flat = embeddings[:, 0].index_put((idx,), vals)  # out of place: the text embedding of a replaced row gets no grad
+    return flat.unsqueeze(1)
+
+
+class TreeVisionLanguageModel(MegatronModule):
+    """``vision_model`` + ``language_model`` (a `TreeGPTModel` / `TreeMambaModel` with ``mrope`` positions,
+    built with ``scatter_embedding_sequence_parallel=False`` under sequence parallelism) on tree microbatches.
+
+    ``forward(input_ids, position_ids, attention_mask, packed_seq_params=psp)`` as the language model's:
+    the first stage embeds the tokens, scatters the encoded images (`scatter_image_rows`), and hands the
+    result to the language model as ``decoder_input``; every stage gives it the rows' multimodal positions.
+    ``freeze_vision``: the encoder runs without grad (its parameters get none)."""
+
+    def __init__(self, config, language_model, vision_model=None, *, freeze_vision: bool = False):
+        super().__init__(config=config)
+        self.language_model = language_model
+        self.model_type = language_model.model_type
+        self.pre_process = language_model.pre_process
+        self.post_process = language_model.post_process
+        self.vision_model = vision_model if self.pre_process else None
+        self.freeze_vision = freeze_vision
+        self.share_embeddings_and_output_weights = getattr(language_model, "share_embeddings_and_output_weights",
+                                                           False)
+        if self.vision_model is not None and freeze_vision:
+            for p in self.vision_model.parameters():
+                p.requires_grad_(False)
+        emb = getattr(language_model, "embedding", None)
+        if config.sequence_parallel and emb is not None and getattr(emb, "scatter_to_sequence_parallel", False):
+            raise ValueError("TreeVisionLanguageModel under sequence parallelism needs the language model built with "
+                             "scatter_embedding_sequence_parallel=False: images go into the whole local sequence, "
+                             "which is scattered after")
+
+    def _encode(self, pixel_values, grid_thw):
+        if self.freeze_vision:  # the text rows keep their graph: only the encoder runs without one
+            with torch.no_grad():
+                return self.vision_model(pixel_values, grid_thw)
+        return self.vision_model(pixel_values, grid_thw)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                packed_seq_params=None, **kwargs):
+        psp = packed_seq_params
+        if self.pre_process and decoder_input is None:
+            emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [n, 1, h]
+            if self.vision_model is not None:
+                emb = scatter_image_rows(emb, psp, self._encode)
+            if self.config.sequence_parallel:
+                emb = scatter_to_sequence_parallel_region(emb)
+            decoder_input = emb
+        return self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
+                                   labels=labels, packed_seq_params=psp, **kwargs)

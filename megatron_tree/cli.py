@@ -237,11 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "and placeholder token, and report image tokens and encoder work")
     st.set_defaults(func=cmd_stats)
     vf = sub.add_parser("verify", help="tree-packed vs per-sample training of a tiny model: logits, loss, grads, step")
-    vf.add_argument("--model", choices=["gpt", "hybrid", "mla", "dsa", "mamba", "qwen3next"], default="gpt",
+    vf.add_argument("--model", choices=["gpt", "hybrid", "mla", "dsa", "mamba", "qwen3next", "vlm"], default="gpt",
                     help="mla: GPT with Multi-Latent Attention (MLATransformerConfig, YaRN, q/kv latents); dsa: MLA with "
                          "DeepSeek sparse attention (per-sample side: stock DSAttention); mamba: "
                          "Megatron's MambaModel (Nemotron-H, --pattern letters M * - E, default M*-E); qwen3next: "
-                         "GPTModel with Megatron's gated_delta_net attention variant (GDN, attention every 2nd layer)")
+                         "GPTModel with Megatron's gated_delta_net attention variant (GDN, attention every 2nd layer); vlm: "
+                         "a vision encoder + GPT with multimodal RoPE on image records (screenshots in shared prompts "
+                         "and completions; per-record side: each record's images encoded alone)")
     vf.add_argument("--pattern", default=None, help="hybrid layer pattern (M Mamba-2, G GDN, * attention, - MLP, E MoE); "
                                                     "with --model mamba, MambaModel's hybrid_override_pattern")
     vf.add_argument("--tp", type=int, default=1)

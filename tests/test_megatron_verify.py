@@ -46,6 +46,12 @@ WS1 = [
     # carry with kept graphs (issue 38): every exporter runs one forward, its backward after its readers'
     both(VerifyConfig(model="hybrid", pattern="MG*-*E", budget=16, carry=True, carry_keep=True)),
     VerifyConfig(model="hybrid", pattern="MG*-", budget=16, carry=True, carry_keep=True, fault="carry_detach"),
+    # vision-language records (issue 37): screenshots in shared prompts and completions, identical prompt tokens
+    # behind different screenshots; carry at 16 cuts two image runs (each owner encodes its slice's image);
+    # merging two screenshots behind the same placeholders must fail
+    both(VerifyConfig(model="vlm", dtype="float64")),
+    VerifyConfig(model="vlm", budget=16, carry=True, recompute="full"),
+    VerifyConfig(model="vlm", fault="images_merged"),
 ]
 
 WS2 = [
@@ -97,6 +103,12 @@ WS2 = [
     VerifyConfig(model="gpt", dp=2, window=9, sinks=True, budget=16, carry=True, carry_cut="always"),
     VerifyConfig(model="mla", dp=2, budget=16, carry=True, carry_cut="always", carry_keep=True, loss="grpo"),
     VerifyConfig(model="gpt", dp=2, budget=16, carry=True, carry_cut="always", fault="carry_return_dropped"),
+    # vision-language records: the encoder on TP ranks (replicated) with SP scattering after the images go in; CP
+    # ranks encode the images holding their rows; the encoder on the first pipeline stage; carry cut over DP ranks
+    both(VerifyConfig(model="vlm", tp=2, sp=True, dtype="float64")),
+    VerifyConfig(model="vlm", cp=2, budget=16, carry=True),
+    VerifyConfig(model="vlm", pp=2, budget=16, carry=True),
+    VerifyConfig(model="vlm", dp=2, budget=16, carry=True, carry_cut="always"),
 ]
 
 # 4 ranks on this 2-core machine cost ~4x a 2-rank config: one case per 4-rank flavour (CI minutes). CP4 is the

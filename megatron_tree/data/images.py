@@ -97,6 +97,21 @@ class VisionInput:
             self._store[key] = (torch.as_tensor(out["pixel_values"]), grid)
         return key, self._store[key][1]
 
+    def put(self, pixel_values: torch.Tensor, grid_thw) -> tuple[bytes, tuple]:
+        """``(key, grid)`` of an image given as processed pixels (``pixel_values`` [t * h * w, D] and its
+        ``(t, h, w)``, as a rollout engine that ran the processor holds them): keyed by those pixels."""
+        grid = tuple(int(x) for x in torch.as_tensor(grid_thw).reshape(-1)[:3].tolist())
+        pv = torch.as_tensor(pixel_values)
+        if pv.ndim != 2 or pv.shape[0] != int(np.prod(grid)):
+            raise ValueError(f"pixel_values of shape {tuple(pv.shape)} do not hold the {int(np.prod(grid))} patches of "
+                             f"grid (t, h, w) = {grid}")
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"PIX{grid}{pv.dtype}{tuple(pv.shape)}:".encode())
+        h.update(pv.detach().cpu().contiguous().numpy().tobytes())
+        key = h.digest()
+        self._store.setdefault(key, (pv, grid))
+        return key, grid
+
     def refs(self, where: str, tokens: np.ndarray, images, base_dir: str | None) -> list[ImageRef]:
         """The `ImageRef`s of one record. ``images``: a list of paths (str; relative ones from ``base_dir``)
         or encoded bytes, in order of appearance."""

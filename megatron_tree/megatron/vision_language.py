@@ -26,7 +26,7 @@ import torch
 from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["TreeVisionLanguageModel", "scatter_image_rows"]
+__all__ = ["TreeVisionLanguageModel", "scatter_image_rows", "PatchMergeEncoder"]
 
 
 def scatter_image_rows(embeddings: torch.Tensor, psp, encoder) -> torch.Tensor:
@@ -97,6 +97,16 @@ class TreeVisionLanguageModel(MegatronModule):
                              "scatter_embedding_sequence_parallel=False: images go into the whole local sequence, "
                              "which is scattered after")
 
+    # what the forward step, carry and CP read from "the model" (`model.unwrap_model`) are the language model's
+    decoder = property(lambda self: self.language_model.decoder)
+    pg_collection = property(lambda self: getattr(self.language_model, "pg_collection", None))
+    gdn_islands = property(lambda self: getattr(self.language_model, "gdn_islands", False))
+    gdn_island_spans = property(lambda self: getattr(self.language_model, "gdn_island_spans", None))
+    gdn_island_geometry = property(lambda self: getattr(self.language_model, "gdn_island_geometry", None))
+    _tree_routing_replay = property(lambda self: getattr(self.language_model, "_tree_routing_replay", None))
+    _tree_moe_balancing = property(lambda self: getattr(self.language_model, "_tree_moe_balancing", None))
+    _tree_moe_mtp_layers = property(lambda self: getattr(self.language_model, "_tree_moe_mtp_layers", None))
+
     def _encode(self, pixel_values, grid_thw):
         if self.freeze_vision:  # the text rows keep their graph: only the encoder runs without one
             with torch.no_grad():
@@ -121,3 +131,21 @@ class TreeVisionLanguageModel(MegatronModule):
             decoder_input = emb
         return self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                    labels=labels, packed_seq_params=psp, **kwargs)
+
+
+class PatchMergeEncoder(MegatronModule):
+    """A small vision encoder with a Qwen-VL tower's interface, for `verify` and the demos (a real model
+    brings its checkpoint's tower): a patch MLP, then each ``merge x merge`` block of consecutive patches
+    (Qwen's processor orders them so) merged into one token. ``(pixel_values [P, patch_dim], grid_thw) ->
+    [P / merge**2, hidden]``. Replicated on every TP rank (its parameters are not sharded)."""
+
+    def __init__(self, config, patch_dim: int, merge: int = 2):
+        super().__init__(config=config)
+        h, dt = config.hidden_size, config.params_dtype
+        self.merge = merge
+        self.patch = torch.nn.Linear(patch_dim, 2 * h, dtype=dt)
+        self.merger = torch.nn.Linear(merge * merge * 2 * h, h, dtype=dt)
+
+    def forward(self, pixel_values, grid_thw):
+        x = torch.nn.functional.gelu(self.patch(pixel_values.to(self.patch.weight.dtype)))
+        return self.merger(x.reshape(-1, self.merge * self.merge * x.shape[-1]))

@@ -36,6 +36,12 @@ DSA_DEFAULTS = dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=2,
 DSA_INDEX_SHARE_FIELDS = ("dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset")
 
 
+# kind="vlm": multimodal RoPE sections of the t / h / w axes (head dim 8: four rotary frequencies) and the
+# width of a processed patch the encoder reads (`megatron.vision_language.PatchMergeEncoder`)
+VLM_MROPE_SECTION = [2, 1, 1]
+VLM_PATCH_DIM = 24
+
+
 @dataclass
 class ModelArgs:
     """Size and kind of a model. ``kind`` is "gpt" or "hybrid" (layers from ``pattern``), or "mla"
@@ -44,7 +50,9 @@ class ModelArgs:
     or "mamba" (Megatron's ``MambaModel`` as `TreeMambaModel`, layers from ``pattern``: M * - E,
     default `DEFAULT_MAMBA_PATTERN`), or "qwen3next" (``GPTModel`` with Megatron's experimental
     ``gated_delta_net`` attention variant: GDN layers with a gated, qk-normed attention layer every
-    ``linear_attention_freq`` layers; MoE with a gated shared expert when ``num_experts``)."""
+    ``linear_attention_freq`` layers; MoE with a gated shared expert when ``num_experts``), or "vlm"
+    (`TreeVisionLanguageModel`: a GPT with multimodal RoPE, ``mrope_section`` `VLM_MROPE_SECTION`, and a
+    `PatchMergeEncoder` of ``VLM_PATCH_DIM``-wide patches on the first stage)."""
 
     kind: str = "gpt"
     pattern: str = DEFAULT_HYBRID_PATTERN
@@ -150,6 +158,8 @@ def make_config(margs: ModelArgs, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: 
             kw.update(recompute_modules=["mla_up_proj"] if margs.kind == "dsa" else ["core_attn", "mla_up_proj"])
     if margs.kind == "dsa":
         kw.update(DSA_DEFAULTS)
+    if margs.kind == "vlm":
+        kw.update(mrope_section=list(VLM_MROPE_SECTION))
     kw.update(margs.extra)
     if margs.kind in ("mla", "dsa"):
         from megatron.core.transformer import MLATransformerConfig
@@ -184,7 +194,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
 
     pre = ps.is_pipeline_first_stage() if pre_process is None else pre_process
     post = ps.is_pipeline_last_stage() if post_process is None else post_process
-    if margs.kind in ("gpt", "mla"):  # MLA: Megatron's block spec builds MLA layers from the config
+    if margs.kind in ("gpt", "mla", "vlm"):  # MLA: Megatron's block spec builds MLA layers from the config
         spec = get_tree_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=margs.normalization)
     elif margs.kind == "hybrid":
         spec = get_tree_hybrid_stack_spec(margs.pattern, config, use_transformer_engine=False,
@@ -224,7 +234,7 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
                                position_embedding_type=margs.position_embedding_type, rotary_base=margs.rotary_base,
                                rotary_percent=margs.rotary_percent, share_embeddings_and_output_weights=False)
     else:
-        raise ValueError(f"model kind must be gpt, hybrid, mla, dsa, mamba or qwen3next, got {margs.kind!r}")
+        raise ValueError(f"model kind must be gpt, hybrid, mla, dsa, mamba, qwen3next or vlm, got {margs.kind!r}")
     mtp_spec = None
     if getattr(config, "mtp_num_layers", None) and margs.kind != "mamba":
         from ..megatron.specs import get_tree_gpt_mtp_block_spec
@@ -233,11 +243,18 @@ def build_model(config, margs: ModelArgs, *, pre_process: Optional[bool] = None,
         if stock_mtp and mtp_spec is not None:
             mtp_spec = _stock_mtp_layers(mtp_spec)
     if margs.kind != "mamba":
+        vlm = margs.kind == "vlm"  # the images go into the whole local sequence, then it is SP-scattered
         model = TreeGPTModel(config, spec, vocab_size=margs.vocab_size, max_sequence_length=margs.max_position,
-                             pre_process=pre, post_process=post, position_embedding_type=margs.position_embedding_type,
+                             pre_process=pre, post_process=post,
+                             position_embedding_type="mrope" if vlm else margs.position_embedding_type,
                              rotary_base=margs.rotary_base, rotary_percent=margs.rotary_percent,
                              rope_scaling=margs.rope_scaling, rope_scaling_factor=margs.rope_scaling_factor,
-                             share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec)
+                             share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec,
+                             **(dict(scatter_embedding_sequence_parallel=False) if vlm else {}))
+        if vlm:
+            from ..megatron.vision_language import PatchMergeEncoder, TreeVisionLanguageModel
+
+            model = TreeVisionLanguageModel(config, model, PatchMergeEncoder(config, VLM_PATCH_DIM) if pre else None)
     if config.params_dtype == torch.float64:
         model.to(torch.float64)  # Megatron keeps Mamba's A_log / D in fp32 whatever params_dtype says
     return model

@@ -85,13 +85,16 @@ LOSS_AGG_FAULTS = ("loss_agg_per_microbatch", "gspo_one_microbatch", "wrong_part
 # faults of --loss value / distill: the tree side reads every occurrence's per-token field (return, teacher top-k) of
 # the next position
 FIELD_FAULTS = ("field_shift",)
+# faults of model "vlm": the tree side's rows shared where the screenshots behind identical placeholder tokens
+# differ (image content left out of a row's identity, `verify_vlm.images_merged`)
+VLM_FAULTS = ("images_merged",)
 #: --loss value: the clip of the value loss; --loss distill: the teacher's k (a random teacher per sample, `_with_fields`)
 VALUE_CLIP, DISTILL_K = 0.2, 4
 #: --loss dpo / ipo / simpo: beta and SimPO's gamma (pairs: the batch's samples 2p and 2p + 1, the even one chosen;
 #: DPO / IPO's reference log-probs: the samples' old_logprobs)
 PAIR_BETA, PAIR_GAMMA = 0.5, 0.3
 ALL_FAULTS = (FAULTS + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS + LOSS_AGG_FAULTS
-              + FIELD_FAULTS)
+              + FIELD_FAULTS + VLM_FAULTS)
 # planted in the tree side's modules (`plant_model_fault`), not its metadata
 MODEL_FAULTS = ("mla_rope_physical",) + DSA_FAULTS + BF16_FAULTS + REPLAY_FAULTS + CARRY_FAULTS + BALANCE_FAULTS
 # faults of MTP runs (mtp_num_layers >= 1), planted in megatron.mtp for the tree side (`verify_mtp`)
@@ -257,7 +260,7 @@ def inject_fault(mb, fault: Optional[str]):
         fields = {f.name: (None if getattr(lm, f.name) is None else getattr(lm, f.name)[idx])
                   for f in dataclasses.fields(lm)}
         return dataclasses.replace(mb, loss_map=type(lm)(**fields))
-    if fault == "nan" or fault in MODEL_FAULTS or fault in LOSS_AGG_FAULTS + FIELD_FAULTS:
+    if fault == "nan" or fault in MODEL_FAULTS or fault in LOSS_AGG_FAULTS + FIELD_FAULTS + VLM_FAULTS:
         return mb  # planted after the backward pass (`_plant_nan`) / in the loss weights, not the tree metadata
     if fault == "zero_state":
         child = torch.nonzero(par >= 0).flatten()
@@ -777,7 +780,7 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # stock scores MoE routes in float32 whatever the dtype: float64 runs score them in float64 on both
     # sides (stock's own code, `router_precision`), so the check is exact to float64 rounding
     widen_router_scores(dtype == torch.float64)
-    dense = ("gpt", "qwen3next", "mla", "dsa")
+    dense = ("gpt", "qwen3next", "mla", "dsa", "vlm")
     margs = ModelArgs(kind=cfg.model, num_layers=4 if cfg.model in dense else 0, window_size=cfg.window,
                       sinks=cfg.sinks,
                       num_experts=4 if (cfg.ep > 1 or cfg.routing_replay or cfg.balancing_on()) and cfg.model in dense
@@ -812,8 +815,20 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         margs.extra["attention_output_gate"] = False
     from ..tree.loss_agg import with_loss_agg
 
-    samples = with_loss_agg(verify_samples(cfg.seed, margs.vocab_size, cfg.families), cfg.loss_agg,
-                            cfg.loss_agg_norm)
+    vision = None
+    if cfg.model == "vlm":  # image records, their pixels held by `vision` (`verify_vlm`)
+        from .verify_vlm import vlm_verify_samples
+
+        records, vision = vlm_verify_samples(cfg.seed, margs.vocab_size, cfg.families)
+    else:
+        records = verify_samples(cfg.seed, margs.vocab_size, cfg.families)
+    samples = with_loss_agg(records, cfg.loss_agg, cfg.loss_agg_norm)
+    # the tree side's records: with the planted fault "images_merged", image content is no part of identity
+    tree_samples = samples
+    if cfg.fault == "images_merged":
+        from .verify_vlm import images_merged
+
+        tree_samples = images_merged(samples)
     if cfg.loss in FIELD_LOSSES:
         samples = _with_fields(samples, margs.vocab_size, cfg.seed)
     if cfg.loss == "rm":  # a reward model reads each sample's last row: one leaf token appended as its target
@@ -838,12 +853,15 @@ def _rank_body(cfg: VerifyConfig) -> dict:
         if tail:
             raise ValueError("verify --carry with MTP layers that run DeepSeek sparse attention: their MTP tail rows "
                              "are not carried yet")
-        mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, carry=True, route_aware=cfg.routing_replay)
+        mbs = pack(tree_samples, cfg.budget, pad_to_multiple_of=8, carry=True, route_aware=cfg.routing_replay)
         ranks = assign_carry_ranks(mbs, dp, cut=cfg.carry_cut)
         mine = [mbs[i] for i in ranks[dpr]]
     else:
-        mbs = pack(samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay, mtp_tail=tail)
+        mbs = pack(tree_samples, cfg.budget, pad_to_multiple_of=8, route_aware=cfg.routing_replay, mtp_tail=tail)
         mine = mbs[dpr::dp]
+    if vision is not None:  # every microbatch's image slots get their pixels (the tree side's, the faulted ones')
+        mbs = [vision.attach(mb) for mb in mbs]
+        mine = [vision.attach(mb) for mb in mine]
     if not mine:
         raise ValueError(f"only {len(mbs)} microbatches for {dp} DP ranks: raise --families")
     tree_mbs = [inject_fault(mb, cfg.fault) for mb in mine]
@@ -855,6 +873,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     flat_budget = max(cfg.budget, -(-max(len(s) for s in samples) // 8) * 8) if cfg.carry else cfg.budget
     flat_mbs = [pack([samples[i]], flat_budget, pad_to_multiple_of=pad, mtp_tail=tail if cfg.cp > 1 else 0)[0]
                 for mb in mine for i in mb.sample_ids]
+    if vision is not None:
+        flat_mbs = [vision.attach(mb) for mb in flat_mbs]
     if cfg.loss in STATS_LOSSES + FIELD_LOSSES:  # per-sample statistics and fields are keyed by the batch's ids
         flat_mbs = [_with_sample_ids(fm, [i]) for fm, i in zip(flat_mbs, [i for mb in mine for i in mb.sample_ids])]
     # Every DP rank runs the same number of microbatches (MoE all-to-alls run once per microbatch
@@ -874,6 +894,8 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     cut = False  # carry groups cut over DP ranks (set below)
     packed_mbs = ([_flat_packed(samples, mb, pad, route_aware=cfg.routing_replay, mtp_tail=tail if balance else 0)
                    for mb in mine] if bf16 or balance else None)
+    if packed_mbs is not None and vision is not None:
+        packed_mbs = [vision.attach(mb) for mb in packed_mbs]
     if packed_mbs is not None and cfg.loss in STATS_LOSSES + FIELD_LOSSES:
         packed_mbs = [_with_sample_ids(pm, list(mb.sample_ids)) for pm, mb in zip(packed_mbs, mine)]
     if cfg.carry:  # every DP rank runs the schedule's items (`cp.planning.carry_ranks`), padding items included

@@ -69,3 +69,41 @@ def test_reward_model_example_computes_each_prompt_once_and_learns():
     print("\n" + "\n".join(lines))
     assert losses[-1] < losses[0] - 1e-3, losses
     assert all(tree_rows <= r < tree_rows + 8 * 4 and f == flat for r, f in rows), (rows, tree_rows, flat)
+
+
+def test_vlm_grpo_example_encodes_each_screenshot_once():
+    """Multi-turn screenshot traces (2 groups of 8 rollouts, 3 turns): the rows computed are the tree's (every distinct
+    prefix once), the screenshots encoded are the distinct (prefix, screenshot) occurrences (per group the first
+    screenshot once and one per action history: 1 + 2 + 4 + 8), against every rollout's own in per-rollout training."""
+    import re
+
+    import rl_vlm_grpo_step
+    from megatron_tree.training.launch import run_distributed
+
+    lines = run_distributed(rl_vlm_grpo_step.demo_rank, 2, timeout=900)[0]
+    print("\n" + "\n".join(lines))
+    assert len(lines) == 3
+    for step, line in enumerate(lines):
+        m = re.search(r"pg_loss ([-+0-9.]+), grad_norm ([0-9.]+); rows computed (\d+) where per-rollout training runs "
+                      r"(\d+) tokens .* screenshots encoded (\d+) where per-rollout training encodes (\d+)", line)
+        assert m, line
+        tokens = rl_vlm_grpo_step.traces(seed=step)[0]
+        tree_rows = len({tuple(t[:k]) for t in tokens for k in range(1, len(t) + 1)})
+        rows, flat, enc, per = (int(m.group(k)) for k in (3, 4, 5, 6))
+        assert flat == sum(len(t) for t in tokens) and tree_rows <= rows < tree_rows + 8 * 2, (rows, tree_rows)
+        assert (enc, per) == (2 * (1 + 2 + 4 + 8), 2 * 8 * 4)
+        assert float(m.group(2)) > 0
+
+
+def test_vlm_grpo_tree_step_equals_per_rollout_step():
+    """float64: the GRPO step's loss and every gradient (vision encoder included) on trees equal the step with one
+    rollout per chain (each rollout's prompt and screenshots run again)."""
+    import rl_vlm_grpo_step
+    from megatron_tree.training.launch import run_distributed
+
+    out = run_distributed(rl_vlm_grpo_step.tree_vs_per_rollout_rank, 2, timeout=900)[0]
+    tree, flat = out[True], out[False]
+    assert tree["tree_rows"] < flat["tree_rows"] and tree["images_encoded"] < flat["images_encoded"]
+    assert abs(tree["pg_loss"] - flat["pg_loss"]) <= 1e-12 * max(1.0, abs(flat["pg_loss"]))
+    err = float((tree["grads"] - flat["grads"]).abs().max() / flat["grads"].abs().max())
+    assert err <= 1e-12, err

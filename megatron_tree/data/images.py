@@ -113,8 +113,8 @@ class VisionInput:
         return key, grid
 
     def refs(self, where: str, tokens: np.ndarray, images, base_dir: str | None) -> list[ImageRef]:
-        """The `ImageRef`s of one record. ``images``: a list of paths (str; relative ones from ``base_dir``)
-        or encoded bytes, in order of appearance."""
+        """The `ImageRef`s of one record. ``images``: a list of paths (str; relative ones from ``base_dir``),
+        encoded bytes, or ``(pixel_values, grid_thw)`` pairs already processed (`put`), in order of appearance."""
         if not isinstance(images, (list, tuple)):
             raise ValueError(f"{where}: images must be a list of image paths (or encoded bytes), got "
                              f"{type(images).__name__}")
@@ -124,6 +124,12 @@ class VisionInput:
         keys, grids, sources = [], [], []
         for k, ref in enumerate(images):
             what = f"{where}: images[{k}]"
+            if isinstance(ref, tuple) and len(ref) == 2:
+                key, grid = self.put(*ref)
+                keys.append(key)
+                grids.append(grid)
+                sources.append(f"{where} images[{k}]")
+                continue
             if isinstance(ref, str):
                 path = ref if os.path.isabs(ref) or base_dir is None else os.path.join(base_dir, ref)
                 try:
@@ -135,7 +141,8 @@ class VisionInput:
             elif isinstance(ref, (bytes, bytearray, memoryview)):
                 data, source = bytes(ref), f"{where} images[{k}]"
             else:
-                raise ValueError(f"{what}: must be a path (string) or encoded image bytes, got {type(ref).__name__}")
+                raise ValueError(f"{what}: must be a path (string), encoded image bytes or a (pixel_values, grid_thw) "
+                                 f"pair, got {type(ref).__name__}")
             key, grid = self.add(decode_image(data, f"{what} ({source})"), f"{what} ({source})")
             keys.append(key)
             grids.append(grid)

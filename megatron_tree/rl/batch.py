@@ -74,6 +74,9 @@ class RolloutBatch:
     #: ``[L, k]`` each (row t: the teacher's distribution for target t, predicted from token t-1)
     teacher_topk_ids: Optional[list] = None
     teacher_topk_logprobs: Optional[list] = None
+    #: vision-language rollouts: the `data.images.VisionInput` holding their images' pixels (each rollout's
+    #: ``Sample.images`` name them by content); `build_microbatches` attaches each microbatch's image slots
+    vision: Optional[object] = None
 
     def __post_init__(self):
 
@@ -93,9 +96,9 @@ class RolloutBatch:
         for s in self.samples:
             mask = np.zeros(len(s) + 1, dtype=bool)
             mask[-1] = True
-            samples.append(Sample(tokens=np.append(s.tokens, pad_token), loss_mask=mask))
+            samples.append(Sample(tokens=np.append(s.tokens, pad_token), loss_mask=mask, images=s.images))
         return RolloutBatch(samples, pair_ids=self.pair_ids, chosen=self.chosen, group_ids=self.group_ids,
-                            scores=self.scores)
+                            scores=self.scores, vision=self.vision)
 
     def per_occurrence(self, name: str, loss_map) -> torch.Tensor:
         """[M] (``returns`` / ``old_values``) or [M, k] (``teacher_topk_ids`` / ``teacher_topk_logprobs``) of
@@ -130,7 +133,7 @@ class RolloutBatch:
     def from_lists(cls, tokens: Sequence, *, loss_mask=None, advantages=None, old_logprobs=None, ref_logprobs=None,
                    weights=None, routed_experts=None, pair_ids=None, chosen=None, returns=None,
                    old_values=None, teacher_topk_ids=None, teacher_topk_logprobs=None, group_ids=None,
-                   scores=None) -> "RolloutBatch":
+                   scores=None, images=None, vision=None) -> "RolloutBatch":
         """Per-rollout token lists (lists, arrays or tensors); every other field is per rollout too:
         ``loss_mask`` / ``old_logprobs`` / ``ref_logprobs`` one value per token, ``advantages`` /
         ``weights`` a scalar or one value per token (or a ``[B]`` array of scalars),
@@ -138,16 +141,20 @@ class RolloutBatch:
         rollout engine returned), ``pair_ids`` / ``chosen`` ``[B]`` (preference pairs: one chosen and one
         rejected rollout per pair id), ``returns`` / ``old_values`` one value per token (value models:
         ``loss="value"``), ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[L, k]`` per rollout (``loss="distill"``),
-        ``group_ids`` / ``scores`` ``[B]`` (ranked groups: every two rollouts of a group with different scores a pair).
+        ``group_ids`` / ``scores`` ``[B]`` (ranked groups: every two rollouts of a group with different scores a pair),
+        ``images`` per rollout a list of its images in order of appearance (``(pixel_values, grid_thw)`` as the rollout
+        engine processed them, encoded bytes, or paths) read by ``vision`` (`data.images.VisionInput`: the model's
+        placeholder token, merge size and image processor), which matches them with the rollout's placeholder runs.
         A bad rollout is a ValueError naming it (``rollout i``) and the rule it breaks."""
         samples = []
         for i in range(len(tokens)):
             s = Sample(tokens=_np(tokens[i]), loss_mask=_row(loss_mask, i), advantage=_row(advantages, i),
                        old_logprobs=_row(old_logprobs, i), ref_logprobs=_row(ref_logprobs, i), weight=_row(weights, i),
-                       routed_experts=_row(routed_experts, i))
+                       routed_experts=_row(routed_experts, i), images=_image_refs(vision, images, i, tokens[i]))
             validate_sample(i, s, where=f"rollout {i}")
             samples.append(s)
         return cls(samples, pair_ids=_np(pair_ids), chosen=_np(chosen), group_ids=_np(group_ids), scores=_np(scores),
+                   vision=vision,
                    returns=None if returns is None else [_row(returns, i) for i in range(len(tokens))],
                    old_values=None if old_values is None else [_row(old_values, i) for i in range(len(tokens))],
                    teacher_topk_ids=None if teacher_topk_ids is None else [_row(teacher_topk_ids, i)
@@ -159,13 +166,14 @@ class RolloutBatch:
     def from_padded(cls, input_ids, attention_mask, *, loss_mask=None, advantages=None, old_logprobs=None,
                     ref_logprobs=None, weights=None, routed_experts=None, pair_ids=None,
                     chosen=None, returns=None, old_values=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
-                    group_ids=None, scores=None) -> "RolloutBatch":
+                    group_ids=None, scores=None, images=None, vision=None) -> "RolloutBatch":
         """Padded ``[B, T]`` tensors: ``attention_mask`` marks each row's real tokens (one contiguous
         run: left and/or right padding); ``loss_mask``, ``old_logprobs``, ``ref_logprobs`` are
         ``[B, T]`` aligned with ``input_ids`` (a response-only tensor is padded on the left by the
         prompt columns first); ``advantages`` / ``weights`` ``[B]`` or ``[B, T]``; ``routed_experts``
         ``[B, T, moe_layers, topk]``; ``pair_ids`` / ``chosen`` / ``group_ids`` / ``scores`` ``[B]``; ``returns`` /
-        ``old_values`` ``[B, T]``; ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[B, T, k]``."""
+        ``old_values`` ``[B, T]``; ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``[B, T, k]``; ``images`` /
+        ``vision`` as `from_lists` (positions are the rollout's own, padding removed)."""
         ids, am = _np(input_ids), _np(attention_mask).astype(bool)
         if ids.ndim != 2 or am.shape != ids.shape:
             raise ValueError(f"input_ids and attention_mask must both be [B, T], got {ids.shape} and {am.shape}")
@@ -193,12 +201,14 @@ class RolloutBatch:
 
         samples = []
         for b in range(B):
-            s = Sample(tokens=ids[b, start[b]:start[b] + n[b]], loss_mask=cut(lm, b), advantage=cut(advantages, b),
+            toks = ids[b, start[b]:start[b] + n[b]]
+            s = Sample(tokens=toks, loss_mask=cut(lm, b), advantage=cut(advantages, b),
                        old_logprobs=cut(old_logprobs, b), ref_logprobs=cut(ref_logprobs, b), weight=cut(weights, b),
-                       routed_experts=cut(routed_experts, b))
+                       routed_experts=cut(routed_experts, b), images=_image_refs(vision, images, b, toks))
             validate_sample(b, s, where=f"rollout {b}")
             samples.append(s)
         return cls(samples, starts=start.astype(np.int64), width=int(T), pair_ids=_np(pair_ids), chosen=_np(chosen),
+                   vision=vision,
                    group_ids=_np(group_ids), scores=_np(scores),
                    returns=None if returns is None else [cut(returns, b) for b in range(B)],
                    old_values=None if old_values is None else [cut(old_values, b) for b in range(B)],
@@ -227,6 +237,21 @@ class RankMicrobatches:
 
     def __len__(self) -> int:
         return len(self.microbatches)
+
+
+def _image_refs(vision, images, i: int, tokens):
+    """Rollout ``i``'s `tree.images.ImageRef`s (None without ``vision``): its images matched with its placeholders."""
+    if vision is None:
+        if images is not None:
+            raise ValueError("images need vision= (a megatron_tree.data.images.VisionInput: the model's image token, "
+                             "merge size and processor)")
+        return None
+    return vision.refs(f"rollout {i}", _np(tokens), [] if images is None else list(images[i] or []), None)
+
+
+def _with_pixels(batch, mbs: list) -> list:
+    """``mbs`` with their image slots' pixels (vision-language rollouts), else unchanged."""
+    return mbs if batch.vision is None else [batch.vision.attach(mb) for mb in mbs]
 
 
 def _renumber(mb, ids: np.ndarray):
@@ -317,7 +342,8 @@ def build_microbatches(batch: RolloutBatch, max_tokens_per_mb: int, *, dp_rank: 
     mine += [padding_microbatch(budget, num_rows=pad, float_fields=batch.float_fields(), route_shape=shape)
              for _ in range(count - len(mine))]
     ids = np.array(sorted(i for mb in mine for i in mb.sample_ids), dtype=np.int64)
-    return RankMicrobatches(batch=batch, microbatches=mine, rollout_ids=ids, max_tokens_per_mb=budget, dp_size=dp_size)
+    return RankMicrobatches(batch=batch, microbatches=_with_pixels(batch, mine), rollout_ids=ids,
+                            max_tokens_per_mb=budget, dp_size=dp_size)
 
 
 def _most_over_dp(count: int, equalize: bool) -> int:
@@ -338,6 +364,7 @@ def _build_carry(batch, budget, pad, dp_rank, dp_size, equalize, shape, kw, cut)
 
     ids = np.arange(len(batch.samples))
     mbs = [_renumber(mb, ids) for mb in pack(batch.samples, budget, carry=True, **kw)] if len(ids) else []
+    mbs = _with_pixels(batch, mbs)
     ranks = assign_carry_ranks(mbs, dp_size, cut=cut) if mbs else [[] for _ in range(dp_size)]
     mine = [mbs[j] for j in ranks[dp_rank]]
     schedule = rank_schedule(mbs, ranks) if mbs and dp_size > 1 else None

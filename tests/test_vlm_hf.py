@@ -129,3 +129,77 @@ def test_stats_reports_image_work(tmp_path, capsys):
     assert re.search(r"images \(records / encoded / distinct\)\s+4 / 1 / 1\n", out)
     assert re.search(rf"image tokens flat / tree\s+{4 * n} / {n} \(75.0% saved\)\n", out)
     assert re.search(rf"encoder patches flat / tree\s+{4 * p} / {p} \(75.0% saved\)\n", out)
+
+
+def _weights(family: str, path, cfg, model_cls):
+    """A tiny random checkpoint with weights (perturbed away from the init) beside its processor."""
+    torch.manual_seed(0)
+    full = {"qwen3_vl": tf.Qwen3VLForConditionalGeneration, "qwen3_5": tf.Qwen3_5ForConditionalGeneration}[family](cfg)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    full.save_pretrained(path)
+    return full
+
+
+def test_score_hf_model_qwen3_vl_equals_transformers_per_record(tmp_path):
+    """``megatron-tree score --hf-model`` (CLI, float64) on a tiny Qwen3-VL checkpoint (ViT with DeepStack, interleaved
+    multimodal RoPE): every record's per-target log-probs equal transformers' own forward of the record alone, on a
+    forest where a screenshot sits in a prompt shared by three records and in their branches, the same screenshot
+    behind two different texts and two different screenshots behind identical text. The images of the tree's rows
+    are encoded once each (counted)."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    ckpt = tmp_path / "ckpt"
+    cfg, model_cls = _checkpoint("qwen3_vl", ckpt)
+    hf = _weights("qwen3_vl", ckpt, cfg, model_cls).eval().double()
+    vis = VisionInput.from_hf(ckpt)
+    shots = [_png(tmp_path / f"s{k}.png", k, w, h) for k, (w, h) in enumerate([(64, 48), (40, 90), (64, 48)])]
+    n = {s: int(vis.processor(images=[PIL.open(s).convert("RGB")], return_tensors="pt")["image_grid_thw"][0].prod())
+         // MERGE ** 2 for s in shots}
+
+    def expand(parts):
+        toks, ims = [], []
+        for p in parts:
+            if isinstance(p, str):
+                toks += [102] + [100] * n[p] + [103]
+                ims.append(p)
+            else:
+                toks.append(p)
+        return {"tokens": toks, "images": ims, "loss_mask": [0] * 3 + [1] * (len(toks) - 3)}
+
+    recs = [expand([1, 2, shots[0], 3, 4, 5 + r, 6, shots[1], 7, 8]) for r in range(3)]  # shared prompt, branches
+    recs += [expand([1, 2, shots[2], 3, 4, 5]),  # other pixels behind the prompt's exact tokens
+             expand([9, 9, shots[1], 10]), expand([5, 6, 7, 8])]  # the branch screenshot behind other text; text only
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "scores.parquet"
+    r = subprocess.run([sys.executable, "-m", "megatron_tree", "score", "--hf-model", str(ckpt), "--data", str(data),
+                        "--out", str(out), "--dtype", "float64", "--nproc", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    rows = pq.read_table(out).to_pylist()
+    samples = read_jsonl(data, vision=vis)
+    worst = 0.0
+    for i, s in enumerate(samples):
+        ids = torch.as_tensor(s.tokens)[None]
+        kw = {}
+        if s.images:
+            pv, grid = vis.pixels([im.key for im in s.images])
+            kw = dict(pixel_values=pv.double(), image_grid_thw=grid)
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(input_ids=ids, mm_token_type_ids=(ids == 100).int(), **kw).logits[0], -1)
+        targets = np.flatnonzero(s.target_mask())
+        ref = lp[targets - 1, torch.as_tensor(s.tokens[targets])].numpy()
+        got = np.asarray(rows[i]["logprobs"])
+        worst = max(worst, float(np.max(np.abs(got - ref) / np.maximum(1.0, np.abs(ref)))))
+    print(f"\nscore --hf-model (Qwen3-VL) vs transformers per record: max rel {worst:.1e}")
+    # transformers' float64 Qwen3-VL still runs its RMSNorms and text rotary table in float32 (1e-8 here)
+    assert worst <= 1e-6, worst
+    (mb,) = pack(samples, 1024)
+    occurrences = {(tuple(s.tokens[: im.start + im.length].tolist()), tuple(j.key for j in s.images[: k + 1]))
+                   for s in samples for k, im in enumerate(s.images)}
+    assert mb.image_slots.num_images == len(occurrences) == 6  # of 9 image references

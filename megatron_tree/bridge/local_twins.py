@@ -22,6 +22,8 @@ transformer-engine module            local twin
 ``TENorm``                           the local norm of ``config.normalization`` (zero-centred where
                                      the config says so), constructed with the same arguments
 ``TEDotProductAttention``            ``DotProductAttention`` (tree attention replaces it)
+``TEDotProductAttention`` (a vision  `PackedFullAttention`: full attention within each THD-packed
+  tower's, no mask, THD)             sequence (`bridge.qwen3_vl` builds it)
 ==================================  ============================================================
 
 Any other transformer-engine class left in the spec is refused by name: it would otherwise be built
@@ -37,7 +39,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from ..megatron.family_cores import TREE_CORES, is_stand_in, stand_in_name
 
-__all__ = ["RowParallelLinearLayerNorm", "LayerNormColumnParallelLinear", "local_twin_spec", "local_norm", "LocalTwinError"]
+__all__ = ["RowParallelLinearLayerNorm", "LayerNormColumnParallelLinear", "PackedFullAttention", "local_twin_spec",
+           "local_norm", "LocalTwinError"]
 
 
 class LocalTwinError(ValueError):
@@ -199,3 +202,39 @@ def _unfuse_layer_norms(sub, norm):
         keys[f"{norm_field}."] = fused_key
     sub.sharded_state_dict_keys_map = keys
     return sub
+
+
+class PackedFullAttention(torch.nn.Module):
+    """transformer-engine's ``DotProductAttention`` with no mask over THD-packed sequences, in torch: the local
+    twin a vision tower's attention gets (Qwen3-VL's: every image frame, one ``cu_seqlens`` segment, attends to
+    itself in full). ``query`` [T, heads, d] (key / value may have fewer heads: grouped), ``packed_seq_params``
+    with ``cu_seqlens_q`` (None: one sequence); softmax at float32 or wider; returns [T, heads * d]. A loop per
+    segment (per image), never per token."""
+
+    def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type="self", softmax_scale=None,
+                 **kwargs):
+        super().__init__()
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if attn_mask_type not in (None, AttnMaskType.no_mask):
+            raise LocalTwinError(f"PackedFullAttention: attention mask {attn_mask_type} (only no_mask: a vision tower's "
+                                 "full attention within each packed sequence)")
+        self.config = config
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if query.dim() == 4:  # [s, 1, h, d]
+            query, key, value = (x.squeeze(1) for x in (query, key, value))
+        T, h, d = query.shape
+        if key.shape[1] != h:
+            key, value = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (key, value))
+        cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+        bounds = [0, T] if cu is None else [int(x) for x in cu.tolist()]
+        scale = self.softmax_scale if self.softmax_scale is not None else d ** -0.5
+        wide = torch.promote_types(query.dtype, torch.float32)
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            s = torch.einsum("qhd,khd->hqk", query[a:b].to(wide), key[a:b].to(wide)) * scale
+            outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), value[a:b].to(wide)).to(query.dtype))
+        return torch.cat(outs).reshape(T, h * d)

@@ -234,6 +234,11 @@ def _stock_builders() -> dict:
         from .falcon_h1 import tree_falcon_h1_model
 
         out[falcon.FalconH1Model] = tree_falcon_h1_model
+    qwen3_vl = sys.modules.get("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model")
+    if qwen3_vl is not None:  # imported with its provider: the Bridge's own vision-language model class
+        from .qwen3_vl import tree_qwen3_vl_model
+
+        out[qwen3_vl.Qwen3VLModel] = tree_qwen3_vl_model
     return out
 
 
@@ -253,10 +258,18 @@ def _model_swaps(provider_cls) -> list:
         name = provider_cls.__name__.removeprefix("Tree") if issubclass(provider_cls, _TreeProviderMixin) \
             else provider_cls.__name__
         raise TreeProviderError(f"{name}: its provide() ({', '.join(c.__qualname__ for c in owners) or '?'}) "
-                                "builds no GPTModel / HybridModel / FalconH1Model, the model classes megatron_tree.bridge builds "
+                                "builds no GPTModel / HybridModel / FalconH1Model / Qwen3VLModel, the model classes "
+                                "megatron_tree.bridge builds "
                                 "as tree models; the family's own model class has no tree counterpart")
     swaps += [(module, "mtp_block_spec", module.mtp_block_spec, _mtp_marker)
               for module in dict.fromkeys(m for m, *_ in swaps) if callable(getattr(module, "mtp_block_spec", None))]
+    # a vision-language provider names transformer-engine's GPT layer spec itself (Qwen3-VL's provide())
+    vl = {m for m, _, _, b in swaps if getattr(b, "__name__", "") == "tree_qwen3_vl_model"}
+    if vl:
+        from .qwen3_vl import local_layer_spec
+
+        swaps += [(m, "get_gpt_layer_with_transformer_engine_spec", m.get_gpt_layer_with_transformer_engine_spec,
+                   local_layer_spec) for m in vl if hasattr(m, "get_gpt_layer_with_transformer_engine_spec")]
     return swaps
 
 

@@ -58,6 +58,8 @@ class TreePackedSeqParams(PackedSeqParams):
                        rows' through `mrope_position_ids` (the depth on every axis where it is None)
     images             `tree.images.ImageSlots` (or None): the image occurrences among the microbatch's own
                        rows, with their pixels, which `megatron.vision_language` encodes and scatters
+    deepstack          list of [n, 1, h] (or None): Qwen3-VL's DeepStack feature rows of this view (zeros off the
+                       image rows), set by `TreeVisionLanguageModel`; language-model layer k adds the k-th
     routes             [N, moe_layers, topk] int64 (global rows, or None): every row's MoE expert choices
                        for routing replay (``TreeMicrobatch.routes``, `megatron_tree.megatron.routing_replay`)
     return_entropy     True: the model's last stage returns ``(logprobs, entropy)``, both ``[M]`` per
@@ -103,6 +105,7 @@ class TreePackedSeqParams(PackedSeqParams):
     routes: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     rope_positions: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
     images: Any = dataclasses.field(default=None, repr=False, compare=False)
+    deepstack: Any = dataclasses.field(default=None, repr=False, compare=False)
     attention_view: Any = dataclasses.field(default=None, repr=False, compare=False)
     carry: Any = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -17,9 +17,15 @@ it is scattered, as Megatron's LLaVA does. Pipeline parallelism: the encoder liv
 
 The encoder is any module ``encoder(pixel_values [P, D], grid_thw [I, 3]) -> [sum_i tokens_i, hidden]``
 with the image's tokens in placeholder order (an HF Qwen-VL vision tower's merged output), or a tuple
-whose first element is that tensor.
+``(that tensor, deepstack)``: Qwen3-VL's DeepStack features, a list of K tensors of the same shape that the
+language model adds to the image rows' hidden states after its first K layers (forward hooks on those
+layers read them from ``packed_seq_params.deepstack``, so a recomputation or a later 1F1B backward of this
+microbatch reads this microbatch's).
 """
 from __future__ import annotations
+
+import dataclasses
+from functools import partial
 
 import numpy as np
 import torch
@@ -29,12 +35,13 @@ from megatron.core.transformer.module import MegatronModule
 __all__ = ["TreeVisionLanguageModel", "scatter_image_rows", "PatchMergeEncoder"]
 
 
-def scatter_image_rows(embeddings: torch.Tensor, psp, encoder) -> torch.Tensor:
-    """``embeddings`` [n, 1, h] of this rank's rows with every image row it holds replaced by the encoder's
-    output (`tree.images.ImageSlots` in ``psp.images``); rows are local (``psp.local_index``)."""
+def scatter_image_rows(embeddings: torch.Tensor, psp, encoder) -> tuple[torch.Tensor, list]:
+    """``(embeddings, deepstack)``: ``embeddings`` [n, 1, h] of this rank's rows with every image row it holds
+    replaced by the encoder's output (`tree.images.ImageSlots` in ``psp.images``; rows local, ``psp.local_index``),
+    and the encoder's DeepStack features placed the same way in zeros ([n, 1, h] each; [] for an encoder without)."""
     slots = getattr(psp, "images", None)
     if slots is None or slots.num_images == 0:
-        return embeddings
+        return embeddings, []
     if slots.pixel_values is None:
         raise ValueError("the microbatch's image slots carry no pixels: attach them with "
                          "megatron_tree.data.images.VisionInput.attach(mb) before the forward")
@@ -46,27 +53,39 @@ def scatter_image_rows(embeddings: torch.Tensor, psp, encoder) -> torch.Tensor:
     held = [psp.local_index(r) for r in rows_of]
     need = [e for e, (keep, _) in enumerate(held) if bool(keep.any())]
     if not need:
-        return embeddings
+        return embeddings, []
     patches = np.array([int(np.prod(r.grid)) for r in slots.refs], np.int64)
     p_off = np.concatenate([[0], np.cumsum(patches)])
     pix = torch.cat([slots.pixel_values[p_off[e]: p_off[e + 1]] for e in need])
     out = encoder(pix, slots.grid_thw[need])
-    out = out[0] if isinstance(out, tuple) else out
+    out, deep = (out[0], list(out[1] or [])) if isinstance(out, tuple) else (out, [])
     tok = slots.tokens_per_image[need]
     if out.shape[0] != int(tok.sum()):
         raise ValueError(f"the vision encoder gave {out.shape[0]} rows for {len(need)} images holding {int(tok.sum())} "
                          "placeholder tokens: its merge size must match the records' (the processor's)")
     t_off = np.concatenate([[0], np.cumsum(tok)])
-    idx, vals = [], []
+    idx, take = [], []
     for j, e in enumerate(need):
         keep, local = held[e]
         first = t_off[j] + int(offsets[e])
-        rows = out[first: first + int(lengths[e])]
         idx.append(local)
-        vals.append(rows[keep])
-    idx, vals = torch.cat(idx), torch.cat(vals).to(embeddings.dtype)
-    flat = embeddings[:, 0].index_put((idx,), vals)  # out of place: the text embedding of a replaced row gets no grad
-    return flat.unsqueeze(1)
+        take.append(torch.arange(first, first + int(lengths[e]), device=dev)[keep])
+    idx, take = torch.cat(idx), torch.cat(take)
+    flat = embeddings[:, 0].index_put((idx,), out[take].to(embeddings.dtype))  # out of place: a replaced row's
+    # text embedding gets no gradient
+    zeros = embeddings.new_zeros(embeddings.shape[0], embeddings.shape[2])
+    return flat.unsqueeze(1), [zeros.index_put((idx,), d[take].to(embeddings.dtype)).unsqueeze(1) for d in deep]
+
+
+def _add_deepstack(k: int, module, args, kwargs, output):
+    """Forward hook of language-model layer ``k``: its output plus the k-th DeepStack feature rows."""
+    psp = kwargs.get("packed_seq_params")
+    deep = getattr(psp, "deepstack", None)
+    if not deep or k >= len(deep):
+        return output
+    hidden = output[0] if isinstance(output, tuple) else output
+    hidden = hidden + deep[k].to(hidden.dtype)
+    return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
 
 
 class TreeVisionLanguageModel(MegatronModule):
@@ -78,7 +97,8 @@ class TreeVisionLanguageModel(MegatronModule):
     result to the language model as ``decoder_input``; every stage gives it the rows' multimodal positions.
     ``freeze_vision``: the encoder runs without grad (its parameters get none)."""
 
-    def __init__(self, config, language_model, vision_model=None, *, freeze_vision: bool = False):
+    def __init__(self, config, language_model, vision_model=None, *, freeze_vision: bool = False,
+                 deepstack_layers: int = 0):
         super().__init__(config=config)
         self.language_model = language_model
         self.model_type = language_model.model_type
@@ -91,6 +111,13 @@ class TreeVisionLanguageModel(MegatronModule):
         if self.vision_model is not None and freeze_vision:
             for p in self.vision_model.parameters():
                 p.requires_grad_(False)
+        if deepstack_layers and self.pre_process:  # DeepStack: added after each of the first K layers (this stage's)
+            layers = language_model.decoder.layers
+            if deepstack_layers > len(layers):
+                raise ValueError(f"{deepstack_layers} DeepStack layers but {len(layers)} language-model layers on the "
+                                 "first pipeline stage: they must all be there")
+            for k in range(deepstack_layers):
+                layers[k].register_forward_hook(partial(_add_deepstack, k), with_kwargs=True)
         emb = getattr(language_model, "embedding", None)
         if config.sequence_parallel and emb is not None and getattr(emb, "scatter_to_sequence_parallel", False):
             raise ValueError("TreeVisionLanguageModel under sequence parallelism needs the language model built with "
@@ -124,11 +151,15 @@ class TreeVisionLanguageModel(MegatronModule):
         psp = packed_seq_params
         if self.pre_process and decoder_input is None:
             emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [n, 1, h]
+            deep = []
             if self.vision_model is not None:
-                emb = scatter_image_rows(emb, psp, self._encode)
+                emb, deep = scatter_image_rows(emb, psp, self._encode)
             if self.config.sequence_parallel:
                 emb = scatter_to_sequence_parallel_region(emb)
+                deep = [scatter_to_sequence_parallel_region(d) for d in deep]
             decoder_input = emb
+            if deep:
+                psp = dataclasses.replace(psp, deepstack=deep)
         return self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                    labels=labels, packed_seq_params=psp, **kwargs)
 

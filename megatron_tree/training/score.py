@@ -163,9 +163,35 @@ def load_score_records(args) -> tuple[list, list]:
 
         args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size",
                                               trust_remote_code=bool(getattr(args, "trust_remote_code", False))))
+    args.vision_input = vision_input(args)
     samples = read_samples(args.data, vocab_size=args.vocab_size, bad_sample="error", report=report,
-                           route_spec=read_time_route_spec(args) if replay else None, require_routes=replay)
+                           route_spec=read_time_route_spec(args) if replay else None, require_routes=replay,
+                           vision=args.vision_input)
     return samples, list(report.sources)
+
+
+def vision_input(args):
+    """A vision-language ``--hf-model`` checkpoint's `data.images.VisionInput` (its image processor, placeholder
+    token and merge size: the records' ``images`` are read with it, and its pixel table travels with ``args`` to
+    every rank), else None."""
+    path = getattr(args, "hf_model", None)
+    if path is None:
+        return None
+    from ..bridge.hf_config import local_config
+
+    data = local_config(path)
+    if data is None:  # a hub id
+        from transformers import AutoConfig
+
+        has_vision = getattr(AutoConfig.from_pretrained(str(path), trust_remote_code=bool(
+            getattr(args, "trust_remote_code", False))), "vision_config", None) is not None
+    else:
+        has_vision = data.get("vision_config") is not None
+    if not has_vision:
+        return None
+    from ..data.images import VisionInput
+
+    return VisionInput.from_hf(path)
 
 
 def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:
@@ -586,12 +612,12 @@ def _records_for_scoring(samples, all_tokens: bool, reward: bool = False) -> lis
     from ..tree.sample import Sample
 
     out = [Sample(tokens=s.tokens, loss_mask=None if all_tokens else s.target_mask(),
-                  routed_experts=s.routed_experts) for s in samples]
+                  routed_experts=s.routed_experts, images=s.images) for s in samples]
     if not reward:
         return out
     return [Sample(tokens=np.append(s.tokens, 0), loss_mask=np.append(s.target_mask(), True),
                    routed_experts=None if s.routed_experts is None else
-                   np.concatenate([s.routed_experts, s.routed_experts[-1:]])) for s in out]
+                   np.concatenate([s.routed_experts, s.routed_experts[-1:]]), images=s.images) for s in out]
 
 
 def score(args, samples=None, sources=None) -> dict:
@@ -660,6 +686,9 @@ def _score(args, samples, on_cpu: bool) -> dict:
     mbs = pack(records, budget, pad_to_multiple_of=pad, vocab_size=args.vocab_size,
                share_prefixes=args.packing == "tree", route_aware=spec is not None, route_spec=spec,
                mtp_tail=mtp_tail_rows(config))  # DSA in the MTP layers: each record's trailing MTP rows
+    vision = getattr(args, "vision_input", None)
+    if vision is not None:  # each microbatch's image occurrences get their pixels
+        mbs = [vision.attach(mb) for mb in mbs]
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     per_rank = max(1, -(-len(mbs) // dp_size))
     mine = [mbs[i] for i in balance([microbatch_cost(mb) for mb in mbs], dp_size, per_rank)[dp_rank]] if mbs else []

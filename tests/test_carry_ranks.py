@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_tree.cp.planning.carry_ranks import PAD, CarryWork, rank_lifetimes, rank_schedule, split_step_ms
+from megatron_tree.cp.planning.carry_ranks import (PAD, CarryWork, plan_carry_ranks, rank_lifetimes, rank_schedule,
+                                                 split_step_ms)
 from megatron_tree.tree import pack
 from megatron_tree.tree.carry import assign_carry_groups, assign_carry_ranks
 
@@ -124,6 +125,89 @@ def test_plan_predicts_carry_over_dp_against_split_packing(capsys):
         carry = float(out.split(f"DP {dp}: carry predicted step ")[1].split(" ms")[0].replace(",", ""))
         split = float(out.split(f"DP {dp}: split packing predicted step ")[1].split(" ms")[0].replace(",", ""))
         assert carry < split, out
+
+
+def _exporters(rank):
+    return {mb.carry.index for mb in rank if len(mb.carry.exported)}
+
+
+def _check_kept_schedule(mbs, schedule) -> int:
+    """Every backward reading a remote owner (run, restore, a kept graph's release) precedes that owner's gradient
+    sync. Returns how many of them are releases."""
+    grad_at = {t.owner: k for k, ts in schedule.syncs.items() for t in ts if t.kind == "grad"}
+    releases = 0
+    for r, items in enumerate(schedule.items):
+        for k, (i, p) in enumerate(items):
+            for o in (mbs[i].carry.reads_from if p in ("run", "restore", "release") else ()):
+                if schedule.rank_of[o] != r:
+                    assert k < grad_at[o], (r, k, i, p, o)
+                    releases += p == "release"
+    return releases
+
+
+@pytest.mark.parametrize("cut", ["auto", "always"])
+@pytest.mark.parametrize("dp", [2, 3, 4])
+def test_kept_readers_release_before_their_owners_gradient_crosses(cut, dp):
+    """With kept graphs a reader's backward runs at its release, after the group's later forwards and restores: the
+    owner's gradient may cross only after it (else the sum misses that reader). Keep then only renames phases:
+    the schedule equals the plain one with `with_keep` (what the trainer runs)."""
+    for budget in (16, 32):
+        mbs = pack(_grpo(seed=dp + budget), budget, carry=True)
+        ranks = assign_carry_ranks(mbs, dp, cut=cut)
+        keep = [_exporters([mbs[i] for i in idx]) for idx in ranks]
+        kept = rank_schedule(mbs, ranks, keep=keep)
+        plain = rank_schedule(mbs, ranks)
+        for r in range(dp):
+            plain = plain.with_keep(r, keep[r])
+        assert kept.items == plain.items and kept.syncs == plain.syncs
+        assert _check_kept_schedule(mbs, kept) or cut == "auto"  # "always" has kept readers of remote owners
+
+
+def test_refined_assignment_lowers_the_most_loaded_rank_and_keeps_units_whole():
+    """Largest-first puts 3 + 2 + 2 on one rank and 3 + 2 on the other; a swap gives 6 / 6 (the optimum)."""
+    from types import SimpleNamespace
+
+    free = [SimpleNamespace(carry=None, owned_rows=w) for w in (3, 3, 2, 2, 2)]
+    load = lambda ranks: max(sum(free[i].owned_rows for i in r) for r in ranks)
+    assert load(assign_carry_ranks(free, 2)) == 7 and load(assign_carry_ranks(free, 2, refine=True)) == 6
+    for dp in (2, 3, 4):  # on carry groups: never worse, every microbatch once, every chain on one rank
+        mbs = pack(_grpo(seed=dp, groups=3, completions=8), 16, carry=True)
+        plain, refined = assign_carry_ranks(mbs, dp), assign_carry_ranks(mbs, dp, refine=True)
+        assert sorted(i for r in refined for i in r) == list(range(len(mbs)))
+        rows = lambda ranks: max(sum(mbs[i].owned_rows for i in r) for r in ranks)
+        assert rows(refined) <= rows(plain)
+        rank_of = {i: r for r, idx in enumerate(refined) for i in idx}
+        for i, mb in enumerate(mbs):  # a chain link stays with the owner it alone reads (`_chains`)
+            owners = mb.carry.reads_from
+            if owners and sum(max(owners) in m.carry.reads_from for m in mbs) == 1:
+                assert rank_of[i] == rank_of[max(owners)]
+        _check_schedule(mbs, refined, rank_schedule(mbs, refined))
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_plan_prefers_an_even_split_at_the_same_predicted_step(dp):
+    """long_8k_16x8k's shape (one prompt, 16 completions as long), scaled down, every graph kept: the fastest
+    budget leaves the prompt's rank 1.17x (DP4) / 1.40x (DP8) the mean, since every other rank idles while the
+    prompt runs; a finer budget spreads the prompt's chunks over the ranks at the same predicted step (within the
+    roofline's resolution), and the plan takes it: slowest rank <= 1.10x the mean, every row once, below split,
+    and a valid schedule (the old simulator sent the prompt's gradient before kept readers' releases)."""
+    from megatron_tree.cp.planning.carry import CarryGeometry
+    from megatron_tree.data.synthetic import make_preset
+    from megatron_tree.tree import summarize
+
+    samples = make_preset("long_8k_16x8k", scale=0.125)
+    work = CarryWork(CarryGeometry("*" * 32, kv=(8, 128), act_bytes=2), hidden=4096, layers=32)
+    kw = dict(choose_keep=_exporters, min_budget=128)
+    plan = plan_carry_ranks(samples, 2048, dp, work, **kw)
+    fastest = plan_carry_ranks(samples, 2048, dp, work, balance=float("inf"), **kw)  # the choice without balance
+    assert plan.balance <= 1.10 and plan.times["step_ms"] <= fastest.times["step_ms"] * 1.005
+    if dp > 2:  # the workload tells the rules apart
+        assert fastest.balance > 1.10 and plan.budget < fastest.budget
+    unlimited = summarize(pack(samples, 1 << 40))["tree_tokens"]
+    assert sum(mb.owned_rows for mb in plan.microbatches) == unlimited == sum(
+        mb.owned_rows for mb in fastest.microbatches)
+    assert plan.times["step_ms"] < split_step_ms(pack(samples, 2048), dp, work)["step_ms"]
+    _check_kept_schedule(plan.microbatches, plan.schedule)
 
 
 def test_work_model_prices_split_packing_as_ranks_that_never_wait():

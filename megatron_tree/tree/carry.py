@@ -345,7 +345,8 @@ def assign_carry_groups(microbatches: list, dp_size: int) -> list[list[int]]:
     return [sorted(x) for x in ranks]
 
 
-def assign_carry_ranks(microbatches: list, dp_size: int, *, work=None, cut: str = "auto") -> list[list[int]]:
+def assign_carry_ranks(microbatches: list, dp_size: int, *, work=None, cut: str = "auto",
+                       refine: bool = False) -> list[list[int]]:
     """Microbatch indices per data-parallel rank (each in step order), balancing predicted work (``work(mb)``;
     default: owned rows) with carry groups cut over ranks where that balances better; the state that then crosses
     ranks is scheduled by `cp.planning.carry_ranks.rank_schedule`. ``cut``: "never" keeps every group on one rank
@@ -353,7 +354,12 @@ def assign_carry_ranks(microbatches: list, dp_size: int, *, work=None, cut: str 
     ``dp_size``) into its *chains*: a microbatch stays with the latest owner it reads unless other microbatches
     read that owner too (a shared prefix: its readers may then run on every rank at once, while a chain runs
     one link after the other wherever it is); "always" makes every microbatch a unit of its own. Units then go,
-    largest first, to the rank with the least work so far."""
+    largest first, to the rank with the least work so far. ``refine``: then move or swap units off the most
+    loaded rank while that lowers it (`_refine_units`). It balances the summed work only: a rank that holds an
+    owner others wait on idles them while it runs, so a flatter sum can be a slower lock-step schedule, and the
+    caller judges (`cp.planning.carry_ranks.plan_carry_ranks` keeps whichever predicts the faster step).
+
+    Invariants (any flags): every microbatch on exactly one rank; a unit (a whole group, or a chain) on one rank."""
     if cut not in CUT_POLICIES:
         raise ValueError(f"carry cut policy {cut!r}: choose from {', '.join(CUT_POLICIES)}")
     if cut == "never" or dp_size == 1:
@@ -369,13 +375,56 @@ def assign_carry_ranks(microbatches: list, dp_size: int, *, work=None, cut: str 
             pieces.append(idx)
         else:
             pieces += _chains([microbatches[i] for i in idx], idx)
+    pieces.sort(key=lambda p: (-w[p].sum(), p[0]))
+    size = np.array([w[p].sum() for p in pieces])
     load = np.zeros(dp_size)
+    rank_of = np.empty(len(pieces), np.int64)
+    for u, s in enumerate(size):
+        rank_of[u] = int(np.argmin(load))
+        load[rank_of[u]] += s
+    if refine:
+        rank_of = _refine_units(size, rank_of, dp_size)
     ranks: list[list[int]] = [[] for _ in range(dp_size)]
-    for p in sorted(pieces, key=lambda p: (-w[p].sum(), p[0])):
-        r = int(np.argmin(load))
+    for p, r in zip(pieces, rank_of.tolist()):
         ranks[r] += p
-        load[r] += w[p].sum()
     return [sorted(x) for x in ranks]
+
+
+def _refine_units(size: np.ndarray, rank_of: np.ndarray, dp_size: int) -> np.ndarray:
+    """``rank_of`` (the rank of every unit of work ``size``) after local improvement of the largest-first
+    assignment: while some move of one unit off the most loaded rank, or swap of one of its units for a smaller one
+    elsewhere, leaves both ranks below that rank's load, apply the one giving the lower of the two new loads.
+
+    Each step lowers the sum of squared rank loads (a move of ``a`` from load ``T`` to load ``L`` with ``L + a < T``
+    changes it by ``2a (L + a - T) < 0``; a swap moves their difference the same way), so it ends; the round bound
+    only guards against float churn. Units never split, so every invariant of the assignment holds."""
+    rank_of = rank_of.copy()
+    load = np.bincount(rank_of, weights=size, minlength=dp_size)
+    for _ in range(4 * len(size) + 8):
+        hi = int(np.argmax(load))
+        top = load[hi] * (1 - 1e-9)  # strictly below the current max: no churn on ties
+        on, off = np.flatnonzero(rank_of == hi), np.flatnonzero(rank_of != hi)
+        if not len(on):
+            break
+        # moves: unit on[u] to rank r, the pair's larger new load
+        move = np.maximum(load[hi] - size[on][:, None], load[None, :] + size[on][:, None])
+        move[:, hi] = np.inf
+        m = np.unravel_index(int(np.argmin(move)), move.shape)
+        best, act = move[m], ("move", int(on[m[0]]), int(m[1]))
+        if len(off):  # swaps: on[u] for a smaller off[v]
+            d = size[on][:, None] - size[off][None, :]
+            swap = np.where(d > 0, np.maximum(load[hi] - d, load[rank_of[off]][None, :] + d), np.inf)
+            s = np.unravel_index(int(np.argmin(swap)), swap.shape)
+            if swap[s] < best:
+                best, act = swap[s], ("swap", int(on[s[0]]), int(off[s[1]]))
+        if not best < top:
+            break
+        if act[0] == "move":
+            rank_of[act[1]] = act[2]
+        else:
+            rank_of[act[1]], rank_of[act[2]] = rank_of[act[2]], hi
+        load = np.bincount(rank_of, weights=size, minlength=dp_size)
+    return rank_of
 
 
 def _carry_units(microbatches: list) -> dict:

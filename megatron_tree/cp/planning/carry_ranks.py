@@ -32,7 +32,7 @@ import numpy as np
 from .carry import WRITES, carry_lifetimes, carry_phases
 
 __all__ = ["Transfer", "RankSchedule", "rank_schedule", "rank_lifetimes", "rank_store_timeline", "schedule_ms",
-           "CarryWork", "split_step_ms", "plan_carry_ranks", "CarryRankPlan", "PAD"]
+           "CarryWork", "split_step_ms", "plan_carry_ranks", "CarryRankPlan", "busy_balance", "PAD"]
 
 #: the phase of a padding item (a zero-loss microbatch every rank runs so that the syncs line up)
 PAD = "pad"
@@ -128,14 +128,18 @@ def rank_schedule(microbatches: list, ranks: list, keep=None) -> RankSchedule:
             g = info.group if info is not None and info.group >= 0 else None
             qs.setdefault(("g", g) if g is not None else ("free",), []).append((idx[j], phase))
         queues.append([qs[k] for k in qs if k != ("free",)] + ([qs[("free",)]] if ("free",) in qs else []))
-    # the last item on each rank whose backward builds gradient for a remote owner: a keep's runs at its release
+    # the last item on each rank whose backward builds gradient for a remote owner, in queue (= run) order: a
+    # run, a restore, or a keep's release (a fill or keep runs no backward). Every reader of an owner is in the
+    # owner's group, so one queue holds them all; the release must count where it runs, after later groups'
+    # items, else the grad sync would precede it. With this, keep only renames phases: the items and syncs
+    # equal those without keep (`RankSchedule.with_keep`).
     last_use: dict = {}
     for r, qs in enumerate(queues):
         for q in qs:
             for i, p in q:
-                for o in (_reads(microbatches[i]) if p != "release" else ()):
+                for o in (_reads(microbatches[i]) if p not in ("fill", "keep") else ()):
                     if o in remote and rank_of[o] != r:
-                        last_use[(r, o)] = (i, "release" if p == "keep" else p)
+                        last_use[(r, o)] = (i, p)
     done: list = [set() for _ in range(n_ranks)]  # (index, phase) finished per rank
     have: list = [set() for _ in range(n_ranks)]  # remote owners whose state this rank holds
     returned: set = set()  # owners whose readers' gradient came back
@@ -302,35 +306,85 @@ class CarryRankPlan:
     keep: list
     schedule: RankSchedule
     times: dict
-    tried: dict  # {budget: predicted step ms}
+    tried: dict  # {budget: predicted step ms (the faster of its assignments)}
+    refined: bool = False  # the ranks are `assign_carry_ranks(..., refine=True)`'s
+
+    @property
+    def balance(self) -> float:
+        """The slowest rank's predicted busy time over the mean (1.0: even; padding counts as idle)."""
+        return busy_balance(self.times)
+
+
+def busy_balance(times: dict) -> float:
+    """``max / mean`` of `schedule_ms`' per-rank busy times (1.0 where nothing is busy)."""
+    busy = np.asarray(times["rank_ms"], float)
+    return float(busy.max() / busy.mean()) if busy.size and busy.mean() > 0 else 1.0
 
 
 def plan_carry_ranks(samples: list, budget: int, dp_size: int, work: CarryWork, *, cut: str = "auto",
-                     choose_keep=None, finer: int = 3, min_budget: int = 1024, pack_kwargs=None) -> CarryRankPlan:
-    """Carry over ``dp_size`` ranks at the budget that predicts the fastest step: ``budget`` (the user's bound on a
-    microbatch's owned rows), up to ``finer`` halvings of it (not below ``min_budget``) and the largest tree's rows
-    where that is smaller (one tree per microbatch: whole trees for the ranks to spread): every budget computes the
-    same rows, a finer one gives the ranks smaller pieces to balance (more microbatches and carried reads). Ties go
-    to the larger budget. ``choose_keep(rank_microbatches) -> set`` picks each rank's kept graphs (None: none)."""
+                     choose_keep=None, finer: int = 3, min_budget: int = 1024, pack_kwargs=None,
+                     balance: float = 1.10, slack: float = 0.005) -> CarryRankPlan:
+    """Carry over ``dp_size`` ranks at the budget and assignment that predict the fastest step. Budgets: ``budget``
+    (the user's bound on a microbatch's owned rows), up to ``finer`` halvings of it and the largest tree's rows where
+    that is smaller (one tree per microbatch: whole trees for the ranks to spread), then further halvings while no
+    candidate within ``slack`` of the fastest is balanced; none below ``min_budget``. Every budget computes the same
+    rows, a finer one gives the ranks smaller pieces to balance (more microbatches, carried reads and, where kept
+    graphs do not fit, extra forwards). Assignments per budget: `assign_carry_ranks` as the pipeline runs it, and
+    with ``refine`` (local moves / swaps lowering the most loaded rank), kept only where it differs.
+
+    Choice: among the candidates whose predicted step is within ``slack`` (relative) of the fastest, the fastest
+    whose slowest rank's busy time is at most ``balance`` x the mean (`busy_balance`); if none is, the best balanced
+    of them. Balance only breaks near-ties: ``slack`` (0.5%) is about what the roofline resolves (`CarryWork`), and
+    no more predicted step than that is given for it. It is often out of reach at the fastest step: while a
+    prompt's owner runs, every rank waiting on its state idles, so the owner's rank is busiest unless a finer budget
+    spreads the prompt's chunks over the ranks, which costs extra forwards where their kept graphs do not fit.
+    Ties go to the larger budget, then to the plain assignment. ``choose_keep(rank_microbatches) -> set`` picks
+    each rank's kept graphs (None: none)."""
     from ...tree.carry import assign_carry_ranks
     from ...tree.packing import PrefixPlan, pack
 
+    split = dp_size > 1 and cut != "never"
     budgets = [budget]
-    while dp_size > 1 and cut != "never" and len(budgets) <= finer and budgets[-1] // 2 >= min_budget:
+    while split and len(budgets) <= finer and budgets[-1] // 2 >= min_budget:
         budgets.append(budgets[-1] // 2)
-    if dp_size > 1 and cut != "never":
+    if split:
         largest = int(PrefixPlan([np.asarray(s.tokens) for s in samples]).tree_rows().max())
         if min_budget <= largest < budget:
             budgets = sorted(set(budgets) | {largest}, reverse=True)
-    best, tried = None, {}
-    for b in budgets:
+    item_work = lambda mb: work.item_ms(mb, "run")  # noqa: E731
+    cands, tried = [], {}
+
+    def near(c) -> bool:
+        return c.times["step_ms"] <= min(x.times["step_ms"] for x in cands) * (1 + slack)
+
+    k = 0
+    while k < len(budgets):
+        b = budgets[k]
         mbs = pack(samples, b, carry=True, **(pack_kwargs or {}))
-        ranks = assign_carry_ranks(mbs, dp_size, work=lambda mb: work.item_ms(mb, "run"), cut=cut)
-        keep = [choose_keep([mbs[i] for i in idx]) if choose_keep else set() for idx in ranks]
-        schedule = rank_schedule(mbs, ranks, keep=keep)
-        times = schedule_ms(schedule, lambda i, p: work.item_ms(mbs[i], p) if i >= 0 else 0.0,
-                            lambda t: work.transfer_ms(mbs[t.owner]))
-        tried[b] = times["step_ms"]
-        if best is None or times["step_ms"] < best.times["step_ms"] * (1 - 1e-9):
-            best = CarryRankPlan(b, mbs, ranks, keep, schedule, times, tried)
-    return best
+        seen = []
+        for refine in (False, True) if split else (False,):
+            ranks = assign_carry_ranks(mbs, dp_size, work=item_work, cut=cut, refine=refine)
+            if ranks in seen:
+                continue
+            seen.append(ranks)
+            keep = [choose_keep([mbs[i] for i in idx]) if choose_keep else set() for idx in ranks]
+            schedule = rank_schedule(mbs, ranks, keep=keep)
+            times = schedule_ms(schedule, lambda i, p: work.item_ms(mbs[i], p) if i >= 0 else 0.0,
+                                lambda t: work.transfer_ms(mbs[t.owner]))
+            tried[b] = min(tried.get(b, np.inf), times["step_ms"])
+            cands.append(CarryRankPlan(b, mbs, ranks, keep, schedule, times, tried, refine))
+        k += 1
+        # a finer budget only where the coarser ones leave the near-fastest plans uneven
+        if (split and k == len(budgets) and b // 2 >= min_budget
+                and not any(near(c) and c.balance <= balance for c in cands)):
+            budgets.append(b // 2)
+    close = [c for c in cands if near(c)]
+    even = [c for c in close if c.balance <= balance]
+    return _first_min(even, lambda c: c.times["step_ms"]) if even else _first_min(close, lambda c: c.balance)
+
+
+def _first_min(cands: list, key):
+    """The first of ``cands`` (in preference order: larger budget, then the plain assignment) whose ``key`` is the
+    least up to float noise."""
+    low = min(key(c) for c in cands)
+    return next(c for c in cands if key(c) <= low * (1 + 1e-9))

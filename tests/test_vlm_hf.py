@@ -29,13 +29,19 @@ def _checkpoint(family: str, path):
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64)
     ids = dict(image_token_id=100, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
+    gdn = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=8,
+               linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
     if family == "qwen3_vl":
         cfg = tf.Qwen3VLConfig(text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0]}, **ids)
         model_cls = tf.Qwen3VLModel
-    else:
-        cfg = tf.Qwen3_5Config(text_config={**text, "layer_types": ["linear_attention", "full_attention"]},
-                               vision_config=vision, **ids)
+    elif family == "qwen3_5":
+        cfg = tf.Qwen3_5Config(text_config={**text, **gdn}, vision_config=vision, **ids)
         model_cls = tf.Qwen3_5Model
+    else:  # Qwen3.5 MoE: GDN + gated attention, every layer's MLP a routed MoE with a gated shared expert
+        cfg = tf.Qwen3_5MoeConfig(text_config={**text, **gdn, "num_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+                                  vision_config=vision, **ids)
+        model_cls = tf.Qwen3_5MoeModel
     cfg.save_pretrained(path)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -134,17 +140,22 @@ def test_stats_reports_image_work(tmp_path, capsys):
 def _weights(family: str, path, cfg, model_cls):
     """A tiny random checkpoint with weights (perturbed away from the init) beside its processor."""
     torch.manual_seed(0)
-    full = {"qwen3_vl": tf.Qwen3VLForConditionalGeneration, "qwen3_5": tf.Qwen3_5ForConditionalGeneration}[family](cfg)
+    cls = {"qwen3_vl": tf.Qwen3VLForConditionalGeneration, "qwen3_5": tf.Qwen3_5ForConditionalGeneration,
+           "qwen3_5_moe": tf.Qwen3_5MoeForConditionalGeneration}[family]
+    full = cls(cfg)
     with torch.no_grad():
         for p in full.parameters():
             p.add_(0.05 * torch.randn_like(p))
     full.save_pretrained(path)
-    return full
+    # the float64 reference: eager experts (transformers' grouped-GEMM ones take no float64)
+    return cls.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
 
 
-def test_score_hf_model_qwen3_vl_equals_transformers_per_record(tmp_path):
-    """``megatron-tree score --hf-model`` (CLI, float64) on a tiny Qwen3-VL checkpoint (ViT with DeepStack, interleaved
-    multimodal RoPE): every record's per-target log-probs equal transformers' own forward of the record alone, on a
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
+def test_score_hf_model_vlm_equals_transformers_per_record(tmp_path, family):
+    """``megatron-tree score --hf-model`` (CLI, float64) on tiny Qwen3-VL (ViT with DeepStack, interleaved multimodal
+    RoPE), Qwen3.5 (Gated DeltaNet + gated attention) and Qwen3.5-MoE checkpoints made by transformers: every
+    record's per-target log-probs equal transformers' own forward of the record alone, on a
     forest where a screenshot sits in a prompt shared by three records and in their branches, the same screenshot
     behind two different texts and two different screenshots behind identical text. The images of the tree's rows
     are encoded once each (counted)."""
@@ -154,8 +165,8 @@ def test_score_hf_model_qwen3_vl_equals_transformers_per_record(tmp_path):
     import pyarrow.parquet as pq
 
     ckpt = tmp_path / "ckpt"
-    cfg, model_cls = _checkpoint("qwen3_vl", ckpt)
-    hf = _weights("qwen3_vl", ckpt, cfg, model_cls).eval().double()
+    cfg, model_cls = _checkpoint(family, ckpt)
+    hf = _weights(family, ckpt, cfg, model_cls).eval()
     vis = VisionInput.from_hf(ckpt)
     shots = [_png(tmp_path / f"s{k}.png", k, w, h) for k, (w, h) in enumerate([(64, 48), (40, 90), (64, 48)])]
     n = {s: int(vis.processor(images=[PIL.open(s).convert("RGB")], return_tensors="pt")["image_grid_thw"][0].prod())
@@ -196,8 +207,8 @@ def test_score_hf_model_qwen3_vl_equals_transformers_per_record(tmp_path):
         ref = lp[targets - 1, torch.as_tensor(s.tokens[targets])].numpy()
         got = np.asarray(rows[i]["logprobs"])
         worst = max(worst, float(np.max(np.abs(got - ref) / np.maximum(1.0, np.abs(ref)))))
-    print(f"\nscore --hf-model (Qwen3-VL) vs transformers per record: max rel {worst:.1e}")
-    # transformers' float64 Qwen3-VL still runs its RMSNorms and text rotary table in float32 (1e-8 here)
+    print(f"\nscore --hf-model ({family}) vs transformers per record: max rel {worst:.1e}")
+    # transformers' float64 models still run their RMSNorms and text rotary tables in float32 (1e-8 here)
     assert worst <= 1e-6, worst
     (mb,) = pack(samples, 1024)
     occurrences = {(tuple(s.tokens[: im.start + im.length].tolist()), tuple(j.key for j in s.images[: k + 1]))

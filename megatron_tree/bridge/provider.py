@@ -266,10 +266,11 @@ def _model_swaps(provider_cls) -> list:
     # a vision-language provider names transformer-engine's GPT layer spec itself (Qwen3-VL's provide())
     vl = {m for m, _, _, b in swaps if getattr(b, "__name__", "") == "tree_qwen3_vl_model"}
     if vl:
-        from .qwen3_vl import local_layer_spec
+        from .qwen3_vl import local_block_spec, local_layer_spec
 
-        swaps += [(m, "get_gpt_layer_with_transformer_engine_spec", m.get_gpt_layer_with_transformer_engine_spec,
-                   local_layer_spec) for m in vl if hasattr(m, "get_gpt_layer_with_transformer_engine_spec")]
+        for name, stand_in in (("get_gpt_layer_with_transformer_engine_spec", local_layer_spec),
+                               ("get_transformer_block_with_experimental_attention_variant_spec", local_block_spec)):
+            swaps += [(m, name, getattr(m, name), stand_in) for m in vl if hasattr(m, name)]
     return swaps
 
 

@@ -21,7 +21,7 @@ Megatron's local GPT layer (`local_layer_spec`: separate norms, whose names the 
 """
 from __future__ import annotations
 
-__all__ = ["tree_qwen3_vl_model", "local_layer_spec"]
+__all__ = ["tree_qwen3_vl_model", "local_layer_spec", "local_block_spec"]
 
 
 def local_layer_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, fp8=None, **kwargs):
@@ -37,6 +37,49 @@ def local_layer_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=Fals
                                                               qk_layernorm=qk_layernorm, fp8=fp8, **kwargs)
     return gls.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
                                         normalization="RMSNorm")
+
+
+def local_block_spec(config, vp_stage=None, pp_rank=None):
+    """Stands for ``get_transformer_block_with_experimental_attention_variant_spec`` in the Qwen3.5 provider's module
+    (Gated DeltaNet + gated attention layers): transformer-engine's where it is installed, else Megatron's structure
+    with local modules (`megatron.family_specs`), zero-centred norms where the config asks (Qwen3.5's)."""
+    from ..ops.backend import module_available
+
+    if module_available("transformer_engine"):
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec as te_spec)
+
+        return te_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    from ..cpu.bridge import ZeroCenteredRMSNorm, swap_norms
+    from ..megatron.family_specs import get_local_transformer_block_with_experimental_attention_variant_spec
+
+    spec = get_local_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return swap_norms(spec, ZeroCenteredRMSNorm) if getattr(config, "layernorm_zero_centered_gamma", False) else spec
+
+
+def _stock_attention(spec):
+    """``spec`` with the Bridge's ``Qwen3VLSelfAttention`` (Qwen3.5's attention layers; its forward takes the THD
+    path whenever packed_seq_params are given) back to Megatron's ``SelfAttention``, which the tree's layout
+    reaches through its core attention; the same parameters."""
+    import copy
+    import dataclasses
+
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        spec = copy.copy(spec)
+        if isinstance(spec.module, type) and spec.module.__name__ == "Qwen3VLSelfAttention":
+            spec.module = SelfAttention
+        spec.submodules = _stock_attention(spec.submodules)
+        return spec
+    if isinstance(spec, list):
+        return [_stock_attention(s) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        spec = copy.copy(spec)
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _stock_attention(getattr(spec, f.name)))
+    return spec
 
 
 def _vision_model(hf_vision, config, pg_collection):
@@ -117,6 +160,8 @@ def tree_qwen3_vl_model(language_transformer_config, language_transformer_layer_
     cfg = language_transformer_config
     if not add_decoder:
         raise ValueError("Qwen3-VL on a tree: an encoder-only stage (add_decoder=False) is not supported")
+    if kwargs.get("mtp_block_spec") is not None:
+        raise ValueError("Qwen3-VL / Qwen3.5 on a tree: multi-token prediction layers are not supported yet")
     if getattr(getattr(cfg, "dist_train", None), "use_dist_train", False) is True:
         raise ValueError("Qwen3-VL on a tree: dist_train (the vision tower on its own ranks) is not supported")
     if pre_process is None or post_process is None:  # provide() without arguments: this pipeline stage's
@@ -129,7 +174,7 @@ def tree_qwen3_vl_model(language_transformer_config, language_transformer_layer_
     if cfg.should_pad_vocab:
         vocab = calculate_padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by,
                                             cfg.tensor_model_parallel_size)
-    lm = TreeGPTModel(cfg, treeify_spec(language_transformer_layer_spec), vocab, cfg.language_max_sequence_length,
+    lm = TreeGPTModel(cfg, treeify_spec(_stock_attention(language_transformer_layer_spec)), vocab, cfg.language_max_sequence_length,
                       pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
                       share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
                       position_embedding_type="mrope", rotary_percent=cfg.rotary_percent, rotary_base=cfg.rotary_base,

@@ -214,3 +214,55 @@ def test_score_hf_model_vlm_equals_transformers_per_record(tmp_path, family):
     occurrences = {(tuple(s.tokens[: im.start + im.length].tolist()), tuple(j.key for j in s.images[: k + 1]))
                    for s in samples for k, im in enumerate(s.images)}
     assert mb.image_slots.num_images == len(occurrences) == 6  # of 9 image references
+
+
+def test_train_hf_model_vlm_tree_step_equals_flat_step_and_reloads(tmp_path):
+    """``megatron-tree train --hf-model`` (a tiny Qwen3-VL, images in a shared prompt and in branches) for one SGD step
+    on prefix trees and on the same records packed flat (every record its own chain, its images encoded alone): every
+    tensor's update, read back from ``--save-hf``, agrees (vision tower, DeepStack mergers and language model), and
+    transformers loads the saved directory, whose log-probs moved."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ckpt"
+    cfg, model_cls = _checkpoint("qwen3_vl", ckpt)
+    _weights("qwen3_vl", ckpt, cfg, model_cls)
+    vis = VisionInput.from_hf(ckpt)
+    shots = [_png(tmp_path / f"s{k}.png", k, w, h) for k, (w, h) in enumerate([(64, 48), (40, 90)])]
+    n = {s: int(vis.processor(images=[PIL.open(s).convert("RGB")], return_tensors="pt")["image_grid_thw"][0].prod())
+         // MERGE ** 2 for s in shots}
+    img = lambda s: [102] + [100] * n[s] + [103]  # noqa: E731
+    recs = [{"tokens": [1, 2] + img(shots[0]) + [3, 4 + r] + img(shots[1]) + [5, 6], "images": [shots[0], shots[1]]}
+            for r in range(3)] + [{"tokens": [1, 2] + img(shots[0]) + [7, 8], "images": [shots[0]]}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    def weights(path):
+        out = {}
+        for f in sorted(path.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    before = weights(ckpt)
+    updates = {}
+    for packing in ("tree", "flat"):
+        out = tmp_path / packing
+        r = subprocess.run([sys.executable, "-m", "megatron_tree", "train", "--hf-model", str(ckpt), "--tree-data-path",
+                            str(data), "--tree-global-batch-samples", str(len(recs)), "--train-iters", "1", "--lr",
+                            "0.05", "--optimizer", "sgd", "--nproc", "1", "--packing", packing,
+                            "--tree-max-tokens-per-mb", "256", "--save-hf", str(out), "--quiet"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        after = weights(out)
+        assert set(after) == set(before)
+        updates[packing] = {k: after[k].double() - before[k].double() for k in before}
+    rel = {k: float((updates["tree"][k] - updates["flat"][k]).abs().max() / updates["flat"][k].abs().max())
+           for k in before if updates["flat"][k].abs().max() > 0}
+    worst = max(rel.values())
+    print(f"\ntrain --hf-model (Qwen3-VL): tree vs flat step, max rel. update difference {worst:.1e}",
+          sorted(rel.items(), key=lambda kv: -kv[1])[:4])
+    assert any("visual" in k for k in rel) and any("deepstack" in k for k in rel), sorted(rel)[:8]
+    assert worst <= 1e-4, worst
+    tf.Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "tree")  # transformers reloads what was saved

@@ -255,6 +255,8 @@ class TreeDataPipeline:
                           against ``max_tokens_per_mb``
     loss_agg, loss_agg_norm  how a step's loss is aggregated (`tree.loss_agg`: token-mean by default; the others
                           multiply each sample's loss weights by its exact factor within the step's window)
+    vision                `data.images.VisionInput` of image records (``Sample.images``): every microbatch's image
+                          slots get their pixels (`TreeMicrobatch.image_slots`), what the vision encoder runs on
     carry                 pack with ``carry=True`` (`tree.carry`: every row once per step at any budget, samples
                           longer than the budget allowed); a carry group stays on one DP rank, in step order,
                           unless ``carry_cut`` cuts it over ranks (`tree.carry.assign_carry_ranks`: "auto", the
@@ -280,7 +282,7 @@ class TreeDataPipeline:
                  read_report: ReadReport | None = None, route_aware: bool = False, route_spec=None,
                  mtp_tail: int = 0, carry: bool = False, carry_cut: str = "auto", carry_schedule_fn=None,
                  loss_agg: str = "token-mean",
-                 loss_agg_norm: float | None = None):
+                 loss_agg_norm: float | None = None, vision=None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         if global_batch_samples < 1:
@@ -320,6 +322,7 @@ class TreeDataPipeline:
         self.carry_cut, self.carry_schedule_fn = carry_cut, carry_schedule_fn
         loss_agg_factors([1], loss_agg, loss_agg_norm)  # a bad mode or norm is an error now
         self.loss_agg, self.loss_agg_norm = loss_agg, loss_agg_norm
+        self.vision = vision  # `data.images.VisionInput` of image records: each microbatch gets its slots' pixels
         if self.carry and (mtp_tail or not share_prefixes):
             raise ValueError("carry packing does not run with MTP tail rows or flat packing yet")
         self._float_fields = self._validate(vocab_size)
@@ -452,7 +455,8 @@ class TreeDataPipeline:
         return state
 
     def _pack(self, window: np.ndarray, budget: int) -> list[TreeMicrobatch]:
-        return [self._to_dataset_ids(mb, window)
+        attach = (lambda mb: mb) if self.vision is None else self.vision.attach  # each microbatch's image pixels
+        return [attach(self._to_dataset_ids(mb, window))
                 for mb in pack(with_loss_agg([self.samples[i] for i in window.tolist()], self.loss_agg,
                                              self.loss_agg_norm), budget,
                                pad_to_multiple_of=self.pad_to_multiple_of, pad_id=self.pad_id,

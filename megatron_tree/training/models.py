@@ -302,6 +302,30 @@ def build_hf_model(args, dtype, on_cpu: bool, *, recompute: Optional[str] = None
     return hf, provider, model
 
 
+def hf_vision_input(args):
+    """A vision-language ``--hf-model`` checkpoint's `data.images.VisionInput` (its image processor, placeholder
+    token and merge size: records' ``images`` are read with it, and its pixel table travels with ``args`` to every
+    rank), else None (no ``--hf-model``, or a text checkpoint)."""
+    path = getattr(args, "hf_model", None)
+    if path is None:
+        return None
+    from ..bridge.hf_config import local_config
+
+    data = local_config(path)
+    if data is None:  # a hub id
+        from transformers import AutoConfig
+
+        has_vision = getattr(AutoConfig.from_pretrained(str(path), trust_remote_code=bool(
+            getattr(args, "trust_remote_code", False))), "vision_config", None) is not None
+    else:
+        has_vision = data.get("vision_config") is not None
+    if not has_vision:
+        return None
+    from ..data.images import VisionInput
+
+    return VisionInput.from_hf(path)
+
+
 def wrap_ddp(model, config, *, use_distributed_optimizer: bool = False, grad_reduce_in_fp32: bool = False):
     """Megatron DDP around ``model`` (grads in ``main_grad``), with ``finalize_model_grads`` wired.
     ``grad_reduce_in_fp32``: ``main_grad`` in float32 whatever the parameters' dtype (Megatron-LM's

@@ -163,35 +163,13 @@ def load_score_records(args) -> tuple[list, list]:
 
         args.vocab_size = int(hf_config_value(args.hf_model, "vocab_size",
                                               trust_remote_code=bool(getattr(args, "trust_remote_code", False))))
-    args.vision_input = vision_input(args)
+    from .models import hf_vision_input
+
+    args.vision_input = hf_vision_input(args)
     samples = read_samples(args.data, vocab_size=args.vocab_size, bad_sample="error", report=report,
                            route_spec=read_time_route_spec(args) if replay else None, require_routes=replay,
                            vision=args.vision_input)
     return samples, list(report.sources)
-
-
-def vision_input(args):
-    """A vision-language ``--hf-model`` checkpoint's `data.images.VisionInput` (its image processor, placeholder
-    token and merge size: the records' ``images`` are read with it, and its pixel table travels with ``args`` to
-    every rank), else None."""
-    path = getattr(args, "hf_model", None)
-    if path is None:
-        return None
-    from ..bridge.hf_config import local_config
-
-    data = local_config(path)
-    if data is None:  # a hub id
-        from transformers import AutoConfig
-
-        has_vision = getattr(AutoConfig.from_pretrained(str(path), trust_remote_code=bool(
-            getattr(args, "trust_remote_code", False))), "vision_config", None) is not None
-    else:
-        has_vision = data.get("vision_config") is not None
-    if not has_vision:
-        return None
-    from ..data.images import VisionInput
-
-    return VisionInput.from_hf(path)
 
 
 def check_score_args(args, samples=None, sources=None) -> argparse.Namespace:

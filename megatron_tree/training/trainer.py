@@ -508,8 +508,12 @@ def load_train_samples(args, report=None) -> list:
         from ..tree.routes import read_time_route_spec  # rank starts); the MoE layer count once the model is built
 
         route_spec = read_time_route_spec(args)
+    from .models import hf_vision_input
+
+    if getattr(args, "vision_input", None) is None:  # a vision-language --hf-model: records' images read with it
+        args.vision_input = hf_vision_input(args)
     return read_samples(args.tree_data_path, vocab_size=args.vocab_size, bad_sample=args.tree_bad_sample,
-                        report=report, route_spec=route_spec, require_routes=replay)
+                        report=report, route_spec=route_spec, require_routes=replay, vision=args.vision_input)
 
 
 # --------------------------------------------------------------------------------------------- process group
@@ -1233,7 +1237,8 @@ def _train_loop(args, samples, on_cpu: bool, skipped: list, sources=None) -> dic
               # carry groups cut over DP ranks: not under 1F1B (a sync needs every earlier item's backward done)
               carry_cut=getattr(args, "tree_carry_cut", "auto") if args.pipeline_model_parallel_size == 1 else "never",
               carry_schedule_fn=rank_schedule,
-              loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None))
+              loss_agg=getattr(args, "loss_agg", "token-mean"), loss_agg_norm=getattr(args, "loss_agg_norm", None),
+              vision=getattr(args, "vision_input", None))
     from ..megatron.mtp import mtp_tail_rows
 
     kw["mtp_tail"] = mtp_tail_rows(model.config)  # DSA in the MTP layers: each sample's trailing MTP positions

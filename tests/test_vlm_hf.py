@@ -247,12 +247,14 @@ def test_train_hf_model_vlm_tree_step_equals_flat_step_and_reloads(tmp_path):
 
     before = weights(ckpt)
     updates = {}
-    for packing in ("tree", "flat"):
+    # no gradient clipping: the frozen run's language-model update is then the trained tower's run's
+    for packing, extra in (("tree", []), ("flat", []), ("frozen", ["--freeze-vision"])):
         out = tmp_path / packing
         r = subprocess.run([sys.executable, "-m", "megatron_tree", "train", "--hf-model", str(ckpt), "--tree-data-path",
                             str(data), "--tree-global-batch-samples", str(len(recs)), "--train-iters", "1", "--lr",
-                            "0.05", "--optimizer", "sgd", "--nproc", "1", "--packing", packing,
-                            "--tree-max-tokens-per-mb", "256", "--save-hf", str(out), "--quiet"],
+                            "0.05", "--optimizer", "sgd", "--nproc", "1", "--packing", "flat" if packing == "flat"
+                            else "tree", "--tree-max-tokens-per-mb", "256", "--clip-grad", "0", "--save-hf", str(out), "--quiet",
+                            *extra],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         after = weights(out)
@@ -264,5 +266,13 @@ def test_train_hf_model_vlm_tree_step_equals_flat_step_and_reloads(tmp_path):
     print(f"\ntrain --hf-model (Qwen3-VL): tree vs flat step, max rel. update difference {worst:.1e}",
           sorted(rel.items(), key=lambda kv: -kv[1])[:4])
     assert any("visual" in k for k in rel) and any("deepstack" in k for k in rel), sorted(rel)[:8]
-    assert worst <= 1e-4, worst
+    # float32 runs: a small update summed over many rows (a merger's norm gain) differs by ~1e-4 of itself in rounding
+    # order; a tree fault (an image row shared wrongly, a slot missed) moves updates by O(1)
+    assert worst <= 1e-3, worst
     tf.Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "tree")  # transformers reloads what was saved
+    # --freeze-vision: the tower (and its mergers) unchanged, the language model's update the trained tower's
+    frozen = updates["frozen"]
+    assert all(float(frozen[k].abs().max()) == 0.0 for k in before if "visual" in k)
+    lm = [k for k in before if "language_model" in k or k.startswith("lm_head")]
+    assert max(float((frozen[k] - updates["tree"][k]).abs().max() / updates["tree"][k].abs().max().clamp(min=1e-30))
+               for k in lm) <= 1e-5

@@ -186,7 +186,7 @@ def tree_qwen3_vl_model(language_transformer_config, language_transformer_layer_
     lm.rotary_pos_emb = rope
     vision = _vision_model(vision_transformer_config, cfg, lm.pg_collection) if pre_process and add_encoder else None
     deep = len(getattr(vision_transformer_config, "deepstack_visual_indexes", None) or [])
-    model = TreeVisionLanguageModel(cfg, lm, vision, freeze_vision=bool(getattr(cfg, "freeze_vision_model", False)),
-                                    deepstack_layers=deep if pre_process else 0)
+    # (the provider then applies its freeze_* settings through `TreeVisionLanguageModel.freeze`)
+    model = TreeVisionLanguageModel(cfg, lm, vision, deepstack_layers=deep if pre_process else 0)
     model.image_token_id = getattr(cfg, "image_token_id", None)
     return model

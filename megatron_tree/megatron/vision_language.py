@@ -134,6 +134,26 @@ class TreeVisionLanguageModel(MegatronModule):
     _tree_moe_balancing = property(lambda self: getattr(self.language_model, "_tree_moe_balancing", None))
     _tree_moe_mtp_layers = property(lambda self: getattr(self.language_model, "_tree_moe_mtp_layers", None))
 
+    def freeze(self, freeze_language_model: bool = False, freeze_vision_model: bool = False,
+               freeze_vision_projection: bool = False) -> None:
+        """Megatron-Bridge's ``Qwen3VLModel.freeze``: parameters of the language model, of the vision tower (its
+        projection, the patch mergers, stays trainable unless ``freeze_vision_projection``) or of the projection
+        alone made non-trainable. An encoder with nothing left to train runs without autograd."""
+        vision = self.vision_model
+        projection = [m for name, m in (vision.named_modules() if vision is not None else ())
+                      if name.split(".")[-1] in ("merger", "deepstack_merger_list")]
+        frozen = ([self.language_model] if freeze_language_model else []) + (
+            [vision] if freeze_vision_model and vision is not None else []) + (
+            projection if freeze_vision_projection else [])
+        for module in frozen:
+            for p in module.parameters():
+                p.requires_grad_(False)
+        if freeze_vision_model and not freeze_vision_projection:
+            for module in projection:
+                for p in module.parameters():
+                    p.requires_grad_(True)
+        self.freeze_vision = vision is not None and not any(p.requires_grad for p in vision.parameters())
+
     def _encode(self, pixel_values, grid_thw):
         if self.freeze_vision:  # the text rows keep their graph: only the encoder runs without one
             with torch.no_grad():

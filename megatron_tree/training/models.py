@@ -286,6 +286,8 @@ def build_hf_model(args, dtype, on_cpu: bool, *, recompute: Optional[str] = None
         overrides.update(recompute_granularity="selective")
     if getattr(args, "routing_replay", False):
         overrides["moe_enable_routing_replay"] = True
+    if getattr(args, "freeze_vision", False):  # the vision-language provider's own switch (`bridge.qwen3_vl`)
+        overrides.update(freeze_vision_model=True, freeze_vision_projection=True)
     hf, provider = tb.hf_provider(
         args.hf_model, load_weights=False, trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -163,6 +163,9 @@ def add_model_args(parser: argparse.ArgumentParser):
     m.add_argument("--trust-remote-code", action="store_true",
                    help="with --hf-model: let transformers run the checkpoint's own Python code (its config.json's "
                         "auto_map, e.g. MiMo as published); off by default, as in transformers")
+    m.add_argument("--freeze-vision", action="store_true",
+                   help="with a vision-language --hf-model (Qwen3-VL, Qwen3.5): the vision tower runs without "
+                        "gradient and is not updated (each image is still encoded once per step)")
     m.add_argument("--num-layers", type=int, default=None,
                    help="GPT layers (default 4); with --hybrid-override-pattern it must equal the pattern length")
     m.add_argument("--hidden-size", type=int, default=64)
@@ -284,7 +287,8 @@ def model_flags_given(args) -> list:
     parser = argparse.ArgumentParser(add_help=False)
     add_model_args(parser)
     return [a.option_strings[0] for a in parser._actions
-            if a.dest not in ("help", "hf_model", "trust_remote_code", "vocab_size") and hasattr(args, a.dest)
+            if a.dest not in ("help", "hf_model", "trust_remote_code", "freeze_vision", "vocab_size")
+            and hasattr(args, a.dest)
             and getattr(args, a.dest) != a.default]
 
 

@@ -132,7 +132,7 @@ LONGEST_FIRST = (
     "test_model_families.py", "test_mla.py", "test_verify_bf16.py", "test_dsa_megatron.py", "test_ops_dsa.py",
     "test_cp_megatron.py", "test_cp_gdn.py", "test_cp_islands.py", "test_ops_attention.py", "test_megatron_lm_hooks.py",
     "test_megatron_stock_oracle.py", "test_trainer.py", "test_checkpoint_faults.py", "test_carry.py",
-    "test_compat_cpu.py", "test_bridge.py", "test_ops_gdn.py", "test_concurrent_runs.py",
+    "test_compat_cpu.py", "test_bridge.py", "test_vlm_hf.py", "test_ops_gdn.py", "test_concurrent_runs.py",
 )
 
 

@@ -276,3 +276,41 @@ def test_train_hf_model_vlm_tree_step_equals_flat_step_and_reloads(tmp_path):
     lm = [k for k in before if "language_model" in k or k.startswith("lm_head")]
     assert max(float((frozen[k] - updates["tree"][k]).abs().max() / updates["tree"][k].abs().max().clamp(min=1e-30))
                for k in lm) <= 1e-5
+
+
+def test_score_hf_model_qwen3_5_layouts_equal_one_rank(tmp_path):
+    """``score --hf-model`` of a tiny Qwen3.5 (GDN + gated attention + vision) under TP 2 + SP (the tower replicated,
+    the images scattered into the whole sequence before SP splits it), CP 2 (each rank encodes the images holding its
+    rows) and PP 2 (the tower on the first stage) equals the one-rank scores (float64)."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    ckpt = tmp_path / "ckpt"
+    cfg, model_cls = _checkpoint("qwen3_5", ckpt)
+    _weights("qwen3_5", ckpt, cfg, model_cls)
+    vis = VisionInput.from_hf(ckpt)
+    shots = [_png(tmp_path / f"s{k}.png", k, w, h) for k, (w, h) in enumerate([(64, 48), (40, 90)])]
+    n = {s: int(vis.processor(images=[PIL.open(s).convert("RGB")], return_tensors="pt")["image_grid_thw"][0].prod())
+         // MERGE ** 2 for s in shots}
+    img = lambda s: [102] + [100] * n[s] + [103]  # noqa: E731
+    recs = [{"tokens": [1, 2] + img(shots[0]) + [3, 4 + r] + img(shots[1]) + [5, 6], "images": [shots[0], shots[1]]}
+            for r in range(3)] + [{"tokens": [1, 2] + img(shots[1]) + [7], "images": [shots[1]]}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    scores = {}
+    for name, layout in (("one", ["--nproc", "1"]),
+                         ("tp2", ["--nproc", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                         ("cp2", ["--nproc", "2", "--context-parallel-size", "2"]),
+                         ("pp2", ["--nproc", "2", "--pipeline-model-parallel-size", "2"])):
+        out = tmp_path / f"{name}.parquet"
+        r = subprocess.run([sys.executable, "-m", "megatron_tree", "score", "--hf-model", str(ckpt), "--data", str(data),
+                            "--out", str(out), "--dtype", "float64", "--quiet", *layout],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (name, (r.stdout + r.stderr)[-4000:])
+        scores[name] = np.concatenate([row["logprobs"] for row in pq.read_table(out).to_pylist()])
+    for name in ("tp2", "cp2", "pp2"):
+        err = float(np.max(np.abs(scores[name] - scores["one"]) / np.maximum(1.0, np.abs(scores["one"]))))
+        print(f"\nscore --hf-model (Qwen3.5) {name} vs one rank: max rel {err:.1e}")
+        assert err <= 1e-12, (name, err)

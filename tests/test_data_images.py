@@ -1,14 +1,14 @@
 """Vision-language records through the readers (`megatron_tree.data.images`): images read by path
 (JSONL) or bytes (Parquet), keyed by decoded content, matched with placeholder runs; bad input named
 with file:line before anything runs. The processor here is a test double with the HF image
-processor's call signature (the real one, from a checkpoint directory, runs in test_vlm_hf.py)."""
+processor's call signature (tests/vlm_parts.py; the real one, from a checkpoint directory, runs in
+test_vlm_hf.py)."""
 from __future__ import annotations
 
 import json
 
 import numpy as np
 import pytest
-import torch
 
 from megatron_tree.data.images import VisionInput, content_key
 from megatron_tree.data.io import DataError, read_jsonl, write_jsonl
@@ -18,27 +18,7 @@ from megatron_tree.tree.images import image_stats
 
 PIL = pytest.importorskip("PIL.Image")
 
-IMG, VS, VE, VID = 7, 5, 6, 9
-PATCH, MERGE = 4, 2
-
-
-class PatchProcessor:
-    """HF image-processor signature: ``(images=[PIL], return_tensors="pt")`` -> pixel_values, image_grid_thw.
-    Grid (1, H / patch, W / patch); pixel rows are the image's patches (counted calls: one per content)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, images, return_tensors="pt"):
-        self.calls += 1
-        (im,) = images
-        a = np.asarray(im, np.float32) / 255.0
-        H, W = a.shape[0] // PATCH, a.shape[1] // PATCH
-        if H < MERGE or W < MERGE:
-            raise ValueError(f"image {im.size} too small")
-        px = a[: H * PATCH, : W * PATCH].reshape(H, PATCH, W, PATCH, 3).transpose(0, 2, 4, 1, 3).reshape(H * W, -1)
-        return {"pixel_values": torch.from_numpy(np.concatenate([px, px], 1)),
-                "image_grid_thw": torch.tensor([[1, H, W]])}
+from vlm_parts import IMG, MERGE, PATCH, VE, VID, VS, PatchProcessor  # noqa: E402  tests/vlm_parts.py
 
 
 def _png(path, seed, size=(16, 8)):

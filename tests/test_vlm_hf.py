@@ -216,6 +216,26 @@ def test_score_hf_model_vlm_equals_transformers_per_record(tmp_path, family):
     assert mb.image_slots.num_images == len(occurrences) == 6  # of 9 image references
 
 
+def _branching_traces(family: str, tmp_path, last):
+    """``(checkpoint, data file, records)``: a tiny ``family`` checkpoint with weights, and three records sharing a
+    prompt screenshot that branch before a second screenshot, plus ``last(img, shots) -> (tokens, images)``."""
+    ckpt = tmp_path / "ckpt"
+    cfg, model_cls = _checkpoint(family, ckpt)
+    _weights(family, ckpt, cfg, model_cls)
+    vis = VisionInput.from_hf(ckpt)
+    shots = [_png(tmp_path / f"s{k}.png", k, w, h) for k, (w, h) in enumerate([(64, 48), (40, 90)])]
+    n = {s: int(vis.processor(images=[PIL.open(s).convert("RGB")], return_tensors="pt")["image_grid_thw"][0].prod())
+         // MERGE ** 2 for s in shots}
+    img = lambda s: [102] + [100] * n[s] + [103]  # noqa: E731
+    recs = [{"tokens": [1, 2] + img(shots[0]) + [3, 4 + r] + img(shots[1]) + [5, 6], "images": [shots[0], shots[1]]}
+            for r in range(3)]
+    toks, ims = last(img, shots)
+    recs.append({"tokens": toks, "images": ims})
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return ckpt, data, recs
+
+
 def test_train_hf_model_vlm_tree_step_equals_flat_step_and_reloads(tmp_path):
     """``megatron-tree train --hf-model`` (a tiny Qwen3-VL, images in a shared prompt and in branches) for one SGD step
     on prefix trees and on the same records packed flat (every record its own chain, its images encoded alone): every
@@ -226,18 +246,8 @@ def test_train_hf_model_vlm_tree_step_equals_flat_step_and_reloads(tmp_path):
 
     from safetensors.torch import load_file
 
-    ckpt = tmp_path / "ckpt"
-    cfg, model_cls = _checkpoint("qwen3_vl", ckpt)
-    _weights("qwen3_vl", ckpt, cfg, model_cls)
-    vis = VisionInput.from_hf(ckpt)
-    shots = [_png(tmp_path / f"s{k}.png", k, w, h) for k, (w, h) in enumerate([(64, 48), (40, 90)])]
-    n = {s: int(vis.processor(images=[PIL.open(s).convert("RGB")], return_tensors="pt")["image_grid_thw"][0].prod())
-         // MERGE ** 2 for s in shots}
-    img = lambda s: [102] + [100] * n[s] + [103]  # noqa: E731
-    recs = [{"tokens": [1, 2] + img(shots[0]) + [3, 4 + r] + img(shots[1]) + [5, 6], "images": [shots[0], shots[1]]}
-            for r in range(3)] + [{"tokens": [1, 2] + img(shots[0]) + [7, 8], "images": [shots[0]]}]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ckpt, data, recs = _branching_traces("qwen3_vl", tmp_path, last=lambda img, shots: ([1, 2] + img(shots[0]) + [7, 8],
+                                                                                 [shots[0]]))
 
     def weights(path):
         out = {}
@@ -287,18 +297,8 @@ def test_score_hf_model_qwen3_5_layouts_equal_one_rank(tmp_path):
 
     import pyarrow.parquet as pq
 
-    ckpt = tmp_path / "ckpt"
-    cfg, model_cls = _checkpoint("qwen3_5", ckpt)
-    _weights("qwen3_5", ckpt, cfg, model_cls)
-    vis = VisionInput.from_hf(ckpt)
-    shots = [_png(tmp_path / f"s{k}.png", k, w, h) for k, (w, h) in enumerate([(64, 48), (40, 90)])]
-    n = {s: int(vis.processor(images=[PIL.open(s).convert("RGB")], return_tensors="pt")["image_grid_thw"][0].prod())
-         // MERGE ** 2 for s in shots}
-    img = lambda s: [102] + [100] * n[s] + [103]  # noqa: E731
-    recs = [{"tokens": [1, 2] + img(shots[0]) + [3, 4 + r] + img(shots[1]) + [5, 6], "images": [shots[0], shots[1]]}
-            for r in range(3)] + [{"tokens": [1, 2] + img(shots[1]) + [7], "images": [shots[1]]}]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ckpt, data, _ = _branching_traces("qwen3_5", tmp_path, last=lambda img, shots: ([1, 2] + img(shots[1]) + [7],
+                                                                                [shots[1]]))
     scores = {}
     for name, layout in (("one", ["--nproc", "1"]),
                          ("tp2", ["--nproc", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),

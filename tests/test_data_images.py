@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 import pytest
 
 from megatron_tree.data.images import VisionInput, content_key
@@ -126,3 +127,26 @@ def test_images_without_a_vision_model_are_refused(shots):
     g = _write(root / "text.jsonl", [{"tokens": _expand([1, (16, 8)])}])
     with pytest.raises(DataError, match=r"text.jsonl:1: 0 image\(s\) but 1 run"):
         read_jsonl(g, vision=VisionInput(image_token_id=IMG, merge=MERGE, processor=PatchProcessor()))
+
+
+def test_pixel_table_holds_sources_not_pixels(shots):
+    """The table that travels to the ranks keeps each image's grid and path (or bytes), and a step's pixels are
+    processed again from them (equal to the processor's own output); a file changed since its records were read is
+    an error, never other pixels under the old key."""
+    import pickle
+
+    root, a, b = shots
+    f = _write(root / "data.jsonl", [{"tokens": _expand([1, (16, 8), 2, (16, 8)]), "images": ["shots/a.png",
+                                                                                          "shots/b.png"]}])
+    vis = VisionInput(image_token_id=IMG, merge=MERGE, processor=PatchProcessor(), cache_images=1)
+    (s,) = read_jsonl(f, vision=vis)
+    keys = [im.key for im in s.images]
+    assert all(entry[1] is None for entry in vis._store.values())  # no pixels kept, only grid and source
+    want = torch.cat([PatchProcessor()(images=[PIL.open(p).convert("RGB")])["pixel_values"] for p in (a, b)])
+    again = pickle.loads(pickle.dumps(vis))  # as args carry it to spawned ranks
+    for table in (vis, again):
+        pv, grid = table.pixels(keys)
+        assert torch.equal(pv, want) and grid.tolist() == [[1, 2, 4], [1, 2, 4]]
+    _png(a, 9)  # the file changes under the table (its pixels left the one-image cache when b's came in)
+    with pytest.raises(ValueError, match="changed after its records were read"):
+        again.pixels(keys[:1])

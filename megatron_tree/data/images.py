@@ -3,10 +3,14 @@ one table of pixel values a step's encoder reads.
 
 A record names its images (JSONL: paths, absolute or relative to the file; Parquet: encoded bytes);
 `VisionInput.refs` decodes each, keys it by content (`content_key`: the decoded pixels, so the same
-screenshot saved twice is one image), runs the processor once per distinct content, and matches the
-images with the record's placeholder runs (`tree.images.image_refs`). The `ImageRef`s go on the
-`Sample`; the pixel values stay here, keyed by content (`VisionInput.pixels`). Every failure names
-the record (``file:line``) and the image (``images[k]``) before any rank starts.
+screenshot saved twice is one image), runs the processor once per distinct content to learn its grid,
+and matches the images with the record's placeholder runs (`tree.images.image_refs`). The `ImageRef`s go
+on the `Sample`. The table here keeps, per content key, the grid and where the image is (its path, or its
+encoded bytes), not its pixels: `VisionInput.pixels` decodes and processes the step's images again when a
+microbatch needs them (`attach`, on the data pipeline's lookahead thread; the last few are cached), so the
+table that travels to every rank stays the size of the encoded images. Images handed over as processed
+pixels (`put`: a rollout engine's) are kept as they are. Every failure names the record (``file:line``)
+and the image (``images[k]``) before any rank starts.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import dataclasses
 import hashlib
 import io
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +65,20 @@ class VisionInput:
     merge: int
     processor: object
     video_token_id: int | None = None
-    _store: dict = field(default_factory=dict, repr=False)  # key -> (pixel_values, grid)
+    cache_images: int = 64  # processed images kept for reuse by `pixels`
+    _store: dict = field(default_factory=dict, repr=False)  # key -> (grid, pixel_values or None, path or bytes)
+    _recent: OrderedDict = field(default_factory=OrderedDict, repr=False)  # key -> pixel_values (LRU)
+    _lock: object = field(default_factory=threading.Lock, repr=False)
+
+    def __getstate__(self):  # (a lock does not pickle: args carry this table to spawned ranks)
+        state = dict(self.__dict__)
+        state.pop("_lock", None)
+        state["_recent"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @classmethod
     def from_hf(cls, hf_dir) -> "VisionInput":
@@ -85,17 +104,30 @@ class VisionInput:
         return cls(image_token_id=int(image_token_id), merge=merge, processor=proc,
                    video_token_id=getattr(cfg, "video_token_id", None))
 
-    def add(self, image, what: str) -> tuple[bytes, tuple]:
-        """``(key, grid)`` of a decoded image; processes it once per distinct content."""
+    def add(self, image, what: str, source=None) -> tuple[bytes, tuple]:
+        """``(key, grid)`` of a decoded image, processed once per distinct content (its grid kept, and ``source``,
+        its path or encoded bytes, to process it again when a step needs its pixels)."""
         key = content_key(image)
         if key not in self._store:
-            try:
-                out = self.processor(images=[image], return_tensors="pt")
-            except Exception as e:  # the processor's own refusal (e.g. an image too small to patch)
-                raise ValueError(f"{what}: the image processor refused it ({type(e).__name__}: {e})") from None
-            grid = tuple(int(x) for x in torch.as_tensor(out["image_grid_thw"]).reshape(-1, 3)[0].tolist())
-            self._store[key] = (torch.as_tensor(out["pixel_values"]), grid)
-        return key, self._store[key][1]
+            pv, grid = self._process(image, what)
+            self._store[key] = (grid, None, source)
+            self._remember(key, pv)
+        return key, self._store[key][0]
+
+    def _process(self, image, what: str):
+        try:
+            out = self.processor(images=[image], return_tensors="pt")
+        except Exception as e:  # the processor's own refusal (e.g. an image too small to patch)
+            raise ValueError(f"{what}: the image processor refused it ({type(e).__name__}: {e})") from None
+        grid = tuple(int(x) for x in torch.as_tensor(out["image_grid_thw"]).reshape(-1, 3)[0].tolist())
+        return torch.as_tensor(out["pixel_values"]), grid
+
+    def _remember(self, key: bytes, pv) -> None:
+        with self._lock:
+            self._recent[key] = pv
+            self._recent.move_to_end(key)
+            while len(self._recent) > self.cache_images:
+                self._recent.popitem(last=False)
 
     def put(self, pixel_values: torch.Tensor, grid_thw) -> tuple[bytes, tuple]:
         """``(key, grid)`` of an image given as processed pixels (``pixel_values`` [t * h * w, D] and its
@@ -109,7 +141,7 @@ class VisionInput:
         h.update(f"PIX{grid}{pv.dtype}{tuple(pv.shape)}:".encode())
         h.update(pv.detach().cpu().contiguous().numpy().tobytes())
         key = h.digest()
-        self._store.setdefault(key, (pv, grid))
+        self._store.setdefault(key, (grid, pv, None))
         return key, grid
 
     def refs(self, where: str, tokens: np.ndarray, images, base_dir: str | None) -> list[ImageRef]:
@@ -143,7 +175,8 @@ class VisionInput:
             else:
                 raise ValueError(f"{what}: must be a path (string), encoded image bytes or a (pixel_values, grid_thw) "
                                  f"pair, got {type(ref).__name__}")
-            key, grid = self.add(decode_image(data, f"{what} ({source})"), f"{what} ({source})")
+            key, grid = self.add(decode_image(data, f"{what} ({source})"), f"{what} ({source})",
+                                 source=path if isinstance(ref, str) else data)
             keys.append(key)
             grids.append(grid)
             sources.append(source)
@@ -152,10 +185,32 @@ class VisionInput:
     def pixels(self, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values [sum patches, D], grid_thw [n, 3])`` of the images ``keys``, concatenated in order
         (what an HF vision tower takes for n images)."""
-        vals = [self._store[bytes(k)] for k in keys]
-        if not vals:
+        keys = [bytes(k) for k in keys]
+        if not keys:
             return torch.zeros(0), torch.zeros(0, 3, dtype=torch.int64)
-        return torch.cat([v[0] for v in vals]), torch.tensor([v[1] for v in vals], dtype=torch.int64)
+        return torch.cat([self._pixels_of(k) for k in keys]), torch.tensor([self._store[k][0] for k in keys],
+                                                                             dtype=torch.int64)
+
+    def _pixels_of(self, key: bytes) -> torch.Tensor:
+        grid, pv, source = self._store[key]
+        if pv is not None:
+            return pv
+        with self._lock:
+            hit = self._recent.get(key)
+            if hit is not None:
+                self._recent.move_to_end(key)
+                return hit
+        if isinstance(source, str):
+            with open(source, "rb") as f:
+                data = f.read()
+        else:
+            data = source
+        image = decode_image(data, str(source if isinstance(source, str) else "an image"))
+        if content_key(image) != key:  # the file was changed after the records were read
+            raise ValueError(f"image {source!r} changed after its records were read (its pixels no longer match)")
+        pv, _ = self._process(image, str(source))
+        self._remember(key, pv)
+        return pv
 
     def attach(self, mb):
         """``mb`` with the pixels of its image slots (`tree.images.ImageSlots.pixel_values` / ``grid_thw``):

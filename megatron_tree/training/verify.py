@@ -823,12 +823,6 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     else:
         records = verify_samples(cfg.seed, margs.vocab_size, cfg.families)
     samples = with_loss_agg(records, cfg.loss_agg, cfg.loss_agg_norm)
-    # the tree side's records: with the planted fault "images_merged", image content is no part of identity
-    tree_samples = samples
-    if cfg.fault == "images_merged":
-        from .verify_vlm import images_merged
-
-        tree_samples = images_merged(samples)
     if cfg.loss in FIELD_LOSSES:
         samples = _with_fields(samples, margs.vocab_size, cfg.seed)
     if cfg.loss == "rm":  # a reward model reads each sample's last row: one leaf token appended as its target
@@ -847,6 +841,13 @@ def _rank_body(cfg: VerifyConfig) -> dict:
     # DSA in the MTP layers: every sample's K trailing MTP positions as tail rows
     tail = mtp_tail_rows(probe)
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    # the tree side's records (every field set above): with the planted fault "images_merged", image content is
+    # no part of a row's identity
+    tree_samples = samples
+    if cfg.fault == "images_merged":
+        from .verify_vlm import images_merged
+
+        tree_samples = images_merged(samples)
     if cfg.carry:
         from ..tree.carry import assign_carry_ranks
 

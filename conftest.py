@@ -56,6 +56,10 @@ STACK_INDEPENDENT = {
 #: node-id patterns (fnmatch) of cases the latest tier leaves out, with the case that covers their
 #: Megatron-Core-dependent part there.
 MAIN_TIER_ONLY = {
+    "test_vlm_megatron.py::test_tree_vlm_tp2*": "the vision-language wrapper under TP2 + SP; the latest tier runs it "
+                                                "through verify --model vlm --tp 2 --sp (test_megatron_verify)",
+    "test_examples_rl.py::test_vlm_grpo*": "the rl API with images (our code above Megatron-Core); the latest tier "
+                                           "runs the rl examples without images and the VLM through the Bridge",
     "test_carry_ranks.py::test_store_held*": "the store under DP cuts item by item; the latest tier runs cuts through "
                                              "pretrain() (test_launch_lm) and the rl API (test_rl)",
     "test_cp_gdn.py::test_halo_taps_follow_the_tree_path*": "plain-torch CP op; the module test runs in latest",
